@@ -21,6 +21,7 @@ Run:  python3 tools/make_reference.py --out fixtures/reference
 Needs: transformers >= 5.17, torch, numpy, safetensors (CPU only).
 """
 import argparse
+import copy
 import json
 import os
 import struct
@@ -125,6 +126,27 @@ def eager(cfg):
     return cfg
 
 
+def bf16_copy(model):
+    """A bfloat16 copy whose rotary inv_freq stays float32, as in a model loaded with dtype=bf16
+    (casting the buffer too would shift every RoPE angle)."""
+    m = copy.deepcopy(model).to(torch.bfloat16)
+    for (_, a), (_, b) in zip(model.named_modules(), m.named_modules()):
+        if hasattr(a, "inv_freq"):
+            b.inv_freq = a.inv_freq.clone()
+            if hasattr(a, "original_inv_freq"):
+                b.original_inv_freq = a.original_inv_freq.clone()
+    return m
+
+
+def bf16_rounded(model):
+    """A float32 copy whose parameters are rounded to bf16 (buffers untouched)."""
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return m
+
+
 def mlx_module_name(hf_module):
     # model.layers.i.X -> language_model.model.layers.i.X ; lm_head -> language_model.lm_head
     return "language_model." + hf_module
@@ -222,7 +244,7 @@ def make_mlx_fixture(out_dir, name, cfg, seed, bits, group, overrides, ids, deco
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(config, f, indent=2, default=str)
     f32_prefill, f32_decode = logits_sets(model, ids, decode_from)
-    bf_prefill, _ = logits_sets(model.to(torch.bfloat16), ids, decode_from)
+    bf_prefill, _ = logits_sets(bf16_copy(model), ids, decode_from)
     return model, {"f32_prefill": f32_prefill, "f32_decode": f32_decode, "bf16_prefill": bf_prefill}
 
 
@@ -231,23 +253,23 @@ def make_hf_fixture(out_dir, name, model, ids, decode_from, original_layout):
     (`model.language_model.*`, fused `experts.gate_up_proj`, nested multimodal config), or whatever
     transformers' save_pretrained writes (per-expert tensors for qwen3_next)."""
     d = os.path.join(out_dir, name)
-    model = model.to(torch.bfloat16)
+    model = bf16_rounded(model)
+    saved = bf16_copy(model)
     if original_layout:
         os.makedirs(d, exist_ok=True)
         tensors = {}
-        for k, v in model.state_dict().items():
+        for k, v in saved.state_dict().items():
             key = "model.language_model." + k[len("model."):] if k.startswith("model.") else k
             tensors[key] = v.detach().to(torch.bfloat16).contiguous()
         write_safetensors(os.path.join(d, "model.safetensors"), tensors, {"format": "pt"})
-        text = model.config.to_dict()
+        text = saved.config.to_dict()
         text["model_type"] = "qwen3_5_moe_text"
         config = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
                   "tie_word_embeddings": False, "text_config": text}
         with open(os.path.join(d, "config.json"), "w") as f:
             json.dump(config, f, indent=2, default=str)
     else:
-        model.save_pretrained(d)
-    model = model.float()
+        saved.save_pretrained(d)
     f32_prefill, f32_decode = logits_sets(model, ids, decode_from)
     return {"f32_prefill": f32_prefill, "f32_decode": f32_decode}
 
@@ -290,9 +312,6 @@ def main():
     torch.manual_seed(13)
     nmodel = Qwen3NextForCausalLM(eager(ncfg)).float().eval()
     init_weights(nmodel, ncfg, 13)
-    with torch.no_grad():
-        for p in nmodel.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
     r = make_hf_fixture(args.out, "qwen3next_hf_bf16", nmodel, ids, decode_from, False)
     results.update({f"qwen3next_hf_bf16.{k}": v for k, v in r.items()})
     manifest["fixtures"]["qwen3next_hf_bf16"] = "tiny qwen3_next, bf16 weights, save_pretrained layout (fused qkvz/ba, per-expert tensors)"

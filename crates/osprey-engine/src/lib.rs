@@ -1,1 +1,133 @@
+//! The engine: a backend that runs the model, per-conversation sessions, chunked prefill,
+//! sampling and the generation loop. The engine asks a backend to "run these tokens into this
+//! session"; the CPU backend here is the exact reference, GPU backends specialise the whole step.
 
+pub mod cpu;
+pub mod generate;
+pub mod sampler;
+pub mod session;
+
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::Result;
+use osprey_model::config::ModelConfig;
+use osprey_model::ModelWeights;
+
+pub use cpu::forward::{GdnForm, LogitsFor};
+use cpu::forward::CpuModel;
+pub use session::{Session, SessionState};
+
+/// Runs the model over tokens, extending a session's state.
+pub trait Backend: Send + Sync {
+    fn name(&self) -> &'static str;
+    fn config(&self) -> &ModelConfig;
+    /// Processes `tokens` at the state's position; logits `[positions, vocab]` for `want`.
+    fn forward(&self, state: &mut SessionState, tokens: &[u32], want: LogitsFor) -> Result<Vec<f32>>;
+}
+
+pub struct CpuBackend {
+    model: CpuModel,
+    gdn_form: GdnForm,
+}
+
+impl CpuBackend {
+    pub fn new(weights: ModelWeights) -> Self {
+        CpuBackend { model: CpuModel::new(weights), gdn_form: GdnForm::Auto }
+    }
+    /// Forces one form of the gated delta rule (tests compare the two).
+    pub fn with_gdn_form(mut self, form: GdnForm) -> Self {
+        self.gdn_form = form;
+        self
+    }
+    pub fn weights(&self) -> &ModelWeights {
+        &self.model.weights
+    }
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+    fn config(&self) -> &ModelConfig {
+        self.model.config()
+    }
+    fn forward(&self, state: &mut SessionState, tokens: &[u32], want: LogitsFor) -> Result<Vec<f32>> {
+        self.model.forward(state, tokens, self.gdn_form, want)
+    }
+}
+
+/// Default prefill chunk: bounds scratch memory for long prompts.
+pub const DEFAULT_PREFILL_CHUNK: usize = 512;
+
+pub struct Engine {
+    pub backend: Box<dyn Backend>,
+    pub prefill_chunk: usize,
+}
+
+/// Throughput of one call.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Timing {
+    pub tokens: usize,
+    pub seconds: f64,
+}
+
+impl Timing {
+    pub fn tokens_per_s(&self) -> f64 {
+        if self.seconds > 0.0 {
+            self.tokens as f64 / self.seconds
+        } else {
+            0.0
+        }
+    }
+}
+
+impl Engine {
+    /// Loads a checkpoint directory onto the CPU backend.
+    pub fn load_cpu(dir: &Path) -> Result<Self> {
+        Ok(Engine::new(Box::new(CpuBackend::new(ModelWeights::load(dir)?))))
+    }
+
+    pub fn new(backend: Box<dyn Backend>) -> Self {
+        Engine { backend, prefill_chunk: DEFAULT_PREFILL_CHUNK }
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        self.backend.config()
+    }
+
+    pub fn new_session(&self) -> Session {
+        Session::new(self.config())
+    }
+
+    /// Prefills `tokens` into the session in chunks of `prefill_chunk`; returns the last
+    /// position's logits.
+    pub fn prefill(&self, s: &mut Session, tokens: &[u32]) -> Result<(Vec<f32>, Timing)> {
+        let start = Instant::now();
+        let mut logits = Vec::new();
+        let chunks: Vec<&[u32]> = tokens.chunks(self.prefill_chunk.max(1)).collect();
+        for (i, chunk) in chunks.iter().enumerate() {
+            let want = if i + 1 == chunks.len() { LogitsFor::Last } else { LogitsFor::None };
+            logits = self.backend.forward(&mut s.state, chunk, want)?;
+            s.tokens.extend_from_slice(chunk);
+        }
+        Ok((logits, Timing { tokens: tokens.len(), seconds: start.elapsed().as_secs_f64() }))
+    }
+
+    /// Runs one token; returns its logits.
+    pub fn decode(&self, s: &mut Session, token: u32) -> Result<Vec<f32>> {
+        let logits = self.backend.forward(&mut s.state, &[token], LogitsFor::Last)?;
+        s.tokens.push(token);
+        Ok(logits)
+    }
+
+    /// Logits of every position of `tokens` from a fresh session, `[T, vocab]`.
+    pub fn score(&self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let mut s = self.new_session();
+        let mut out = Vec::with_capacity(tokens.len() * self.config().vocab_size);
+        for chunk in tokens.chunks(self.prefill_chunk.max(1)) {
+            out.extend(self.backend.forward(&mut s.state, chunk, LogitsFor::All)?);
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,209 @@
+//! The generation loop: prefill the prompt, then sample and decode until a stop id, a stop
+//! string or the token limit; text is streamed through a callback as it becomes final (text that
+//! could still turn into a stop string is held back, and stop strings never reach the output).
+
+use std::ops::ControlFlow;
+use std::time::Instant;
+
+use anyhow::Result;
+
+use crate::sampler::{Sampler, SamplingParams};
+use crate::{Engine, Session, Timing};
+
+/// Turns tokens into text incrementally (implemented by the tokenizer crate).
+pub trait TokenText {
+    /// Appends a token and returns the text that became final.
+    fn push(&mut self, token: u32) -> String;
+    /// Text still held back (an incomplete UTF-8 sequence) at the end.
+    fn flush(&mut self) -> String;
+}
+
+#[derive(Clone, Debug)]
+pub struct GenerateOptions {
+    pub max_tokens: usize,
+    pub stop_ids: Vec<u32>,
+    pub stop_strings: Vec<String>,
+    pub sampling: SamplingParams,
+    /// Ids at or above this are vocabulary padding and never sampled.
+    pub valid_vocab: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// A stop id or stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+    /// The callback asked to stop (client went away).
+    Cancelled,
+}
+
+#[derive(Clone, Debug)]
+pub struct Generation {
+    pub tokens: Vec<u32>,
+    pub text: String,
+    pub finish: FinishReason,
+    pub prompt: Timing,
+    pub decode: Timing,
+}
+
+/// Generates a reply to `prompt` (appended to the session). `on_text` receives each final piece
+/// of text and may return `Break` to cancel.
+pub fn generate(
+    engine: &Engine,
+    session: &mut Session,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    detok: &mut dyn TokenText,
+    on_text: &mut dyn FnMut(&str) -> ControlFlow<()>,
+) -> Result<Generation> {
+    opts.sampling.validate()?;
+    let (mut logits, prompt_timing) = engine.prefill(session, prompt)?;
+    let mut sampler = Sampler::new(opts.sampling.clone(), opts.valid_vocab, &session.tokens);
+    let mut stream = StopScanner::new(&opts.stop_strings);
+    let mut tokens = Vec::new();
+    let started = Instant::now();
+    let mut finish = FinishReason::Length;
+    while tokens.len() < opts.max_tokens {
+        let next = sampler.sample(&logits);
+        sampler.observe(next);
+        tokens.push(next);
+        if opts.stop_ids.contains(&next) {
+            finish = FinishReason::Stop;
+            break;
+        }
+        let (piece, stopped) = stream.push(&detok.push(next));
+        if !piece.is_empty() && on_text(&piece).is_break() {
+            finish = FinishReason::Cancelled;
+            break;
+        }
+        if stopped {
+            finish = FinishReason::Stop;
+            break;
+        }
+        if tokens.len() == opts.max_tokens {
+            break;
+        }
+        logits = engine.decode(session, next)?;
+    }
+    if finish != FinishReason::Cancelled {
+        let (piece, _) = stream.push(&detok.flush());
+        let rest = piece + &stream.finish();
+        if !rest.is_empty() {
+            let _ = on_text(&rest);
+        }
+    }
+    // the last sampled token was never run through the model: the session ends at the last
+    // token whose logits were used, so a follow-up turn feeds it first
+    let decode = Timing { tokens: tokens.len().saturating_sub(1), seconds: started.elapsed().as_secs_f64() };
+    Ok(Generation { text: stream.text, tokens, finish, prompt: prompt_timing, decode })
+}
+
+/// Finds stop strings in streamed text, releasing only text that cannot be part of one.
+pub struct StopScanner {
+    stops: Vec<String>,
+    /// All text accepted so far (without the stop string).
+    pub text: String,
+    emitted: usize,
+    done: bool,
+}
+
+impl StopScanner {
+    pub fn new(stops: &[String]) -> Self {
+        StopScanner { stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(), text: String::new(), emitted: 0, done: false }
+    }
+
+    /// Adds text; returns the newly releasable text and whether a stop string was hit.
+    pub fn push(&mut self, delta: &str) -> (String, bool) {
+        if self.done {
+            return (String::new(), true);
+        }
+        let search_from = self.emitted.saturating_sub(self.stops.iter().map(|s| s.len()).max().unwrap_or(0));
+        self.text.push_str(delta);
+        let hit = self
+            .stops
+            .iter()
+            .filter_map(|s| self.text[search_from..].find(s.as_str()).map(|i| search_from + i))
+            .min();
+        if let Some(at) = hit {
+            self.text.truncate(at);
+            self.done = true;
+            let out = self.text[self.emitted..].to_string();
+            self.emitted = self.text.len();
+            return (out, true);
+        }
+        // hold back the longest suffix that is a prefix of some stop string
+        let mut hold = 0;
+        for s in &self.stops {
+            for k in (1..s.len()).rev() {
+                if k <= self.text.len() && self.text.is_char_boundary(self.text.len() - k) && s.is_char_boundary(k) && self.text.ends_with(&s[..k]) {
+                    hold = hold.max(k);
+                    break;
+                }
+            }
+        }
+        let upto = (self.text.len() - hold).max(self.emitted);
+        let out = self.text[self.emitted..upto].to_string();
+        self.emitted = upto;
+        (out, false)
+    }
+
+    /// Releases whatever was held back.
+    pub fn finish(&mut self) -> String {
+        let out = self.text[self.emitted..].to_string();
+        self.emitted = self.text.len();
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(stops: &[&str], pieces: &[&str]) -> (String, String, bool) {
+        let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
+        let mut sc = StopScanner::new(&stops);
+        let mut out = String::new();
+        let mut stopped = false;
+        for p in pieces {
+            let (o, s) = sc.push(p);
+            out += &o;
+            if s {
+                stopped = true;
+                break;
+            }
+        }
+        if !stopped {
+            out += &sc.finish();
+        }
+        (out, sc.text.clone(), stopped)
+    }
+
+    #[test]
+    fn stop_string_split_across_pieces_is_not_leaked() {
+        let (out, text, stopped) = run(&["STOP"], &["hello S", "TO", "P world"]);
+        assert_eq!(out, "hello ");
+        assert_eq!(text, "hello ");
+        assert!(stopped);
+    }
+
+    #[test]
+    fn partial_match_is_released_when_it_turns_out_not_to_be_a_stop() {
+        let (out, _, stopped) = run(&["STOP"], &["a ST", "ay"]);
+        assert_eq!(out, "a STay");
+        assert!(!stopped);
+    }
+
+    #[test]
+    fn earliest_of_several_stops_wins() {
+        let (out, _, stopped) = run(&["cd", "b"], &["abcd"]);
+        assert_eq!(out, "a");
+        assert!(stopped);
+    }
+
+    #[test]
+    fn no_stops_streams_everything() {
+        let (out, _, _) = run(&[], &["x", "yz"]);
+        assert_eq!(out, "xyz");
+    }
+}

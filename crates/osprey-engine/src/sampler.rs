@@ -1,0 +1,242 @@
+//! Token choice: greedy or sampled with temperature, top-k, top-p, min-p and presence /
+//! frequency / repetition penalties; seeded, so the same seed gives the same output.
+
+use std::collections::HashMap;
+
+use anyhow::{bail, Result};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// 0 means no limit.
+    pub top_k: usize,
+    pub top_p: f32,
+    pub min_p: f32,
+    /// OpenAI semantics: subtracted once from a token that has appeared in the output.
+    pub presence_penalty: f32,
+    /// OpenAI semantics: subtracted per occurrence in the output.
+    pub frequency_penalty: f32,
+    /// transformers semantics over prompt and output: logits divided (if > 0) or multiplied by it.
+    pub repetition_penalty: f32,
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            seed: 0,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Rejects values outside their meaningful ranges, naming the field.
+    pub fn validate(&self) -> Result<()> {
+        let p = self;
+        if !(p.temperature.is_finite() && p.temperature >= 0.0) {
+            bail!("temperature must be a finite number >= 0, got {}", p.temperature);
+        }
+        if !(p.top_p > 0.0 && p.top_p <= 1.0) {
+            bail!("top_p must be in (0, 1], got {}", p.top_p);
+        }
+        if !(0.0..=1.0).contains(&p.min_p) {
+            bail!("min_p must be in [0, 1], got {}", p.min_p);
+        }
+        if !(p.presence_penalty.is_finite() && (-2.0..=2.0).contains(&p.presence_penalty)) {
+            bail!("presence_penalty must be in [-2, 2], got {}", p.presence_penalty);
+        }
+        if !(p.frequency_penalty.is_finite() && (-2.0..=2.0).contains(&p.frequency_penalty)) {
+            bail!("frequency_penalty must be in [-2, 2], got {}", p.frequency_penalty);
+        }
+        if !(p.repetition_penalty.is_finite() && p.repetition_penalty > 0.0) {
+            bail!("repetition_penalty must be > 0, got {}", p.repetition_penalty);
+        }
+        Ok(())
+    }
+}
+
+pub struct Sampler {
+    params: SamplingParams,
+    rng: ChaCha8Rng,
+    /// Tokens of prompt and output (repetition penalty).
+    seen: HashMap<u32, u32>,
+    /// Tokens of the output only (presence / frequency penalties).
+    output: HashMap<u32, u32>,
+    /// Ids at or above this are padding rows of the vocabulary and never chosen.
+    valid_vocab: usize,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams, valid_vocab: usize, prompt: &[u32]) -> Self {
+        let mut seen = HashMap::new();
+        for &t in prompt {
+            *seen.entry(t).or_insert(0) += 1;
+        }
+        let rng = ChaCha8Rng::seed_from_u64(params.seed);
+        Sampler { params, rng, seen, output: HashMap::new(), valid_vocab }
+    }
+
+    /// Records a generated token (for the penalties).
+    pub fn observe(&mut self, token: u32) {
+        *self.seen.entry(token).or_insert(0) += 1;
+        *self.output.entry(token).or_insert(0) += 1;
+    }
+
+    /// Logits after the penalties and the vocabulary mask.
+    pub fn adjusted(&self, logits: &[f32]) -> Vec<f32> {
+        let p = &self.params;
+        let mut l: Vec<f32> = logits[..self.valid_vocab.min(logits.len())].to_vec();
+        if p.repetition_penalty != 1.0 {
+            for &t in self.seen.keys() {
+                if let Some(x) = l.get_mut(t as usize) {
+                    *x = if *x > 0.0 { *x / p.repetition_penalty } else { *x * p.repetition_penalty };
+                }
+            }
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            for (&t, &n) in &self.output {
+                if let Some(x) = l.get_mut(t as usize) {
+                    *x -= p.presence_penalty + p.frequency_penalty * n as f32;
+                }
+            }
+        }
+        l
+    }
+
+    /// Chooses the next token.
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let p = self.params.clone();
+        let l = self.adjusted(logits);
+        let greedy = || {
+            l.iter()
+                .enumerate()
+                .fold((0usize, f32::NEG_INFINITY), |best, (i, &x)| if x > best.1 { (i, x) } else { best })
+                .0 as u32
+        };
+        if p.temperature == 0.0 || p.top_k == 1 {
+            return greedy();
+        }
+        // candidates sorted by logit, cut by top-k
+        let mut idx: Vec<u32> = (0..l.len() as u32).filter(|&i| l[i as usize].is_finite()).collect();
+        if idx.is_empty() {
+            return greedy();
+        }
+        idx.sort_unstable_by(|&a, &b| l[b as usize].total_cmp(&l[a as usize]).then(a.cmp(&b)));
+        if p.top_k > 0 && idx.len() > p.top_k {
+            idx.truncate(p.top_k);
+        }
+        let max = l[idx[0] as usize];
+        let mut probs: Vec<f32> = idx.iter().map(|&i| ((l[i as usize] - max) / p.temperature).exp()).collect();
+        let sum: f32 = probs.iter().sum();
+        probs.iter_mut().for_each(|x| *x /= sum);
+        // top-p: smallest prefix whose mass reaches top_p
+        if p.top_p < 1.0 {
+            let mut acc = 0.0;
+            let mut keep = probs.len();
+            for (i, &x) in probs.iter().enumerate() {
+                acc += x;
+                if acc >= p.top_p {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            probs.truncate(keep);
+        }
+        // min-p: drop tokens below min_p × the top probability
+        if p.min_p > 0.0 {
+            let floor = p.min_p * probs[0];
+            let keep = probs.iter().take_while(|&&x| x >= floor).count().max(1);
+            probs.truncate(keep);
+        }
+        let total: f32 = probs.iter().sum();
+        let mut r = self.rng.random::<f32>() * total;
+        for (i, &x) in probs.iter().enumerate() {
+            if r < x {
+                return idx[i];
+            }
+            r -= x;
+        }
+        idx[probs.len() - 1]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn logits() -> Vec<f32> {
+        vec![1.0, 3.0, 2.0, 0.5, -1.0, 2.9, 0.0, 10.0]
+    }
+
+    #[test]
+    fn greedy_takes_argmax_within_valid_vocab() {
+        let mut s = Sampler::new(SamplingParams::default(), 7, &[]);
+        assert_eq!(s.sample(&logits()), 1, "id 7 is padding and must be masked");
+    }
+
+    #[test]
+    fn same_seed_same_sequence_different_seed_differs() {
+        let p = SamplingParams { temperature: 1.5, seed: 42, ..Default::default() };
+        let run = |p: &SamplingParams| {
+            let mut s = Sampler::new(p.clone(), 7, &[]);
+            (0..64).map(|_| s.sample(&logits())).collect::<Vec<_>>()
+        };
+        assert_eq!(run(&p), run(&p));
+        assert_ne!(run(&p), run(&SamplingParams { seed: 43, ..p.clone() }));
+    }
+
+    #[test]
+    fn top_k_limits_choices() {
+        let p = SamplingParams { temperature: 5.0, top_k: 2, seed: 1, ..Default::default() };
+        let mut s = Sampler::new(p, 7, &[]);
+        for _ in 0..200 {
+            assert!(matches!(s.sample(&logits()), 1 | 5));
+        }
+    }
+
+    #[test]
+    fn top_p_and_min_p_cut_the_tail() {
+        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_p: 0.5, seed: 3, ..Default::default() }, 7, &[]);
+        for _ in 0..200 {
+            assert!(matches!(s.sample(&logits()), 1 | 5));
+        }
+        let mut s = Sampler::new(SamplingParams { temperature: 1.0, min_p: 0.5, seed: 3, ..Default::default() }, 7, &[]);
+        for _ in 0..200 {
+            // p(2)/p(1) = e^-1 < 0.5, p(5)/p(1) = e^-0.1 >= 0.5
+            assert!(matches!(s.sample(&logits()), 1 | 5));
+        }
+    }
+
+    #[test]
+    fn penalties_change_the_choice() {
+        let mut s = Sampler::new(SamplingParams { presence_penalty: 0.5, ..Default::default() }, 7, &[]);
+        s.observe(1);
+        assert_eq!(s.sample(&logits()), 5);
+        let mut s = Sampler::new(SamplingParams { frequency_penalty: 0.06, ..Default::default() }, 7, &[]);
+        s.observe(1);
+        assert_eq!(s.sample(&logits()), 1, "one occurrence at 0.06 keeps 3.0 - 0.06 > 2.9");
+        s.observe(1);
+        assert_eq!(s.sample(&logits()), 5);
+        let s = Sampler::new(SamplingParams { repetition_penalty: 2.0, ..Default::default() }, 7, &[1, 4]);
+        let l = s.adjusted(&logits());
+        assert_eq!((l[1], l[4]), (1.5, -2.0));
+    }
+
+    #[test]
+    fn invalid_params_are_named() {
+        let e = SamplingParams { top_p: 0.0, ..Default::default() }.validate().unwrap_err().to_string();
+        assert!(e.contains("top_p"));
+        let e = SamplingParams { temperature: -1.0, ..Default::default() }.validate().unwrap_err().to_string();
+        assert!(e.contains("temperature"));
+    }
+}

@@ -1,0 +1,191 @@
+//! The CPU backend against transformers (fixtures made by tools/make_reference.py).
+//!
+//! Tolerances:
+//! - float32 vs float32: both sides compute the same f32 math on identical weights (the reference
+//!   model holds exactly the dequantised values of the quantised checkpoint). What differs is the
+//!   order of f32 summations (blocked dot products vs BLAS, chunk solves), worth a few ulps per
+//!   operation: measured max |Δ| is ~7e-6 on logits of standard deviation ~3. A real bug (a wrong
+//!   norm, RoPE pair, head mapping, decay) moves logits by 0.01 or more, so `max |Δ| ≤ 1e-4`
+//!   (~15× the measured noise) catches it without flaking.
+//! - float32 vs bfloat16: the bf16 reference differs from exact arithmetic by transformers' own
+//!   rounding. We check that our (f32) logits are no farther from the bf16 run than transformers'
+//!   own f32 run is (RMS within 1.25× + 1e-3), and that argmax agreement with bf16 is no worse.
+
+use std::path::PathBuf;
+
+use osprey_engine::{Backend, CpuBackend, Engine, GdnForm, LogitsFor, SessionState};
+use osprey_model::ModelWeights;
+use safetensors::SafeTensors;
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/reference")
+}
+
+struct Reference {
+    bytes: Vec<u8>,
+}
+
+impl Reference {
+    fn load() -> Self {
+        Reference { bytes: std::fs::read(fixtures().join("logits.safetensors")).expect("fixtures/reference/logits.safetensors") }
+    }
+    fn get(&self, name: &str) -> (Vec<f32>, Vec<usize>) {
+        let st = SafeTensors::deserialize(&self.bytes).unwrap();
+        let t = st.tensor(name).unwrap_or_else(|_| panic!("reference tensor {name}"));
+        (t.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(), t.shape().to_vec())
+    }
+    fn tokens(&self) -> Vec<u32> {
+        self.get("tokens").0.iter().map(|&x| x as u32).collect()
+    }
+}
+
+const DECODE_FROM: usize = 70;
+
+fn engine(name: &str) -> Engine {
+    let w = ModelWeights::load(&fixtures().join(name)).unwrap_or_else(|e| panic!("loading {name}: {e:#}"));
+    Engine::new(Box::new(CpuBackend::new(w)))
+}
+
+fn max_abs(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+fn rms(a: &[f32], b: &[f32]) -> f32 {
+    (a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum::<f32>() / a.len() as f32).sqrt()
+}
+
+fn argmax_agreement(a: &[f32], b: &[f32], vocab: usize) -> f32 {
+    let am = |r: &[f32]| r.iter().enumerate().fold((0, f32::MIN), |m, (i, &x)| if x > m.1 { (i, x) } else { m }).0;
+    let rows = a.len() / vocab;
+    (0..rows).filter(|&r| am(&a[r * vocab..][..vocab]) == am(&b[r * vocab..][..vocab])).count() as f32 / rows as f32
+}
+
+fn check_f32(name: &str) {
+    let r = Reference::load();
+    let tokens = r.tokens();
+    let e = engine(name);
+    let vocab = e.config().vocab_size;
+
+    let got = e.score(&tokens).unwrap();
+    let (want, shape) = r.get(&format!("{name}.f32_prefill"));
+    assert_eq!(shape, vec![tokens.len(), vocab]);
+    let err = max_abs(&got, &want);
+    assert!(err <= 1e-4, "{name}: prefill max |Δ| = {err}");
+
+    // prefill 70 tokens, then feed the rest one by one
+    let mut s = e.new_session();
+    let (first, _) = e.prefill(&mut s, &tokens[..DECODE_FROM]).unwrap();
+    let mut steps = first;
+    for &t in &tokens[DECODE_FROM..tokens.len() - 1] {
+        steps.extend(e.decode(&mut s, t).unwrap());
+    }
+    let (want, _) = r.get(&format!("{name}.f32_decode"));
+    let err = max_abs(&steps, &want);
+    assert!(err <= 1e-4, "{name}: decode max |Δ| = {err}");
+}
+
+#[test]
+fn mlx_4bit_matches_transformers_f32() {
+    check_f32("qwen35_q4g64");
+}
+
+#[test]
+fn mlx_8bit_mixed_groups_matches_transformers_f32() {
+    check_f32("qwen35_q8g32_mixed");
+}
+
+#[test]
+fn hf_bf16_layout_matches_transformers_f32() {
+    check_f32("qwen35_hf_bf16");
+}
+
+#[test]
+fn qwen3_next_matches_transformers_f32() {
+    check_f32("qwen3next_hf_bf16");
+}
+
+#[test]
+fn mlx_4bit_is_as_close_to_transformers_bf16_as_transformers_f32_is() {
+    for name in ["qwen35_q4g64", "qwen35_q8g32_mixed"] {
+        let r = Reference::load();
+        let tokens = r.tokens();
+        let e = engine(name);
+        let vocab = e.config().vocab_size;
+        let ours = e.score(&tokens).unwrap();
+        let (bf, _) = r.get(&format!("{name}.bf16_prefill"));
+        let (f32ref, _) = r.get(&format!("{name}.f32_prefill"));
+        let (ours_rms, ref_rms) = (rms(&ours, &bf), rms(&f32ref, &bf));
+        assert!(ours_rms <= 1.25 * ref_rms + 1e-3, "{name}: rms to bf16 {ours_rms} vs transformers f32's {ref_rms}");
+        let (a_ours, a_ref) = (argmax_agreement(&ours, &bf, vocab), argmax_agreement(&f32ref, &bf, vocab));
+        assert!(a_ours + 0.02 >= a_ref, "{name}: top-1 agreement {a_ours} vs {a_ref}");
+    }
+}
+
+fn backend(form: GdnForm) -> CpuBackend {
+    CpuBackend::new(ModelWeights::load(&fixtures().join("qwen35_q4g64")).unwrap()).with_gdn_form(form)
+}
+
+#[test]
+fn chunked_gdn_equals_recurrent_gdn() {
+    let tokens = Reference::load().tokens();
+    let (a, b) = (backend(GdnForm::Chunked), backend(GdnForm::Recurrent));
+    let mut sa = SessionState::new(a.config());
+    let mut sb = SessionState::new(b.config());
+    let la = a.forward(&mut sa, &tokens, LogitsFor::All).unwrap();
+    let lb = b.forward(&mut sb, &tokens, LogitsFor::All).unwrap();
+    let err = max_abs(&la, &lb);
+    assert!(err <= 1e-3, "chunked vs recurrent: {err}");
+}
+
+#[test]
+fn prefill_of_n_equals_n_single_steps() {
+    let tokens = &Reference::load().tokens()[..40];
+    let b = backend(GdnForm::Auto);
+    let mut whole = SessionState::new(b.config());
+    let all = b.forward(&mut whole, tokens, LogitsFor::All).unwrap();
+    let mut step = SessionState::new(b.config());
+    let mut one_by_one = Vec::new();
+    for &t in tokens {
+        one_by_one.extend(b.forward(&mut step, &[t], LogitsFor::Last).unwrap());
+    }
+    let err = max_abs(&all, &one_by_one);
+    assert!(err <= 1e-3, "prefill vs steps: {err}");
+    assert_eq!(whole.position, step.position);
+}
+
+#[test]
+fn chunked_prefill_equals_unchunked() {
+    let tokens = Reference::load().tokens();
+    let mut e = engine("qwen35_q4g64");
+    let whole = e.score(&tokens).unwrap();
+    for chunk in [1usize, 7, 64, 65] {
+        e.prefill_chunk = chunk;
+        let err = max_abs(&whole, &e.score(&tokens).unwrap());
+        assert!(err <= 1e-3, "chunk {chunk}: {err}");
+    }
+}
+
+#[test]
+fn snapshot_restore_branches_reproducibly() {
+    let tokens = Reference::load().tokens();
+    let e = engine("qwen35_q4g64");
+    let mut s = e.new_session();
+    e.prefill(&mut s, &tokens[..30]).unwrap();
+    let snap = s.snapshot();
+    let a = e.decode(&mut s, tokens[30]).unwrap();
+    e.decode(&mut s, tokens[31]).unwrap();
+    s.restore(&snap);
+    assert_eq!(s.position(), 30);
+    let b = e.decode(&mut s, tokens[30]).unwrap();
+    assert_eq!(a, b);
+}
+
+#[test]
+fn out_of_vocabulary_token_is_an_error() {
+    let e = engine("qwen35_q4g64");
+    let mut s = e.new_session();
+    let err = e.prefill(&mut s, &[1, 5000]).unwrap_err().to_string();
+    assert!(err.contains("5000"), "{err}");
+}
+
