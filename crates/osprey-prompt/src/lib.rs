@@ -1,1 +1,149 @@
+//! From conversations to token ids and back: the model's `tokenizer.json` (through the
+//! `tokenizers` crate), its Jinja chat template (through minijinja with Python compatibility), the
+//! stop ids of `generation_config.json`, and incremental detokenisation for streaming.
 
+mod template;
+
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+use tokenizers::Tokenizer;
+
+pub use template::ChatTemplate;
+
+/// Options of one chat rendering.
+#[derive(Clone, Debug, Default)]
+pub struct ChatOptions {
+    pub add_generation_prompt: bool,
+    /// `tools` list (OpenAI function objects), if any.
+    pub tools: Option<Value>,
+    /// Extra template variables (`enable_thinking`, `preserve_thinking`, ...).
+    pub kwargs: serde_json::Map<String, Value>,
+}
+
+/// Generation defaults read from `generation_config.json`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct GenerationDefaults {
+    pub temperature: Option<f32>,
+    pub top_k: Option<usize>,
+    pub top_p: Option<f32>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+}
+
+pub struct PromptFormat {
+    pub tokenizer: Tokenizer,
+    pub template: ChatTemplate,
+    /// Token ids that end generation.
+    pub stop_ids: Vec<u32>,
+    pub defaults: GenerationDefaults,
+    /// Ids the tokenizer can produce; higher rows of the embedding are padding.
+    pub vocab_size: usize,
+}
+
+impl PromptFormat {
+    /// Reads tokenizer.json, the chat template (chat_template.jinja, or tokenizer_config.json's
+    /// `chat_template`) and generation_config.json from a model directory.
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let tok_path = dir.join("tokenizer.json");
+        let tokenizer = Tokenizer::from_file(&tok_path)
+            .map_err(|e| anyhow::anyhow!("cannot load {}: {e}", tok_path.display()))?;
+        let template = ChatTemplate::from_dir(dir)?;
+        let vocab_size = tokenizer.get_vocab_size(true);
+
+        let mut stop_ids = Vec::new();
+        let mut defaults = GenerationDefaults::default();
+        let gen_path = dir.join("generation_config.json");
+        if gen_path.exists() {
+            let text = std::fs::read_to_string(&gen_path)?;
+            let g: Value = serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", gen_path.display()))?;
+            match g.get("eos_token_id") {
+                Some(Value::Number(n)) => stop_ids.extend(n.as_u64().map(|x| x as u32)),
+                Some(Value::Array(a)) => stop_ids.extend(a.iter().filter_map(|v| v.as_u64()).map(|x| x as u32)),
+                _ => {}
+            }
+            let f = |k: &str| g.get(k).and_then(Value::as_f64).map(|x| x as f32);
+            defaults = GenerationDefaults {
+                temperature: f("temperature"),
+                top_k: g.get("top_k").and_then(Value::as_u64).map(|x| x as usize),
+                top_p: f("top_p"),
+                min_p: f("min_p"),
+                repetition_penalty: f("repetition_penalty"),
+            };
+        }
+        // the chat template's end-of-turn token always stops generation
+        for special in ["<|im_end|>", "<|endoftext|>"] {
+            if let Some(id) = tokenizer.token_to_id(special) {
+                if !stop_ids.contains(&id) {
+                    stop_ids.push(id);
+                }
+            }
+        }
+        Ok(PromptFormat { tokenizer, template, stop_ids, defaults, vocab_size })
+    }
+
+    /// Text to ids; special-token text such as `<|im_start|>` maps to its id.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.tokenizer.encode(text, false).map_err(|e| anyhow::anyhow!("tokenizer: {e}"))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Ids to text (special tokens skipped, tags like `<think>` kept).
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.tokenizer.decode(ids, true).map_err(|e| anyhow::anyhow!("tokenizer: {e}"))
+    }
+
+    /// Renders a conversation with the chat template.
+    pub fn render(&self, messages: &Value, opts: &ChatOptions) -> Result<String> {
+        if !messages.is_array() {
+            bail!("messages must be a list");
+        }
+        self.template.render(messages, opts)
+    }
+
+    /// Renders and encodes a conversation.
+    pub fn encode_chat(&self, messages: &Value, opts: &ChatOptions) -> Result<Vec<u32>> {
+        self.encode(&self.render(messages, opts)?)
+    }
+
+    pub fn incremental(&self) -> IncrementalDecoder<'_> {
+        IncrementalDecoder { tok: &self.tokenizer, ids: Vec::new(), prefix: 0, read: 0 }
+    }
+}
+
+/// Streams text from tokens: a token's text is released once it is complete UTF-8 (byte-level
+/// BPE may split a character across tokens), decoding only a short window each time.
+pub struct IncrementalDecoder<'a> {
+    tok: &'a Tokenizer,
+    ids: Vec<u32>,
+    prefix: usize,
+    read: usize,
+}
+
+impl IncrementalDecoder<'_> {
+    fn text(&self, from: usize, to: usize) -> String {
+        self.tok.decode(&self.ids[from..to], true).unwrap_or_default()
+    }
+
+    pub fn push(&mut self, id: u32) -> String {
+        self.ids.push(id);
+        let before = self.text(self.prefix, self.read);
+        let after = self.text(self.prefix, self.ids.len());
+        if after.len() > before.len() && !after.ends_with('\u{FFFD}') && after.is_char_boundary(before.len()) {
+            self.prefix = self.read;
+            self.read = self.ids.len();
+            after[before.len()..].to_string()
+        } else {
+            String::new()
+        }
+    }
+
+    pub fn flush(&mut self) -> String {
+        let before = self.text(self.prefix, self.read);
+        let after = self.text(self.prefix, self.ids.len());
+        self.prefix = self.ids.len();
+        self.read = self.ids.len();
+        after.get(before.len()..).unwrap_or_default().to_string()
+    }
+}

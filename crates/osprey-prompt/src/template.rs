@@ -1,0 +1,130 @@
+//! The chat template through minijinja, made to render exactly as transformers'
+//! `apply_chat_template` does: Python string methods (pycompat), `raise_exception`, and a `tojson`
+//! that prints like Python's `json.dumps(x, ensure_ascii=False)` (", " and ": " separators, keys
+//! in insertion order, no HTML escaping) instead of minijinja's compact, key-sorted one.
+
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use minijinja::{Environment, Error, ErrorKind, Value as JValue};
+use serde_json::Value;
+
+use crate::ChatOptions;
+
+pub struct ChatTemplate {
+    env: Environment<'static>,
+}
+
+impl ChatTemplate {
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let jinja = dir.join("chat_template.jinja");
+        let source = if jinja.exists() {
+            std::fs::read_to_string(&jinja).with_context(|| format!("cannot read {}", jinja.display()))?
+        } else {
+            let cfg = dir.join("tokenizer_config.json");
+            let text = std::fs::read_to_string(&cfg)
+                .with_context(|| format!("no chat_template.jinja and cannot read {}", cfg.display()))?;
+            let v: Value = serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", cfg.display()))?;
+            match v.get("chat_template") {
+                Some(Value::String(s)) => s.clone(),
+                _ => bail!("{} has no chat template (no chat_template.jinja, no \"chat_template\" string)", dir.display()),
+            }
+        };
+        Self::from_source(source)
+    }
+
+    pub fn from_source(source: String) -> Result<Self> {
+        let mut env = Environment::new();
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_auto_escape_callback(|_| minijinja::AutoEscape::None);
+        env.add_function("raise_exception", |msg: String| -> Result<JValue, Error> {
+            Err(Error::new(ErrorKind::InvalidOperation, msg))
+        });
+        env.add_filter("tojson", python_tojson);
+        env.add_template_owned("chat", source).context("the chat template does not parse")?;
+        Ok(ChatTemplate { env })
+    }
+
+    pub fn render(&self, messages: &Value, opts: &ChatOptions) -> Result<String> {
+        let mut ctx = opts.kwargs.clone();
+        ctx.insert("messages".into(), messages.clone());
+        ctx.insert("add_generation_prompt".into(), Value::Bool(opts.add_generation_prompt));
+        if let Some(tools) = &opts.tools {
+            ctx.insert("tools".into(), tools.clone());
+        }
+        let tmpl = self.env.get_template("chat")?;
+        tmpl.render(JValue::from_serialize(&ctx)).map_err(|e| {
+            let detail = if e.kind() == ErrorKind::InvalidOperation {
+                e.detail().unwrap_or("").to_string()
+            } else {
+                format!("{e:#}")
+            };
+            anyhow::anyhow!("chat template: {detail}")
+        })
+    }
+}
+
+fn python_tojson(v: JValue) -> Result<JValue, Error> {
+    let json: Value = serde_json::to_value(&v)
+        .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let mut out = String::new();
+    write_python_json(&json, &mut out);
+    Ok(JValue::from_safe_string(out))
+}
+
+/// `json.dumps(v, ensure_ascii=False)`.
+pub fn write_python_json(v: &Value, out: &mut String) {
+    match v {
+        Value::Array(a) => {
+            out.push('[');
+            for (i, x) in a.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                write_python_json(x, out);
+            }
+            out.push(']');
+        }
+        Value::Object(m) => {
+            out.push('{');
+            for (i, (k, x)) in m.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                out.push_str(&Value::String(k.clone()).to_string());
+                out.push_str(": ");
+                write_python_json(x, out);
+            }
+            out.push('}');
+        }
+        Value::Number(n) if n.is_f64() => {
+            let f = n.as_f64().unwrap_or(0.0);
+            if f.fract() == 0.0 && f.abs() < 1e16 {
+                out.push_str(&format!("{f:.1}"));
+            } else {
+                out.push_str(&n.to_string());
+            }
+        }
+        other => out.push_str(&other.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn python_json_spacing_order_and_unicode() {
+        let v: Value = serde_json::from_str(r#"{"b": 1, "a": [true, null, 2.0, "é\n\"x\""], "c": {}}"#).unwrap();
+        let mut s = String::new();
+        write_python_json(&v, &mut s);
+        assert_eq!(s, r#"{"b": 1, "a": [true, null, 2.0, "é\n\"x\""], "c": {}}"#);
+    }
+
+    #[test]
+    fn raise_exception_becomes_an_error() {
+        let t = ChatTemplate::from_source("{{ raise_exception('No messages provided.') }}".into()).unwrap();
+        let e = t.render(&Value::Array(vec![]), &ChatOptions::default()).unwrap_err().to_string();
+        assert!(e.contains("No messages provided."), "{e}");
+    }
+}

@@ -1,0 +1,96 @@
+//! Chat rendering and tokenisation against transformers' `apply_chat_template` and `encode`
+//! (goldens made by tools/make_prompt_goldens.py from assets/qwen3.6-35b-a3b).
+
+use std::path::PathBuf;
+
+use osprey_prompt::{ChatOptions, PromptFormat};
+use serde_json::Value;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn format() -> PromptFormat {
+    PromptFormat::from_dir(&root().join("assets/qwen3.6-35b-a3b")).unwrap()
+}
+
+fn goldens() -> Value {
+    serde_json::from_str(&std::fs::read_to_string(root().join("fixtures/prompt/goldens.json")).unwrap()).unwrap()
+}
+
+#[test]
+fn conversations_render_and_encode_like_transformers() {
+    let f = format();
+    let g = goldens();
+    let cases = g["cases"].as_array().unwrap();
+    assert!(cases.len() >= 10);
+    for case in cases {
+        let name = case["name"].as_str().unwrap();
+        let opts = ChatOptions {
+            add_generation_prompt: case["add_generation_prompt"].as_bool().unwrap(),
+            tools: (!case["tools"].is_null()).then(|| case["tools"].clone()),
+            kwargs: case["kwargs"].as_object().unwrap().clone(),
+        };
+        let text = f.render(&case["messages"], &opts).unwrap_or_else(|e| panic!("{name}: {e:#}"));
+        assert_eq!(text, case["text"].as_str().unwrap(), "{name}: rendered text differs");
+        let ids: Vec<u32> = case["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        assert_eq!(f.encode(&text).unwrap(), ids, "{name}: ids differ");
+    }
+}
+
+#[test]
+fn plain_texts_encode_like_transformers_and_round_trip() {
+    let f = format();
+    for case in goldens()["encode"].as_array().unwrap() {
+        let text = case["text"].as_str().unwrap();
+        let ids: Vec<u32> = case["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        assert_eq!(f.encode(text).unwrap(), ids, "{text:?}");
+        assert_eq!(f.decode(&ids).unwrap(), text);
+    }
+}
+
+#[test]
+fn published_prompt_ids() {
+    // model-spec §6.4: "Hi" with thinking off
+    let f = format();
+    let msgs = serde_json::json!([{"role": "user", "content": "Hi"}]);
+    let mut kwargs = serde_json::Map::new();
+    kwargs.insert("enable_thinking".into(), Value::Bool(false));
+    let ids = f.encode_chat(&msgs, &ChatOptions { add_generation_prompt: true, tools: None, kwargs }).unwrap();
+    assert_eq!(ids, vec![248045, 846, 198, 12675, 248046, 198, 248045, 74455, 198, 248068, 271, 248069, 271]);
+}
+
+#[test]
+fn stop_ids_and_defaults_from_generation_config() {
+    let f = format();
+    assert_eq!(f.stop_ids, vec![248046, 248044]);
+    assert_eq!(f.defaults.top_k, Some(20));
+    assert_eq!(f.defaults.top_p, Some(0.95));
+    assert_eq!(f.vocab_size, 248077);
+}
+
+#[test]
+fn template_errors_are_reported_not_panics() {
+    let f = format();
+    let e = f.render(&serde_json::json!([]), &ChatOptions::default()).unwrap_err().to_string();
+    assert!(e.contains("No messages provided"), "{e}");
+    let e = f
+        .render(&serde_json::json!([{"role": "narrator", "content": "x"}, {"role": "user", "content": "y"}]), &ChatOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("Unexpected message role"), "{e}");
+}
+
+#[test]
+fn incremental_decoding_equals_full_decoding() {
+    let f = format();
+    let text = "Streaming café 你好 👩‍💻 <think>\nok\n</think> done";
+    let ids = f.encode(text).unwrap();
+    let mut dec = f.incremental();
+    let mut out = String::new();
+    for &id in &ids {
+        out += &dec.push(id);
+    }
+    out += &dec.flush();
+    assert_eq!(out, text);
+}
