@@ -1,1 +1,154 @@
-fn main(){}
+//! `osprey`: run Qwen3.5/3.6-35B-A3B checkpoints. See README.md.
+
+mod bench;
+mod commands;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "osprey", version, about = "A Qwen3.6-35B-A3B inference engine")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// Where the model comes from.
+#[derive(Args, Clone)]
+pub struct ModelArgs {
+    /// Checkpoint directory (MLX 4/8-bit or Hugging Face layout). Without it, a small synthetic
+    /// model is made on first use under the cache directory and used.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Backend: cpu, cuda or auto (the best available).
+    #[arg(long, default_value = "auto")]
+    pub backend: String,
+    /// Prompt tokens processed per forward call (bounds scratch memory).
+    #[arg(long, default_value_t = osprey_engine::DEFAULT_PREFILL_CHUNK)]
+    pub prefill_chunk: usize,
+}
+
+/// Sampling settings; unset values come from the model's generation_config.json.
+#[derive(Args, Clone, Default)]
+pub struct SamplingArgs {
+    /// 0 = greedy.
+    #[arg(long)]
+    pub temperature: Option<f32>,
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    #[arg(long)]
+    pub top_p: Option<f32>,
+    #[arg(long)]
+    pub min_p: Option<f32>,
+    #[arg(long)]
+    pub presence_penalty: Option<f32>,
+    #[arg(long)]
+    pub frequency_penalty: Option<f32>,
+    #[arg(long)]
+    pub repetition_penalty: Option<f32>,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Write a synthetic checkpoint (random weights, real MLX 4-bit layout, real tokenizer).
+    Synth {
+        /// qwen3.6-35b-a3b (full size, ~19.5 GB) or tiny.
+        #[arg(long, default_value = "tiny")]
+        preset: String,
+        /// Override the number of layers.
+        #[arg(long)]
+        layers: Option<usize>,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Generate text from a prompt, streaming it, then report tokens/s.
+    Generate {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[arg(long, default_value = "Write a haiku about ospreys.")]
+        prompt: String,
+        /// Wrap the prompt as a user message in the chat template.
+        #[arg(long)]
+        chat: bool,
+        /// With --chat: turn thinking off.
+        #[arg(long)]
+        no_think: bool,
+        #[arg(long, default_value_t = 128)]
+        max_tokens: usize,
+        /// Stop when this text appears (repeatable); it is not printed.
+        #[arg(long)]
+        stop: Vec<String>,
+        #[command(flatten)]
+        sampling: SamplingArgs,
+    },
+    /// Print the config, the tensor inventory and the memory footprint of a checkpoint.
+    Inspect {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// List every tensor.
+        #[arg(long)]
+        tensors: bool,
+    },
+    /// Write the logits of every position of a token sequence as f32 [T, vocab] safetensors.
+    Score {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// JSON array of token ids.
+        #[arg(long)]
+        tokens: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Measure prefill or decode throughput over a list of lengths; writes JSON.
+    Bench {
+        #[command(subcommand)]
+        kind: bench::BenchKind,
+    },
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("OSPREY_LOG")
+                .unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .without_time()
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Synth {
+            preset,
+            layers,
+            seed,
+            out,
+        } => commands::synth(&preset, layers, seed, &out),
+        Command::Generate {
+            model,
+            prompt,
+            chat,
+            no_think,
+            max_tokens,
+            stop,
+            sampling,
+        } => commands::generate(&model, &prompt, chat, no_think, max_tokens, stop, &sampling),
+        Command::Inspect { model, tensors } => commands::inspect(&model, tensors),
+        Command::Score { model, tokens, out } => commands::score(&model, &tokens, &out),
+        Command::Bench { kind } => bench::run(kind),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

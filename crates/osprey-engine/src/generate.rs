@@ -95,8 +95,17 @@ pub fn generate(
     }
     // the last sampled token was never run through the model: the session ends at the last
     // token whose logits were used, so a follow-up turn feeds it first
-    let decode = Timing { tokens: tokens.len().saturating_sub(1), seconds: started.elapsed().as_secs_f64() };
-    Ok(Generation { text: stream.text, tokens, finish, prompt: prompt_timing, decode })
+    let decode = Timing {
+        tokens: tokens.len().saturating_sub(1),
+        seconds: started.elapsed().as_secs_f64(),
+    };
+    Ok(Generation {
+        text: stream.text,
+        tokens,
+        finish,
+        prompt: prompt_timing,
+        decode,
+    })
 }
 
 /// Finds stop strings in streamed text, releasing only text that cannot be part of one.
@@ -110,7 +119,12 @@ pub struct StopScanner {
 
 impl StopScanner {
     pub fn new(stops: &[String]) -> Self {
-        StopScanner { stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(), text: String::new(), emitted: 0, done: false }
+        StopScanner {
+            stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(),
+            text: String::new(),
+            emitted: 0,
+            done: false,
+        }
     }
 
     /// Adds text; returns the newly releasable text and whether a stop string was hit.
@@ -118,12 +132,18 @@ impl StopScanner {
         if self.done {
             return (String::new(), true);
         }
-        let search_from = self.emitted.saturating_sub(self.stops.iter().map(|s| s.len()).max().unwrap_or(0));
+        let search_from = self
+            .emitted
+            .saturating_sub(self.stops.iter().map(|s| s.len()).max().unwrap_or(0));
         self.text.push_str(delta);
         let hit = self
             .stops
             .iter()
-            .filter_map(|s| self.text[search_from..].find(s.as_str()).map(|i| search_from + i))
+            .filter_map(|s| {
+                self.text[search_from..]
+                    .find(s.as_str())
+                    .map(|i| search_from + i)
+            })
             .min();
         if let Some(at) = hit {
             self.text.truncate(at);
@@ -136,7 +156,11 @@ impl StopScanner {
         let mut hold = 0;
         for s in &self.stops {
             for k in (1..s.len()).rev() {
-                if k <= self.text.len() && self.text.is_char_boundary(self.text.len() - k) && s.is_char_boundary(k) && self.text.ends_with(&s[..k]) {
+                if k <= self.text.len()
+                    && self.text.is_char_boundary(self.text.len() - k)
+                    && s.is_char_boundary(k)
+                    && self.text.ends_with(&s[..k])
+                {
                     hold = hold.max(k);
                     break;
                 }

@@ -14,8 +14,8 @@ use anyhow::Result;
 use osprey_model::config::ModelConfig;
 use osprey_model::ModelWeights;
 
-pub use cpu::forward::{GdnForm, LogitsFor};
 use cpu::forward::CpuModel;
+pub use cpu::forward::{GdnForm, LogitsFor};
 pub use session::{Session, SessionState};
 
 /// Runs the model over tokens, extending a session's state.
@@ -23,7 +23,12 @@ pub trait Backend: Send + Sync {
     fn name(&self) -> &'static str;
     fn config(&self) -> &ModelConfig;
     /// Processes `tokens` at the state's position; logits `[positions, vocab]` for `want`.
-    fn forward(&self, state: &mut SessionState, tokens: &[u32], want: LogitsFor) -> Result<Vec<f32>>;
+    fn forward(
+        &self,
+        state: &mut SessionState,
+        tokens: &[u32],
+        want: LogitsFor,
+    ) -> Result<Vec<f32>>;
 }
 
 pub struct CpuBackend {
@@ -33,7 +38,10 @@ pub struct CpuBackend {
 
 impl CpuBackend {
     pub fn new(weights: ModelWeights) -> Self {
-        CpuBackend { model: CpuModel::new(weights), gdn_form: GdnForm::Auto }
+        CpuBackend {
+            model: CpuModel::new(weights),
+            gdn_form: GdnForm::Auto,
+        }
     }
     /// Forces one form of the gated delta rule (tests compare the two).
     pub fn with_gdn_form(mut self, form: GdnForm) -> Self {
@@ -52,7 +60,12 @@ impl Backend for CpuBackend {
     fn config(&self) -> &ModelConfig {
         self.model.config()
     }
-    fn forward(&self, state: &mut SessionState, tokens: &[u32], want: LogitsFor) -> Result<Vec<f32>> {
+    fn forward(
+        &self,
+        state: &mut SessionState,
+        tokens: &[u32],
+        want: LogitsFor,
+    ) -> Result<Vec<f32>> {
         self.model.forward(state, tokens, self.gdn_form, want)
     }
 }
@@ -85,11 +98,16 @@ impl Timing {
 impl Engine {
     /// Loads a checkpoint directory onto the CPU backend.
     pub fn load_cpu(dir: &Path) -> Result<Self> {
-        Ok(Engine::new(Box::new(CpuBackend::new(ModelWeights::load(dir)?))))
+        Ok(Engine::new(Box::new(CpuBackend::new(ModelWeights::load(
+            dir,
+        )?))))
     }
 
     pub fn new(backend: Box<dyn Backend>) -> Self {
-        Engine { backend, prefill_chunk: DEFAULT_PREFILL_CHUNK }
+        Engine {
+            backend,
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
+        }
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -107,16 +125,28 @@ impl Engine {
         let mut logits = Vec::new();
         let chunks: Vec<&[u32]> = tokens.chunks(self.prefill_chunk.max(1)).collect();
         for (i, chunk) in chunks.iter().enumerate() {
-            let want = if i + 1 == chunks.len() { LogitsFor::Last } else { LogitsFor::None };
+            let want = if i + 1 == chunks.len() {
+                LogitsFor::Last
+            } else {
+                LogitsFor::None
+            };
             logits = self.backend.forward(&mut s.state, chunk, want)?;
             s.tokens.extend_from_slice(chunk);
         }
-        Ok((logits, Timing { tokens: tokens.len(), seconds: start.elapsed().as_secs_f64() }))
+        Ok((
+            logits,
+            Timing {
+                tokens: tokens.len(),
+                seconds: start.elapsed().as_secs_f64(),
+            },
+        ))
     }
 
     /// Runs one token; returns its logits.
     pub fn decode(&self, s: &mut Session, token: u32) -> Result<Vec<f32>> {
-        let logits = self.backend.forward(&mut s.state, &[token], LogitsFor::Last)?;
+        let logits = self
+            .backend
+            .forward(&mut s.state, &[token], LogitsFor::Last)?;
         s.tokens.push(token);
         Ok(logits)
     }

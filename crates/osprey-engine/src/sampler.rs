@@ -44,7 +44,10 @@ impl SamplingParams {
     pub fn validate(&self) -> Result<()> {
         let p = self;
         if !(p.temperature.is_finite() && p.temperature >= 0.0) {
-            bail!("temperature must be a finite number >= 0, got {}", p.temperature);
+            bail!(
+                "temperature must be a finite number >= 0, got {}",
+                p.temperature
+            );
         }
         if !(p.top_p > 0.0 && p.top_p <= 1.0) {
             bail!("top_p must be in (0, 1], got {}", p.top_p);
@@ -53,13 +56,22 @@ impl SamplingParams {
             bail!("min_p must be in [0, 1], got {}", p.min_p);
         }
         if !(p.presence_penalty.is_finite() && (-2.0..=2.0).contains(&p.presence_penalty)) {
-            bail!("presence_penalty must be in [-2, 2], got {}", p.presence_penalty);
+            bail!(
+                "presence_penalty must be in [-2, 2], got {}",
+                p.presence_penalty
+            );
         }
         if !(p.frequency_penalty.is_finite() && (-2.0..=2.0).contains(&p.frequency_penalty)) {
-            bail!("frequency_penalty must be in [-2, 2], got {}", p.frequency_penalty);
+            bail!(
+                "frequency_penalty must be in [-2, 2], got {}",
+                p.frequency_penalty
+            );
         }
         if !(p.repetition_penalty.is_finite() && p.repetition_penalty > 0.0) {
-            bail!("repetition_penalty must be > 0, got {}", p.repetition_penalty);
+            bail!(
+                "repetition_penalty must be > 0, got {}",
+                p.repetition_penalty
+            );
         }
         Ok(())
     }
@@ -83,7 +95,13 @@ impl Sampler {
             *seen.entry(t).or_insert(0) += 1;
         }
         let rng = ChaCha8Rng::seed_from_u64(params.seed);
-        Sampler { params, rng, seen, output: HashMap::new(), valid_vocab }
+        Sampler {
+            params,
+            rng,
+            seen,
+            output: HashMap::new(),
+            valid_vocab,
+        }
     }
 
     /// Records a generated token (for the penalties).
@@ -99,7 +117,11 @@ impl Sampler {
         if p.repetition_penalty != 1.0 {
             for &t in self.seen.keys() {
                 if let Some(x) = l.get_mut(t as usize) {
-                    *x = if *x > 0.0 { *x / p.repetition_penalty } else { *x * p.repetition_penalty };
+                    *x = if *x > 0.0 {
+                        *x / p.repetition_penalty
+                    } else {
+                        *x * p.repetition_penalty
+                    };
                 }
             }
         }
@@ -120,14 +142,22 @@ impl Sampler {
         let greedy = || {
             l.iter()
                 .enumerate()
-                .fold((0usize, f32::NEG_INFINITY), |best, (i, &x)| if x > best.1 { (i, x) } else { best })
+                .fold((0usize, f32::NEG_INFINITY), |best, (i, &x)| {
+                    if x > best.1 {
+                        (i, x)
+                    } else {
+                        best
+                    }
+                })
                 .0 as u32
         };
         if p.temperature == 0.0 || p.top_k == 1 {
             return greedy();
         }
         // candidates sorted by logit, cut by top-k
-        let mut idx: Vec<u32> = (0..l.len() as u32).filter(|&i| l[i as usize].is_finite()).collect();
+        let mut idx: Vec<u32> = (0..l.len() as u32)
+            .filter(|&i| l[i as usize].is_finite())
+            .collect();
         if idx.is_empty() {
             return greedy();
         }
@@ -136,7 +166,10 @@ impl Sampler {
             idx.truncate(p.top_k);
         }
         let max = l[idx[0] as usize];
-        let mut probs: Vec<f32> = idx.iter().map(|&i| ((l[i as usize] - max) / p.temperature).exp()).collect();
+        let mut probs: Vec<f32> = idx
+            .iter()
+            .map(|&i| ((l[i as usize] - max) / p.temperature).exp())
+            .collect();
         let sum: f32 = probs.iter().sum();
         probs.iter_mut().for_each(|x| *x /= sum);
         // top-p: smallest prefix whose mass reaches top_p
@@ -186,18 +219,33 @@ mod tests {
 
     #[test]
     fn same_seed_same_sequence_different_seed_differs() {
-        let p = SamplingParams { temperature: 1.5, seed: 42, ..Default::default() };
+        let p = SamplingParams {
+            temperature: 1.5,
+            seed: 42,
+            ..Default::default()
+        };
         let run = |p: &SamplingParams| {
             let mut s = Sampler::new(p.clone(), 7, &[]);
             (0..64).map(|_| s.sample(&logits())).collect::<Vec<_>>()
         };
         assert_eq!(run(&p), run(&p));
-        assert_ne!(run(&p), run(&SamplingParams { seed: 43, ..p.clone() }));
+        assert_ne!(
+            run(&p),
+            run(&SamplingParams {
+                seed: 43,
+                ..p.clone()
+            })
+        );
     }
 
     #[test]
     fn top_k_limits_choices() {
-        let p = SamplingParams { temperature: 5.0, top_k: 2, seed: 1, ..Default::default() };
+        let p = SamplingParams {
+            temperature: 5.0,
+            top_k: 2,
+            seed: 1,
+            ..Default::default()
+        };
         let mut s = Sampler::new(p, 7, &[]);
         for _ in 0..200 {
             assert!(matches!(s.sample(&logits()), 1 | 5));
@@ -206,11 +254,29 @@ mod tests {
 
     #[test]
     fn top_p_and_min_p_cut_the_tail() {
-        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_p: 0.5, seed: 3, ..Default::default() }, 7, &[]);
+        let mut s = Sampler::new(
+            SamplingParams {
+                temperature: 1.0,
+                top_p: 0.5,
+                seed: 3,
+                ..Default::default()
+            },
+            7,
+            &[],
+        );
         for _ in 0..200 {
             assert!(matches!(s.sample(&logits()), 1 | 5));
         }
-        let mut s = Sampler::new(SamplingParams { temperature: 1.0, min_p: 0.5, seed: 3, ..Default::default() }, 7, &[]);
+        let mut s = Sampler::new(
+            SamplingParams {
+                temperature: 1.0,
+                min_p: 0.5,
+                seed: 3,
+                ..Default::default()
+            },
+            7,
+            &[],
+        );
         for _ in 0..200 {
             // p(2)/p(1) = e^-1 < 0.5, p(5)/p(1) = e^-0.1 >= 0.5
             assert!(matches!(s.sample(&logits()), 1 | 5));
@@ -219,24 +285,61 @@ mod tests {
 
     #[test]
     fn penalties_change_the_choice() {
-        let mut s = Sampler::new(SamplingParams { presence_penalty: 0.5, ..Default::default() }, 7, &[]);
+        let mut s = Sampler::new(
+            SamplingParams {
+                presence_penalty: 0.5,
+                ..Default::default()
+            },
+            7,
+            &[],
+        );
         s.observe(1);
         assert_eq!(s.sample(&logits()), 5);
-        let mut s = Sampler::new(SamplingParams { frequency_penalty: 0.06, ..Default::default() }, 7, &[]);
+        let mut s = Sampler::new(
+            SamplingParams {
+                frequency_penalty: 0.06,
+                ..Default::default()
+            },
+            7,
+            &[],
+        );
         s.observe(1);
-        assert_eq!(s.sample(&logits()), 1, "one occurrence at 0.06 keeps 3.0 - 0.06 > 2.9");
+        assert_eq!(
+            s.sample(&logits()),
+            1,
+            "one occurrence at 0.06 keeps 3.0 - 0.06 > 2.9"
+        );
         s.observe(1);
         assert_eq!(s.sample(&logits()), 5);
-        let s = Sampler::new(SamplingParams { repetition_penalty: 2.0, ..Default::default() }, 7, &[1, 4]);
+        let s = Sampler::new(
+            SamplingParams {
+                repetition_penalty: 2.0,
+                ..Default::default()
+            },
+            7,
+            &[1, 4],
+        );
         let l = s.adjusted(&logits());
         assert_eq!((l[1], l[4]), (1.5, -2.0));
     }
 
     #[test]
     fn invalid_params_are_named() {
-        let e = SamplingParams { top_p: 0.0, ..Default::default() }.validate().unwrap_err().to_string();
+        let e = SamplingParams {
+            top_p: 0.0,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("top_p"));
-        let e = SamplingParams { temperature: -1.0, ..Default::default() }.validate().unwrap_err().to_string();
+        let e = SamplingParams {
+            temperature: -1.0,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("temperature"));
     }
 }

@@ -35,12 +35,23 @@ impl SessionState {
             .map(|kind| match kind {
                 LayerKind::GatedDeltaNet => LayerCache::GatedDeltaNet {
                     conv: vec![0.0; (c.conv_kernel - 1) * c.conv_dim()],
-                    recurrent: vec![0.0; c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim],
+                    recurrent: vec![
+                        0.0;
+                        c.linear_num_value_heads
+                            * c.linear_key_head_dim
+                            * c.linear_value_head_dim
+                    ],
                 },
-                LayerKind::Attention => LayerCache::Attention { k: Vec::new(), v: Vec::new() },
+                LayerKind::Attention => LayerCache::Attention {
+                    k: Vec::new(),
+                    v: Vec::new(),
+                },
             })
             .collect();
-        SessionState { layers, position: 0 }
+        SessionState {
+            layers,
+            position: 0,
+        }
     }
 
     /// Bytes held by the state.
@@ -64,7 +75,10 @@ pub struct Session {
 
 impl Session {
     pub fn new(c: &ModelConfig) -> Self {
-        Session { state: SessionState::new(c), tokens: Vec::new() }
+        Session {
+            state: SessionState::new(c),
+            tokens: Vec::new(),
+        }
     }
     pub fn position(&self) -> usize {
         self.state.position

@@ -27,12 +27,23 @@ struct Reference {
 
 impl Reference {
     fn load() -> Self {
-        Reference { bytes: std::fs::read(fixtures().join("logits.safetensors")).expect("fixtures/reference/logits.safetensors") }
+        Reference {
+            bytes: std::fs::read(fixtures().join("logits.safetensors"))
+                .expect("fixtures/reference/logits.safetensors"),
+        }
     }
     fn get(&self, name: &str) -> (Vec<f32>, Vec<usize>) {
         let st = SafeTensors::deserialize(&self.bytes).unwrap();
-        let t = st.tensor(name).unwrap_or_else(|_| panic!("reference tensor {name}"));
-        (t.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(), t.shape().to_vec())
+        let t = st
+            .tensor(name)
+            .unwrap_or_else(|_| panic!("reference tensor {name}"));
+        (
+            t.data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            t.shape().to_vec(),
+        )
     }
     fn tokens(&self) -> Vec<u32> {
         self.get("tokens").0.iter().map(|&x| x as u32).collect()
@@ -42,13 +53,17 @@ impl Reference {
 const DECODE_FROM: usize = 70;
 
 fn engine(name: &str) -> Engine {
-    let w = ModelWeights::load(&fixtures().join(name)).unwrap_or_else(|e| panic!("loading {name}: {e:#}"));
+    let w = ModelWeights::load(&fixtures().join(name))
+        .unwrap_or_else(|e| panic!("loading {name}: {e:#}"));
     Engine::new(Box::new(CpuBackend::new(w)))
 }
 
 fn max_abs(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 fn rms(a: &[f32], b: &[f32]) -> f32 {
@@ -56,9 +71,17 @@ fn rms(a: &[f32], b: &[f32]) -> f32 {
 }
 
 fn argmax_agreement(a: &[f32], b: &[f32], vocab: usize) -> f32 {
-    let am = |r: &[f32]| r.iter().enumerate().fold((0, f32::MIN), |m, (i, &x)| if x > m.1 { (i, x) } else { m }).0;
+    let am = |r: &[f32]| {
+        r.iter()
+            .enumerate()
+            .fold((0, f32::MIN), |m, (i, &x)| if x > m.1 { (i, x) } else { m })
+            .0
+    };
     let rows = a.len() / vocab;
-    (0..rows).filter(|&r| am(&a[r * vocab..][..vocab]) == am(&b[r * vocab..][..vocab])).count() as f32 / rows as f32
+    (0..rows)
+        .filter(|&r| am(&a[r * vocab..][..vocab]) == am(&b[r * vocab..][..vocab]))
+        .count() as f32
+        / rows as f32
 }
 
 fn check_f32(name: &str) {
@@ -116,14 +139,24 @@ fn mlx_4bit_is_as_close_to_transformers_bf16_as_transformers_f32_is() {
         let (bf, _) = r.get(&format!("{name}.bf16_prefill"));
         let (f32ref, _) = r.get(&format!("{name}.f32_prefill"));
         let (ours_rms, ref_rms) = (rms(&ours, &bf), rms(&f32ref, &bf));
-        assert!(ours_rms <= 1.25 * ref_rms + 1e-3, "{name}: rms to bf16 {ours_rms} vs transformers f32's {ref_rms}");
-        let (a_ours, a_ref) = (argmax_agreement(&ours, &bf, vocab), argmax_agreement(&f32ref, &bf, vocab));
-        assert!(a_ours + 0.02 >= a_ref, "{name}: top-1 agreement {a_ours} vs {a_ref}");
+        assert!(
+            ours_rms <= 1.25 * ref_rms + 1e-3,
+            "{name}: rms to bf16 {ours_rms} vs transformers f32's {ref_rms}"
+        );
+        let (a_ours, a_ref) = (
+            argmax_agreement(&ours, &bf, vocab),
+            argmax_agreement(&f32ref, &bf, vocab),
+        );
+        assert!(
+            a_ours + 0.02 >= a_ref,
+            "{name}: top-1 agreement {a_ours} vs {a_ref}"
+        );
     }
 }
 
 fn backend(form: GdnForm) -> CpuBackend {
-    CpuBackend::new(ModelWeights::load(&fixtures().join("qwen35_q4g64")).unwrap()).with_gdn_form(form)
+    CpuBackend::new(ModelWeights::load(&fixtures().join("qwen35_q4g64")).unwrap())
+        .with_gdn_form(form)
 }
 
 #[test]
@@ -188,4 +221,3 @@ fn out_of_vocabulary_token_is_an_error() {
     let err = e.prefill(&mut s, &[1, 5000]).unwrap_err().to_string();
     assert!(err.contains("5000"), "{err}");
 }
-

@@ -48,13 +48,17 @@ impl Checkpoint {
         let mut maps = Vec::with_capacity(files.len());
         let mut tensors = BTreeMap::new();
         for (fi, path) in files.iter().enumerate() {
-            let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+            let file =
+                File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
             // SAFETY: the map is read-only; the checkpoint must not be modified while loaded,
             // as for every memory-mapped model loader.
             let map = unsafe { Mmap::map(&file) }
                 .with_context(|| format!("cannot memory-map {}", path.display()))?;
             let st = SafeTensors::deserialize(&map).map_err(|e| {
-                anyhow::anyhow!("{} is not a valid safetensors file (truncated or corrupt?): {e}", path.display())
+                anyhow::anyhow!(
+                    "{} is not a valid safetensors file (truncated or corrupt?): {e}",
+                    path.display()
+                )
             })?;
             let base = map.as_ptr() as usize;
             for (name, view) in st.tensors() {
@@ -81,7 +85,12 @@ impl Checkpoint {
             }
             maps.push(Arc::new(map));
         }
-        Ok(Checkpoint { dir: dir.to_path_buf(), files, maps, tensors })
+        Ok(Checkpoint {
+            dir: dir.to_path_buf(),
+            files,
+            maps,
+            tensors,
+        })
     }
 
     pub fn get(&self, name: &str) -> Option<&TensorEntry> {
@@ -110,10 +119,16 @@ fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
         let mut names = BTreeSet::new();
         for (tensor, file) in map {
             let f = file.as_str().with_context(|| {
-                format!("{}: weight_map entry for {tensor} is not a file name", index.display())
+                format!(
+                    "{}: weight_map entry for {tensor} is not a file name",
+                    index.display()
+                )
             })?;
             if f.contains('/') || f.contains("..") {
-                bail!("{}: weight_map names a file outside the directory: {f}", index.display());
+                bail!(
+                    "{}: weight_map names a file outside the directory: {f}",
+                    index.display()
+                );
             }
             names.insert(f.to_string());
         }
@@ -124,7 +139,11 @@ fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
             .map(|p| p.display().to_string())
             .collect();
         if !missing.is_empty() {
-            bail!("shards named in {} are missing: {}", index.display(), missing.join(", "));
+            bail!(
+                "shards named in {} are missing: {}",
+                index.display(),
+                missing.join(", ")
+            );
         }
         return Ok(files);
     }

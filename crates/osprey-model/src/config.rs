@@ -143,8 +143,7 @@ impl ModelConfig {
     }
 
     pub fn from_json_str(text: &str) -> Result<Self> {
-        let root: Value =
-            serde_json::from_str(text).context("config.json is not valid JSON")?;
+        let root: Value = serde_json::from_str(text).context("config.json is not valid JSON")?;
         let root = root
             .as_object()
             .context("config.json must hold a JSON object")?;
@@ -166,7 +165,10 @@ impl ModelConfig {
                  (expected qwen3_5_moe, qwen3_5_moe_text or qwen3_next)"
             ),
         };
-        let f = Fields { obj: text_obj, prefix };
+        let f = Fields {
+            obj: text_obj,
+            prefix,
+        };
 
         let num_layers = f.usize("num_hidden_layers")?;
         let layers = parse_layer_kinds(&f, num_layers)?;
@@ -176,12 +178,18 @@ impl ModelConfig {
         let head_dim = f.usize_or("head_dim", hidden_size / num_attention_heads)?;
 
         // rope settings: newer configs nest them in rope_parameters, older ones keep them flat.
-        let rope_obj = match text_obj.get("rope_parameters").or(text_obj.get("rope_scaling")) {
+        let rope_obj = match text_obj
+            .get("rope_parameters")
+            .or(text_obj.get("rope_scaling"))
+        {
             Some(Value::Object(o)) => Some(o),
             _ => None,
         };
         let rope_prefix = format!("{prefix}rope_parameters.");
-        let rope_fields = rope_obj.map(|o| Fields { obj: o, prefix: &rope_prefix });
+        let rope_fields = rope_obj.map(|o| Fields {
+            obj: o,
+            prefix: &rope_prefix,
+        });
         if let Some(rf) = &rope_fields {
             if let Some(kind) = rf.get("rope_type").and_then(Value::as_str) {
                 if kind != "default" {
@@ -230,7 +238,11 @@ impl ModelConfig {
 
         let tie = match f.get("tie_word_embeddings") {
             Some(_) => f.bool_or("tie_word_embeddings", false)?,
-            None => Fields { obj: root, prefix: "" }.bool_or("tie_word_embeddings", false)?,
+            None => Fields {
+                obj: root,
+                prefix: "",
+            }
+            .bool_or("tie_word_embeddings", false)?,
         };
 
         let cfg = ModelConfig {
@@ -265,19 +277,28 @@ impl ModelConfig {
 
     fn check_consistency(&self, p: &str) -> Result<()> {
         let mut problems = Vec::new();
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             problems.push(format!(
                 "\"{p}num_attention_heads\" ({}) must be a multiple of \"{p}num_key_value_heads\" ({})",
                 self.num_attention_heads, self.num_key_value_heads
             ));
         }
-        if self.linear_num_value_heads % self.linear_num_key_heads != 0 {
+        if !self
+            .linear_num_value_heads
+            .is_multiple_of(self.linear_num_key_heads)
+        {
             problems.push(format!(
                 "\"{p}linear_num_value_heads\" ({}) must be a multiple of \"{p}linear_num_key_heads\" ({})",
                 self.linear_num_value_heads, self.linear_num_key_heads
             ));
         }
-        if self.rotary_dim == 0 || self.rotary_dim % 2 != 0 || self.rotary_dim > self.head_dim {
+        if self.rotary_dim == 0
+            || !self.rotary_dim.is_multiple_of(2)
+            || self.rotary_dim > self.head_dim
+        {
             problems.push(format!(
                 "\"{p}partial_rotary_factor\" gives a rotary dimension of {} for head_dim {}: it must be even, positive and at most head_dim",
                 self.rotary_dim, self.head_dim
@@ -313,7 +334,10 @@ impl ModelConfig {
         2 * self.linear_key_dim() + self.linear_value_dim()
     }
     pub fn attention_layers(&self) -> usize {
-        self.layers.iter().filter(|k| **k == LayerKind::Attention).count()
+        self.layers
+            .iter()
+            .filter(|k| **k == LayerKind::Attention)
+            .count()
     }
     pub fn gdn_layers(&self) -> usize {
         self.layers.len() - self.attention_layers()
@@ -327,7 +351,10 @@ impl ModelConfig {
 fn parse_layer_kinds(f: &Fields, num_layers: usize) -> Result<Vec<LayerKind>> {
     if let Some(v) = f.get("layer_types") {
         let arr = v.as_array().with_context(|| {
-            format!("config.json: field \"{}\" must be a list", f.name("layer_types"))
+            format!(
+                "config.json: field \"{}\" must be a list",
+                f.name("layer_types")
+            )
         })?;
         if arr.len() != num_layers {
             bail!(
@@ -368,7 +395,10 @@ fn parse_quantization(root: &Map<String, Value>) -> Result<Option<QuantSpec>> {
         Some(Value::Object(q)) => q,
         Some(_) => bail!("config.json: field \"quantization\" must be an object"),
     };
-    let f = Fields { obj: q, prefix: "quantization." };
+    let f = Fields {
+        obj: q,
+        prefix: "quantization.",
+    };
     if let Some(mode) = q.get("mode").and_then(Value::as_str) {
         if mode != "affine" {
             bail!("config.json: field \"quantization.mode\" = \"{mode}\" is not supported (only affine)");
@@ -381,14 +411,21 @@ fn parse_quantization(root: &Map<String, Value>) -> Result<Option<QuantSpec>> {
     for (key, value) in q {
         if let Value::Object(o) = value {
             let prefix = format!("quantization.{key}.");
-            let of = Fields { obj: o, prefix: &prefix };
+            let of = Fields {
+                obj: o,
+                prefix: &prefix,
+            };
             let b = of.usize_or("bits", bits as usize)? as u32;
             let g = of.usize_or("group_size", group_size)?;
             check_bits_group(b, g, &format!("quantization.{key}"))?;
             overrides.insert(canonical_name(key), (b, g));
         }
     }
-    Ok(Some(QuantSpec { bits, group_size, overrides }))
+    Ok(Some(QuantSpec {
+        bits,
+        group_size,
+        overrides,
+    }))
 }
 
 fn check_bits_group(bits: u32, group: usize, field: &str) -> Result<()> {
@@ -396,7 +433,9 @@ fn check_bits_group(bits: u32, group: usize, field: &str) -> Result<()> {
         bail!("config.json: field \"{field}.bits\" = {bits} is not supported (4 or 8)");
     }
     if !matches!(group, 32 | 64 | 128) {
-        bail!("config.json: field \"{field}.group_size\" = {group} is not supported (32, 64 or 128)");
+        bail!(
+            "config.json: field \"{field}.group_size\" = {group} is not supported (32, 64 or 128)"
+        );
     }
     Ok(())
 }
@@ -440,8 +479,13 @@ mod tests {
     #[test]
     fn missing_field_is_named() {
         let mut v: Value = serde_json::from_str(REAL).unwrap();
-        v["text_config"].as_object_mut().unwrap().remove("hidden_size");
-        let err = ModelConfig::from_json_str(&v.to_string()).unwrap_err().to_string();
+        v["text_config"]
+            .as_object_mut()
+            .unwrap()
+            .remove("hidden_size");
+        let err = ModelConfig::from_json_str(&v.to_string())
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("text_config.hidden_size"), "{err}");
     }
 
@@ -449,7 +493,9 @@ mod tests {
     fn wrong_type_is_named() {
         let mut v: Value = serde_json::from_str(REAL).unwrap();
         v["text_config"]["num_experts"] = Value::String("many".into());
-        let err = ModelConfig::from_json_str(&v.to_string()).unwrap_err().to_string();
+        let err = ModelConfig::from_json_str(&v.to_string())
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("text_config.num_experts"), "{err}");
     }
 
@@ -465,7 +511,9 @@ mod tests {
     fn inconsistent_heads_are_reported() {
         let mut v: Value = serde_json::from_str(REAL).unwrap();
         v["text_config"]["num_key_value_heads"] = 3.into();
-        let err = ModelConfig::from_json_str(&v.to_string()).unwrap_err().to_string();
+        let err = ModelConfig::from_json_str(&v.to_string())
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("num_key_value_heads"), "{err}");
     }
 
@@ -479,14 +527,19 @@ mod tests {
         let c = ModelConfig::from_json_str(&v.to_string()).unwrap();
         let q = c.quantization.unwrap();
         assert_eq!(q.for_module("model.layers.0.mlp.gate"), (8, 64));
-        assert_eq!(q.for_module("model.layers.0.mlp.shared_expert.up_proj"), (4, 64));
+        assert_eq!(
+            q.for_module("model.layers.0.mlp.shared_expert.up_proj"),
+            (4, 64)
+        );
     }
 
     #[test]
     fn bad_quant_bits_rejected() {
         let mut v: Value = serde_json::from_str(REAL).unwrap();
         v["quantization"] = serde_json::json!({"group_size": 64, "bits": 3});
-        let err = ModelConfig::from_json_str(&v.to_string()).unwrap_err().to_string();
+        let err = ModelConfig::from_json_str(&v.to_string())
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("quantization.bits"), "{err}");
     }
 

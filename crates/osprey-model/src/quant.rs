@@ -42,5 +42,4 @@ mod tests {
         dequantize_words(8, &words, |_| 2.0, |_| -1.0, 4, &mut out);
         assert_eq!(out, [1.0, 3.0, 5.0, 7.0]);
     }
-
 }

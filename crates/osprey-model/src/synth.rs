@@ -26,10 +26,22 @@ use crate::config::{LayerKind, ModelConfig};
 
 pub const REAL_CONFIG: &str = include_str!("../../../assets/qwen3.6-35b-a3b/config.json");
 const MODEL_FILES: [(&str, &[u8]); 4] = [
-    ("tokenizer.json", include_bytes!("../../../assets/qwen3.6-35b-a3b/tokenizer.json")),
-    ("tokenizer_config.json", include_bytes!("../../../assets/qwen3.6-35b-a3b/tokenizer_config.json")),
-    ("chat_template.jinja", include_bytes!("../../../assets/qwen3.6-35b-a3b/chat_template.jinja")),
-    ("generation_config.json", include_bytes!("../../../assets/qwen3.6-35b-a3b/generation_config.json")),
+    (
+        "tokenizer.json",
+        include_bytes!("../../../assets/qwen3.6-35b-a3b/tokenizer.json"),
+    ),
+    (
+        "tokenizer_config.json",
+        include_bytes!("../../../assets/qwen3.6-35b-a3b/tokenizer_config.json"),
+    ),
+    (
+        "chat_template.jinja",
+        include_bytes!("../../../assets/qwen3.6-35b-a3b/chat_template.jinja"),
+    ),
+    (
+        "generation_config.json",
+        include_bytes!("../../../assets/qwen3.6-35b-a3b/generation_config.json"),
+    ),
 ];
 
 /// Damping of block output projections (see module docs).
@@ -71,7 +83,9 @@ pub struct SynthOptions {
 /// MLX quantisation section (router and shared-expert gate at 8 bits, as mlx-lm's predicate does).
 pub fn synthetic_config(opts: &SynthOptions) -> Result<Value> {
     let mut root: Value = serde_json::from_str(REAL_CONFIG)?;
-    let tc = root["text_config"].as_object_mut().context("real config has no text_config")?;
+    let tc = root["text_config"]
+        .as_object_mut()
+        .context("real config has no text_config")?;
     if opts.preset == Preset::Tiny {
         for (k, v) in [
             ("hidden_size", 256),
@@ -92,13 +106,21 @@ pub fn synthetic_config(opts: &SynthOptions) -> Result<Value> {
         }
         tc["rope_parameters"]["mrope_section"] = json!([3, 3, 2]);
     }
-    let layers = opts.layers.unwrap_or(tc["num_hidden_layers"].as_u64().unwrap_or(40) as usize);
+    let layers = opts
+        .layers
+        .unwrap_or(tc["num_hidden_layers"].as_u64().unwrap_or(40) as usize);
     if layers == 0 {
         bail!("--layers must be at least 1");
     }
     tc.insert("num_hidden_layers".into(), json!(layers));
     let types: Vec<&str> = (0..layers)
-        .map(|i| if (i + 1) % 4 == 0 { "full_attention" } else { "linear_attention" })
+        .map(|i| {
+            if (i + 1) % 4 == 0 {
+                "full_attention"
+            } else {
+                "linear_attention"
+            }
+        })
         .collect();
     tc.insert("layer_types".into(), json!(types));
     let mut q = serde_json::Map::new();
@@ -107,7 +129,10 @@ pub fn synthetic_config(opts: &SynthOptions) -> Result<Value> {
     q.insert("mode".into(), json!("affine"));
     for i in 0..layers {
         for m in ["mlp.gate", "mlp.shared_expert_gate"] {
-            q.insert(format!("language_model.model.layers.{i}.{m}"), json!({"group_size": 64, "bits": 8}));
+            q.insert(
+                format!("language_model.model.layers.{i}.{m}"),
+                json!({"group_size": 64, "bits": 8}),
+            );
         }
     }
     root["quantization"] = Value::Object(q.clone());
@@ -120,12 +145,23 @@ enum Gen {
     /// Uniform random codes of `bits` bits, packed.
     Codes,
     /// Per-group scale giving weights of standard deviation `sigma`.
-    Scale { sigma: f32, bits: u32 },
+    Scale {
+        sigma: f32,
+        bits: u32,
+    },
     /// Per-group bias centring the codes (depends on the scale stream `scale_seed`).
-    Bias { sigma: f32, bits: u32, scale_seed: u64 },
+    Bias {
+        sigma: f32,
+        bits: u32,
+        scale_seed: u64,
+    },
     /// `1 + u`, u uniform in ±amp (norm scales).
-    OnePlus { amp: f32 },
-    Uniform { amp: f32 },
+    OnePlus {
+        amp: f32,
+    },
+    Uniform {
+        amp: f32,
+    },
     /// `log(U(1, 16))`, the real model's A_log init.
     ALog,
     /// softplus⁻¹ of a log-uniform step in [0.001, 0.1].
@@ -152,7 +188,12 @@ impl Planned {
         self.shape.iter().product()
     }
     fn bytes(&self) -> usize {
-        self.elems() * if self.dtype == DType::U32 || self.dtype == DType::F32 { 4 } else { 2 }
+        self.elems()
+            * if self.dtype == DType::U32 || self.dtype == DType::F32 {
+                4
+            } else {
+                2
+            }
     }
 }
 
@@ -164,19 +205,55 @@ struct Planner {
 impl Planner {
     fn next_seed(&mut self) -> u64 {
         let n = self.out.len() as u64;
-        self.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(n.wrapping_mul(0xD1B5_4A32_D192_ED03)) ^ n
+        self.seed
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            .wrapping_add(n.wrapping_mul(0xD1B5_4A32_D192_ED03))
+            ^ n
     }
     fn push(&mut self, name: String, shape: Vec<usize>, dtype: DType, gen: Gen) -> u64 {
         let seed = self.next_seed();
-        self.out.push(Planned { name, shape, dtype, gen, seed });
+        self.out.push(Planned {
+            name,
+            shape,
+            dtype,
+            gen,
+            seed,
+        });
         seed
     }
     /// A quantised linear `[lead…, rows, cols]` with weight standard deviation `sigma`.
-    fn linear(&mut self, module: &str, lead: &[usize], rows: usize, cols: usize, bits: u32, sigma: f32) {
+    fn linear(
+        &mut self,
+        module: &str,
+        lead: &[usize],
+        rows: usize,
+        cols: usize,
+        bits: u32,
+        sigma: f32,
+    ) {
         let shape = |last: usize| [lead, &[rows, last]].concat();
-        self.push(format!("{module}.weight"), shape(cols * bits as usize / 32), DType::U32, Gen::Codes);
-        let scale_seed = self.push(format!("{module}.scales"), shape(cols / 64), DType::Bf16, Gen::Scale { sigma, bits });
-        self.push(format!("{module}.biases"), shape(cols / 64), DType::Bf16, Gen::Bias { sigma, bits, scale_seed });
+        self.push(
+            format!("{module}.weight"),
+            shape(cols * bits as usize / 32),
+            DType::U32,
+            Gen::Codes,
+        );
+        let scale_seed = self.push(
+            format!("{module}.scales"),
+            shape(cols / 64),
+            DType::Bf16,
+            Gen::Scale { sigma, bits },
+        );
+        self.push(
+            format!("{module}.biases"),
+            shape(cols / 64),
+            DType::Bf16,
+            Gen::Bias {
+                sigma,
+                bits,
+                scale_seed,
+            },
+        );
     }
     fn vector(&mut self, name: String, len: usize, dtype: DType, gen: Gen) {
         self.push(name, vec![len], dtype, gen);
@@ -184,21 +261,61 @@ impl Planner {
 }
 
 fn plan(cfg: &ModelConfig, seed: u64) -> Vec<Planned> {
-    let mut p = Planner { seed, out: Vec::new() };
+    let mut p = Planner {
+        seed,
+        out: Vec::new(),
+    };
     let h = cfg.hidden_size;
     let inv = |fan_in: usize| 1.0 / (fan_in as f32).sqrt();
     let lm = "language_model";
-    p.linear(&format!("{lm}.model.embed_tokens"), &[], cfg.vocab_size, h, 4, 1.0);
-    p.linear(&format!("{lm}.lm_head"), &[], cfg.vocab_size, h, 4, LOGIT_STD * inv(h));
-    p.vector(format!("{lm}.model.norm.weight"), h, DType::Bf16, Gen::OnePlus { amp: 0.1 });
+    p.linear(
+        &format!("{lm}.model.embed_tokens"),
+        &[],
+        cfg.vocab_size,
+        h,
+        4,
+        1.0,
+    );
+    p.linear(
+        &format!("{lm}.lm_head"),
+        &[],
+        cfg.vocab_size,
+        h,
+        4,
+        LOGIT_STD * inv(h),
+    );
+    p.vector(
+        format!("{lm}.model.norm.weight"),
+        h,
+        DType::Bf16,
+        Gen::OnePlus { amp: 0.1 },
+    );
     let (kd, vd) = (cfg.linear_key_dim(), cfg.linear_value_dim());
     let (hv, dv) = (cfg.linear_num_value_heads, cfg.linear_value_head_dim);
-    let (hq, hkv, d) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
-    let (e, i, is) = (cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size);
+    let (hq, hkv, d) = (
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+    );
+    let (e, i, is) = (
+        cfg.num_experts,
+        cfg.moe_intermediate_size,
+        cfg.shared_expert_intermediate_size,
+    );
     for (l, kind) in cfg.layers.iter().enumerate() {
         let pre = format!("{lm}.model.layers.{l}");
-        p.vector(format!("{pre}.input_layernorm.weight"), h, DType::Bf16, Gen::OnePlus { amp: 0.1 });
-        p.vector(format!("{pre}.post_attention_layernorm.weight"), h, DType::Bf16, Gen::OnePlus { amp: 0.1 });
+        p.vector(
+            format!("{pre}.input_layernorm.weight"),
+            h,
+            DType::Bf16,
+            Gen::OnePlus { amp: 0.1 },
+        );
+        p.vector(
+            format!("{pre}.post_attention_layernorm.weight"),
+            h,
+            DType::Bf16,
+            Gen::OnePlus { amp: 0.1 },
+        );
         match kind {
             LayerKind::GatedDeltaNet => {
                 let a = format!("{pre}.linear_attn");
@@ -206,31 +323,86 @@ fn plan(cfg: &ModelConfig, seed: u64) -> Vec<Planned> {
                 p.linear(&format!("{a}.in_proj_z"), &[], vd, h, 4, inv(h));
                 p.linear(&format!("{a}.in_proj_b"), &[], hv, h, 4, inv(h));
                 p.linear(&format!("{a}.in_proj_a"), &[], hv, h, 4, inv(h));
-                p.push(format!("{a}.conv1d.weight"), vec![2 * kd + vd, cfg.conv_kernel, 1], DType::Bf16, Gen::Uniform { amp: 0.9 });
+                p.push(
+                    format!("{a}.conv1d.weight"),
+                    vec![2 * kd + vd, cfg.conv_kernel, 1],
+                    DType::Bf16,
+                    Gen::Uniform { amp: 0.9 },
+                );
                 p.vector(format!("{a}.A_log"), hv, DType::F32, Gen::ALog);
                 p.vector(format!("{a}.dt_bias"), hv, DType::Bf16, Gen::DtBias);
-                p.vector(format!("{a}.norm.weight"), dv, DType::Bf16, Gen::OnePlus { amp: 0.1 });
-                p.linear(&format!("{a}.out_proj"), &[], h, vd, 4, OUTPUT_GAIN * inv(vd));
+                p.vector(
+                    format!("{a}.norm.weight"),
+                    dv,
+                    DType::Bf16,
+                    Gen::OnePlus { amp: 0.1 },
+                );
+                p.linear(
+                    &format!("{a}.out_proj"),
+                    &[],
+                    h,
+                    vd,
+                    4,
+                    OUTPUT_GAIN * inv(vd),
+                );
             }
             LayerKind::Attention => {
                 let a = format!("{pre}.self_attn");
                 p.linear(&format!("{a}.q_proj"), &[], 2 * hq * d, h, 4, inv(h));
                 p.linear(&format!("{a}.k_proj"), &[], hkv * d, h, 4, inv(h));
                 p.linear(&format!("{a}.v_proj"), &[], hkv * d, h, 4, inv(h));
-                p.linear(&format!("{a}.o_proj"), &[], h, hq * d, 4, OUTPUT_GAIN * inv(hq * d));
-                p.vector(format!("{a}.q_norm.weight"), d, DType::Bf16, Gen::OnePlus { amp: 0.1 });
-                p.vector(format!("{a}.k_norm.weight"), d, DType::Bf16, Gen::OnePlus { amp: 0.1 });
+                p.linear(
+                    &format!("{a}.o_proj"),
+                    &[],
+                    h,
+                    hq * d,
+                    4,
+                    OUTPUT_GAIN * inv(hq * d),
+                );
+                p.vector(
+                    format!("{a}.q_norm.weight"),
+                    d,
+                    DType::Bf16,
+                    Gen::OnePlus { amp: 0.1 },
+                );
+                p.vector(
+                    format!("{a}.k_norm.weight"),
+                    d,
+                    DType::Bf16,
+                    Gen::OnePlus { amp: 0.1 },
+                );
             }
         }
         let m = format!("{pre}.mlp");
         p.linear(&format!("{m}.gate"), &[], e, h, 8, ROUTER_STD * inv(h));
         p.linear(&format!("{m}.shared_expert_gate"), &[], 1, h, 8, inv(h));
-        p.linear(&format!("{m}.shared_expert.gate_proj"), &[], is, h, 4, inv(h));
+        p.linear(
+            &format!("{m}.shared_expert.gate_proj"),
+            &[],
+            is,
+            h,
+            4,
+            inv(h),
+        );
         p.linear(&format!("{m}.shared_expert.up_proj"), &[], is, h, 4, inv(h));
-        p.linear(&format!("{m}.shared_expert.down_proj"), &[], h, is, 4, OUTPUT_GAIN * inv(is));
+        p.linear(
+            &format!("{m}.shared_expert.down_proj"),
+            &[],
+            h,
+            is,
+            4,
+            OUTPUT_GAIN * inv(is),
+        );
         p.linear(&format!("{m}.switch_mlp.gate_proj"), &[e], i, h, 4, inv(h));
         p.linear(&format!("{m}.switch_mlp.up_proj"), &[e], i, h, 4, inv(h));
-        p.linear(&format!("{m}.switch_mlp.down_proj"), &[e], h, i, 4, OUTPUT_GAIN * inv(i));
+        p.linear(
+            &format!("{m}.switch_mlp.down_proj"),
+            &[e],
+            h,
+            i,
+            4,
+            OUTPUT_GAIN * inv(i),
+        );
     }
     p.out
 }
@@ -257,11 +429,17 @@ fn generate(t: &Planned, first: usize, out: &mut [u8]) {
     let chunk = first / CHUNK_ELEMS;
     let mut rng = chunk_rng(t.seed, chunk);
     match t.gen {
-        Gen::Codes => out.chunks_exact_mut(4).for_each(|w| w.copy_from_slice(&rng.random::<u32>().to_le_bytes())),
+        Gen::Codes => out
+            .chunks_exact_mut(4)
+            .for_each(|w| w.copy_from_slice(&rng.random::<u32>().to_le_bytes())),
         Gen::Scale { sigma, bits } => out.chunks_exact_mut(2).for_each(|w| {
             w.copy_from_slice(&bf16::from_f32(group_scale(&mut rng, sigma, bits)).to_le_bytes())
         }),
-        Gen::Bias { sigma, bits, scale_seed } => {
+        Gen::Bias {
+            sigma,
+            bits,
+            scale_seed,
+        } => {
             let mut srng = chunk_rng(scale_seed, chunk);
             let mid = ((1u64 << bits) - 1) as f32 / 2.0;
             out.chunks_exact_mut(2).for_each(|w| {
@@ -276,9 +454,9 @@ fn generate(t: &Planned, first: usize, out: &mut [u8]) {
         Gen::Uniform { amp } => out.chunks_exact_mut(2).for_each(|w| {
             w.copy_from_slice(&bf16::from_f32(rng.random_range(-amp..amp)).to_le_bytes())
         }),
-        Gen::ALog => out.chunks_exact_mut(4).for_each(|w| {
-            w.copy_from_slice(&rng.random_range(1.0f32..16.0).ln().to_le_bytes())
-        }),
+        Gen::ALog => out
+            .chunks_exact_mut(4)
+            .for_each(|w| w.copy_from_slice(&rng.random_range(1.0f32..16.0).ln().to_le_bytes())),
         Gen::DtBias => out.chunks_exact_mut(2).for_each(|w| {
             let dt = rng.random_range(0.001f32.ln()..0.1f32.ln()).exp();
             let inv_softplus = dt + (-(-dt).exp_m1()).ln();
@@ -287,7 +465,12 @@ fn generate(t: &Planned, first: usize, out: &mut [u8]) {
     }
 }
 
-fn write_tensor(t: &Planned, w: &mut impl Write, buf: &mut Vec<u8>, bar: &ProgressBar) -> Result<()> {
+fn write_tensor(
+    t: &Planned,
+    w: &mut impl Write,
+    buf: &mut Vec<u8>,
+    bar: &ProgressBar,
+) -> Result<()> {
     let elem = t.bytes() / t.elems().max(1);
     let total = t.elems();
     let batch = CHUNK_ELEMS * rayon::current_num_threads().max(1) * 4;
@@ -322,17 +505,25 @@ pub fn write_checkpoint(out: &Path, opts: &SynthOptions) -> Result<u64> {
             size = 0;
         }
         size += t.bytes();
-        shards.last_mut().map(|s| s.push(t));
+        if let Some(s) = shards.last_mut() {
+            s.push(t)
+        }
     }
     for s in &mut shards {
         s.sort_by_key(|t| t.dtype != DType::U32);
     }
 
     let total: u64 = planned.iter().map(|t| t.bytes() as u64).sum();
-    let bar = if opts.show_progress { ProgressBar::new(total) } else { ProgressBar::hidden() };
+    let bar = if opts.show_progress {
+        ProgressBar::new(total)
+    } else {
+        ProgressBar::hidden()
+    };
     bar.set_style(
-        ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
-            .map_err(|e| anyhow::anyhow!("progress template: {e}"))?,
+        ProgressStyle::with_template(
+            "{msg} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+        )
+        .map_err(|e| anyhow::anyhow!("progress template: {e}"))?,
     );
     let n = shards.len();
     let mut weight_map = BTreeMap::new();
@@ -365,7 +556,10 @@ pub fn write_checkpoint(out: &Path, opts: &SynthOptions) -> Result<u64> {
             header.push(b' ');
         }
         let path = out.join(&file_name);
-        let mut w = BufWriter::with_capacity(1 << 22, File::create(&path).with_context(|| format!("cannot create {}", path.display()))?);
+        let mut w = BufWriter::with_capacity(
+            1 << 22,
+            File::create(&path).with_context(|| format!("cannot create {}", path.display()))?,
+        );
         w.write_all(&(header.len() as u64).to_le_bytes())?;
         w.write_all(&header)?;
         for t in shard {
@@ -376,9 +570,15 @@ pub fn write_checkpoint(out: &Path, opts: &SynthOptions) -> Result<u64> {
     bar.finish_and_clear();
     if n > 1 {
         let index = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
-        std::fs::write(out.join("model.safetensors.index.json"), serde_json::to_vec_pretty(&index)?)?;
+        std::fs::write(
+            out.join("model.safetensors.index.json"),
+            serde_json::to_vec_pretty(&index)?,
+        )?;
     }
-    std::fs::write(out.join("config.json"), serde_json::to_vec_pretty(&config_json)?)?;
+    std::fs::write(
+        out.join("config.json"),
+        serde_json::to_vec_pretty(&config_json)?,
+    )?;
     for (name, bytes) in MODEL_FILES {
         std::fs::write(out.join(name), bytes)?;
     }
@@ -392,7 +592,12 @@ mod tests {
 
     fn tiny(seed: u64, layers: usize) -> (tempfile::TempDir, u64) {
         let dir = tempfile::tempdir().unwrap();
-        let opts = SynthOptions { preset: Preset::Tiny, layers: Some(layers), seed, show_progress: false };
+        let opts = SynthOptions {
+            preset: Preset::Tiny,
+            layers: Some(layers),
+            seed,
+            show_progress: false,
+        };
         let n = write_checkpoint(dir.path(), &opts).unwrap();
         (dir, n)
     }
@@ -423,7 +628,8 @@ mod tests {
         let (a, _) = tiny(7, 1);
         let (b, _) = tiny(7, 1);
         let (c, _) = tiny(8, 1);
-        let read = |d: &tempfile::TempDir| std::fs::read(d.path().join("model.safetensors")).unwrap();
+        let read =
+            |d: &tempfile::TempDir| std::fs::read(d.path().join("model.safetensors")).unwrap();
         assert_eq!(read(&a), read(&b));
         assert_ne!(read(&a), read(&c));
     }

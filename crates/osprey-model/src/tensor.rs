@@ -16,7 +16,11 @@ pub struct Buf<T: Pod> {
 
 #[derive(Clone)]
 enum BufInner<T: Pod> {
-    Mapped { map: Arc<Mmap>, start: usize, len: usize },
+    Mapped {
+        map: Arc<Mmap>,
+        start: usize,
+        len: usize,
+    },
     Owned(Arc<Vec<T>>),
 }
 
@@ -24,14 +28,22 @@ impl<T: Pod> Buf<T> {
     /// `len` elements of `T` at byte offset `start` of `map`.
     pub fn mapped(map: &Arc<Mmap>, start: usize, len: usize) -> Self {
         let bytes = &map[start..start + len * std::mem::size_of::<T>()];
-        if (bytes.as_ptr() as usize) % std::mem::align_of::<T>() == 0 {
-            Buf { inner: BufInner::Mapped { map: map.clone(), start, len } }
+        if (bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>()) {
+            Buf {
+                inner: BufInner::Mapped {
+                    map: map.clone(),
+                    start,
+                    len,
+                },
+            }
         } else {
             Buf::owned(bytemuck::pod_collect_to_vec(bytes))
         }
     }
     pub fn owned(v: Vec<T>) -> Self {
-        Buf { inner: BufInner::Owned(Arc::new(v)) }
+        Buf {
+            inner: BufInner::Owned(Arc::new(v)),
+        }
     }
     pub fn as_slice(&self) -> &[T] {
         match &self.inner {
@@ -127,7 +139,13 @@ pub enum MatrixData {
     /// MLX affine quantisation (model-spec §5.5): row-major packed little-endian u32 words,
     /// element `j` of a row is bits `[(j % per_word) * bits, ...)` of word `j / per_word`;
     /// one scale and bias per `group` consecutive elements of a row.
-    Quantized { bits: u32, group: usize, codes: Buf<u32>, scales: FloatBuf, biases: FloatBuf },
+    Quantized {
+        bits: u32,
+        group: usize,
+        codes: Buf<u32>,
+        scales: FloatBuf,
+        biases: FloatBuf,
+    },
     /// Plain row-major floating-point weights.
     Dense(FloatBuf),
 }
@@ -143,9 +161,12 @@ pub struct Matrix {
 impl Matrix {
     pub fn storage_bytes(&self) -> usize {
         match &self.data {
-            MatrixData::Quantized { codes, scales, biases, .. } => {
-                codes.byte_len() + scales.byte_len() + biases.byte_len()
-            }
+            MatrixData::Quantized {
+                codes,
+                scales,
+                biases,
+                ..
+            } => codes.byte_len() + scales.byte_len() + biases.byte_len(),
             MatrixData::Dense(d) => d.byte_len(),
         }
     }
@@ -161,7 +182,13 @@ impl Matrix {
         debug_assert_eq!(out.len(), self.cols);
         match &self.data {
             MatrixData::Dense(d) => d.read_into(r * self.cols, out),
-            MatrixData::Quantized { bits, group, codes, scales, biases } => {
+            MatrixData::Quantized {
+                bits,
+                group,
+                codes,
+                scales,
+                biases,
+            } => {
                 let wpr = self.words_per_row();
                 let words = &codes.as_slice()[r * wpr..(r + 1) * wpr];
                 let groups = self.cols / group;
@@ -189,14 +216,22 @@ pub struct Linear {
 impl Linear {
     pub fn whole(m: Matrix) -> Self {
         let rows = m.rows;
-        Linear { matrix: Arc::new(m), row0: 0, rows }
+        Linear {
+            matrix: Arc::new(m),
+            row0: 0,
+            rows,
+        }
     }
     pub fn cols(&self) -> usize {
         self.matrix.cols
     }
     pub fn rows_of(matrix: &Arc<Matrix>, row0: usize, rows: usize) -> Self {
         assert!(row0 + rows <= matrix.rows, "row window outside matrix");
-        Linear { matrix: matrix.clone(), row0, rows }
+        Linear {
+            matrix: matrix.clone(),
+            row0,
+            rows,
+        }
     }
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         self.matrix.dequantize_row(self.row0 + r, out)

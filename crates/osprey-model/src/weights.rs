@@ -45,7 +45,12 @@ pub enum Mixer {
 /// Input projections of a Gated DeltaNet layer.
 pub enum GdnProjections {
     /// Qwen3.5/3.6: `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`.
-    Split { qkv: Linear, z: Linear, b: Linear, a: Linear },
+    Split {
+        qkv: Linear,
+        z: Linear,
+        b: Linear,
+        a: Linear,
+    },
     /// Qwen3-Next: `in_proj_qkvz` and `in_proj_ba`, interleaved per key head (model-spec §4).
     Fused { qkvz: Linear, ba: Linear },
 }
@@ -94,7 +99,11 @@ impl ModelWeights {
     }
 
     pub fn from_checkpoint(config: ModelConfig, ck: &Checkpoint) -> Result<Self> {
-        let mut l = Loader { ck, cfg: &config, problems: Vec::new() };
+        let mut l = Loader {
+            ck,
+            cfg: &config,
+            problems: Vec::new(),
+        };
         let layout = l.detect_layout();
         let shift = layout == StorageLayout::HuggingFace;
         let h = config.hidden_size;
@@ -106,7 +115,9 @@ impl ModelWeights {
         } else {
             l.linear("lm_head", &[], config.vocab_size, h)
         };
-        let layers: Vec<Option<Layer>> = (0..config.num_layers()).map(|i| l.layer(i, shift)).collect();
+        let layers: Vec<Option<Layer>> = (0..config.num_layers())
+            .map(|i| l.layer(i, shift))
+            .collect();
 
         if !l.problems.is_empty() {
             bail!(
@@ -124,7 +135,10 @@ impl ModelWeights {
             embed_tokens: whole(embed_tokens).ok_or_else(missing)?,
             final_norm: final_norm.ok_or_else(missing)?,
             lm_head: whole(lm_head).ok_or_else(missing)?,
-            layers: layers.into_iter().collect::<Option<Vec<_>>>().ok_or_else(missing)?,
+            layers: layers
+                .into_iter()
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(missing)?,
             config,
         })
     }
@@ -133,7 +147,14 @@ impl ModelWeights {
     pub fn footprint(&self) -> Vec<(&'static str, usize)> {
         let mut parts = vec![
             ("embed_tokens", self.embed_tokens.matrix.storage_bytes()),
-            ("lm_head", if self.config.tie_word_embeddings { 0 } else { self.lm_head.matrix.storage_bytes() }),
+            (
+                "lm_head",
+                if self.config.tie_word_embeddings {
+                    0
+                } else {
+                    self.lm_head.matrix.storage_bytes()
+                },
+            ),
         ];
         let (mut gdn, mut attn, mut routed, mut shared, mut router, mut small) = (0, 0, 0, 0, 0, 0);
         let once = |ls: &[&Linear]| -> usize {
@@ -164,10 +185,18 @@ impl ModelWeights {
                     small += 4 * (a.q_norm.len() + a.k_norm.len());
                 }
             }
-            let experts: Vec<&Linear> =
-                layer.moe.experts.iter().flat_map(|e| [&e.gate, &e.up, &e.down]).collect();
+            let experts: Vec<&Linear> = layer
+                .moe
+                .experts
+                .iter()
+                .flat_map(|e| [&e.gate, &e.up, &e.down])
+                .collect();
             routed += once(&experts);
-            shared += once(&[&layer.moe.shared.gate, &layer.moe.shared.up, &layer.moe.shared.down]);
+            shared += once(&[
+                &layer.moe.shared.gate,
+                &layer.moe.shared.up,
+                &layer.moe.shared.down,
+            ]);
             router += once(&[&layer.moe.router, &layer.moe.shared_gate]);
         }
         parts.extend([
@@ -176,7 +205,10 @@ impl ModelWeights {
             ("routed experts", routed),
             ("shared experts", shared),
             ("routers and shared-expert gates", router),
-            ("norms, conv, decay (f32 copies)", small + 4 * self.final_norm.len()),
+            (
+                "norms, conv, decay (f32 copies)",
+                small + 4 * self.final_norm.len(),
+            ),
         ]);
         parts
     }
@@ -195,9 +227,16 @@ fn is_float(d: Dtype) -> bool {
 impl Loader<'_> {
     fn detect_layout(&mut self) -> StorageLayout {
         let k = self.cfg.conv_kernel;
-        let first_gdn = self.cfg.layers.iter().position(|t| *t == LayerKind::GatedDeltaNet);
+        let first_gdn = self
+            .cfg
+            .layers
+            .iter()
+            .position(|t| *t == LayerKind::GatedDeltaNet);
         if let Some(i) = first_gdn {
-            if let Some(e) = self.ck.get(&format!("model.layers.{i}.linear_attn.conv1d.weight")) {
+            if let Some(e) = self
+                .ck
+                .get(&format!("model.layers.{i}.linear_attn.conv1d.weight"))
+            {
                 if e.shape.len() == 3 && e.shape[1] == 1 && e.shape[2] == k {
                     return StorageLayout::HuggingFace;
                 }
@@ -213,18 +252,27 @@ impl Loader<'_> {
     }
 
     /// The entry `name`, checked against `shape` and a dtype predicate; records a problem otherwise.
-    fn entry(&mut self, name: &str, shape: &[usize], dtype_ok: fn(Dtype) -> bool, want: &str) -> Option<TensorEntry> {
+    fn entry(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        dtype_ok: fn(Dtype) -> bool,
+        want: &str,
+    ) -> Option<TensorEntry> {
         let Some(e) = self.ck.get(name) else {
-            self.problems.push(format!("{name}: missing (expected {want} {shape:?})"));
+            self.problems
+                .push(format!("{name}: missing (expected {want} {shape:?})"));
             return None;
         };
         let mut ok = true;
         if !dtype_ok(e.dtype) {
-            self.problems.push(format!("{name}: dtype {:?}, expected {want}", e.dtype));
+            self.problems
+                .push(format!("{name}: dtype {:?}, expected {want}", e.dtype));
             ok = false;
         }
         if e.shape != shape {
-            self.problems.push(format!("{name}: shape {:?}, expected {shape:?}", e.shape));
+            self.problems
+                .push(format!("{name}: shape {:?}, expected {shape:?}", e.shape));
             ok = false;
         }
         ok.then(|| e.clone())
@@ -256,7 +304,13 @@ impl Loader<'_> {
 
     /// A linear module `[lead…, rows, cols]`, quantised (`.weight` u32 + `.scales` + `.biases`)
     /// or dense (`.weight`); stacks are flattened to `[prod(lead)·rows, cols]`.
-    fn linear(&mut self, module: &str, lead: &[usize], rows: usize, cols: usize) -> Option<Arc<Matrix>> {
+    fn linear(
+        &mut self,
+        module: &str,
+        lead: &[usize],
+        rows: usize,
+        cols: usize,
+    ) -> Option<Arc<Matrix>> {
         let total_rows = lead.iter().product::<usize>() * rows;
         let shape = |last: usize| [lead, &[rows, last]].concat();
         if self.ck.get(&format!("{module}.scales")).is_some() {
@@ -267,13 +321,30 @@ impl Loader<'_> {
                 return None;
             };
             let (bits, group) = q.for_module(module);
-            if cols % group != 0 {
-                self.problems.push(format!("{module}: {cols} columns is not a multiple of group size {group}"));
+            if !cols.is_multiple_of(group) {
+                self.problems.push(format!(
+                    "{module}: {cols} columns is not a multiple of group size {group}"
+                ));
                 return None;
             }
-            let codes = self.entry(&format!("{module}.weight"), &shape(cols * bits as usize / 32), |d| d == Dtype::U32, &format!("u32 ({bits}-bit codes)"));
-            let scales = self.entry(&format!("{module}.scales"), &shape(cols / group), is_float, "bf16/f16/f32");
-            let biases = self.entry(&format!("{module}.biases"), &shape(cols / group), is_float, "bf16/f16/f32");
+            let codes = self.entry(
+                &format!("{module}.weight"),
+                &shape(cols * bits as usize / 32),
+                |d| d == Dtype::U32,
+                &format!("u32 ({bits}-bit codes)"),
+            );
+            let scales = self.entry(
+                &format!("{module}.scales"),
+                &shape(cols / group),
+                is_float,
+                "bf16/f16/f32",
+            );
+            let biases = self.entry(
+                &format!("{module}.biases"),
+                &shape(cols / group),
+                is_float,
+                "bf16/f16/f32",
+            );
             let (codes, scales, biases) = (codes?, scales?, biases?);
             let map = &self.ck.maps[codes.file];
             let n_words = codes.byte_len / 4;
@@ -289,8 +360,17 @@ impl Loader<'_> {
                 },
             }));
         }
-        let e = self.entry(&format!("{module}.weight"), &shape(cols), is_float, "bf16/f16/f32")?;
-        Some(Arc::new(Matrix { rows: total_rows, cols, data: MatrixData::Dense(self.float_buf(&e)) }))
+        let e = self.entry(
+            &format!("{module}.weight"),
+            &shape(cols),
+            is_float,
+            "bf16/f16/f32",
+        )?;
+        Some(Arc::new(Matrix {
+            rows: total_rows,
+            cols,
+            data: MatrixData::Dense(self.float_buf(&e)),
+        }))
     }
 
     /// A dense tensor stored without a `.weight` suffix (HF fused experts).
@@ -298,7 +378,11 @@ impl Loader<'_> {
         let e = self.entry(name, shape, is_float, "bf16/f16/f32")?;
         let cols = *shape.last()?;
         let rows = shape.iter().product::<usize>() / cols;
-        Some(Arc::new(Matrix { rows, cols, data: MatrixData::Dense(self.float_buf(&e)) }))
+        Some(Arc::new(Matrix {
+            rows,
+            cols,
+            data: MatrixData::Dense(self.float_buf(&e)),
+        }))
     }
 
     fn layer(&mut self, i: usize, shift: bool) -> Option<Layer> {
@@ -306,45 +390,78 @@ impl Loader<'_> {
         let h = c.hidden_size;
         let p = format!("model.layers.{i}");
         let input_norm = self.norm(&format!("{p}.input_layernorm.weight"), h, shift);
-        let post_attention_norm = self.norm(&format!("{p}.post_attention_layernorm.weight"), h, shift);
+        let post_attention_norm =
+            self.norm(&format!("{p}.post_attention_layernorm.weight"), h, shift);
         let mixer = match c.layers[i] {
             LayerKind::GatedDeltaNet => self.gdn(&p).map(Mixer::GatedDeltaNet),
             LayerKind::Attention => self.attention(&p, shift).map(Mixer::Attention),
         };
         let moe = self.moe(&p);
-        Some(Layer { input_norm: input_norm?, post_attention_norm: post_attention_norm?, mixer: mixer?, moe: moe? })
+        Some(Layer {
+            input_norm: input_norm?,
+            post_attention_norm: post_attention_norm?,
+            mixer: mixer?,
+            moe: moe?,
+        })
     }
 
     fn gdn(&mut self, p: &str) -> Option<GdnWeights> {
         let c = self.cfg;
         let h = c.hidden_size;
-        let (kd, vd, hv) = (c.linear_key_dim(), c.linear_value_dim(), c.linear_num_value_heads);
+        let (kd, vd, hv) = (
+            c.linear_key_dim(),
+            c.linear_value_dim(),
+            c.linear_num_value_heads,
+        );
         let whole = |m: Option<Arc<Matrix>>| m.map(|m| Linear::rows_of(&m, 0, m.rows));
         let projections = match c.family {
             Family::Qwen35Moe => {
-                let qkv = whole(self.linear(&format!("{p}.linear_attn.in_proj_qkv"), &[], c.conv_dim(), h));
+                let qkv = whole(self.linear(
+                    &format!("{p}.linear_attn.in_proj_qkv"),
+                    &[],
+                    c.conv_dim(),
+                    h,
+                ));
                 let z = whole(self.linear(&format!("{p}.linear_attn.in_proj_z"), &[], vd, h));
                 let b = whole(self.linear(&format!("{p}.linear_attn.in_proj_b"), &[], hv, h));
                 let a = whole(self.linear(&format!("{p}.linear_attn.in_proj_a"), &[], hv, h));
-                Some(GdnProjections::Split { qkv: qkv?, z: z?, b: b?, a: a? })
+                Some(GdnProjections::Split {
+                    qkv: qkv?,
+                    z: z?,
+                    b: b?,
+                    a: a?,
+                })
             }
             Family::Qwen3Next => {
-                let qkvz = whole(self.linear(&format!("{p}.linear_attn.in_proj_qkvz"), &[], 2 * kd + 2 * vd, h));
+                let qkvz = whole(self.linear(
+                    &format!("{p}.linear_attn.in_proj_qkvz"),
+                    &[],
+                    2 * kd + 2 * vd,
+                    h,
+                ));
                 let ba = whole(self.linear(&format!("{p}.linear_attn.in_proj_ba"), &[], 2 * hv, h));
-                Some(GdnProjections::Fused { qkvz: qkvz?, ba: ba? })
+                Some(GdnProjections::Fused {
+                    qkvz: qkvz?,
+                    ba: ba?,
+                })
             }
         };
         let conv_name = format!("{p}.linear_attn.conv1d.weight");
         let (cd, k) = (c.conv_dim(), c.conv_kernel);
         // [C,1,K] (HF) and [C,K,1] (MLX) are the same bytes: channel-major, tap-minor.
         let conv = match self.ck.get(&conv_name).map(|e| e.shape.clone()) {
-            Some(s) if s == [cd, k, 1] => self.entry(&conv_name, &[cd, k, 1], is_float, "bf16/f16/f32"),
+            Some(s) if s == [cd, k, 1] => {
+                self.entry(&conv_name, &[cd, k, 1], is_float, "bf16/f16/f32")
+            }
             _ => self.entry(&conv_name, &[cd, 1, k], is_float, "bf16/f16/f32"),
         }
         .map(|e| self.float_buf(&e).to_f32_vec());
         let dt_bias = self.vector(&format!("{p}.linear_attn.dt_bias"), hv);
         let a_log = self.vector(&format!("{p}.linear_attn.A_log"), hv);
-        let norm = self.vector(&format!("{p}.linear_attn.norm.weight"), c.linear_value_head_dim);
+        let norm = self.vector(
+            &format!("{p}.linear_attn.norm.weight"),
+            c.linear_value_head_dim,
+        );
         let out_proj = whole(self.linear(&format!("{p}.linear_attn.out_proj"), &[], h, vd));
         Some(GdnWeights {
             projections: projections?,
@@ -379,7 +496,12 @@ impl Loader<'_> {
 
     fn moe(&mut self, p: &str) -> Option<Moe> {
         let c = self.cfg;
-        let (h, e, i, is) = (c.hidden_size, c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size);
+        let (h, e, i, is) = (
+            c.hidden_size,
+            c.num_experts,
+            c.moe_intermediate_size,
+            c.shared_expert_intermediate_size,
+        );
         let whole = |m: Option<Arc<Matrix>>| m.map(|m| Linear::rows_of(&m, 0, m.rows));
         let router = whole(self.linear(&format!("{p}.mlp.gate"), &[], e, h));
         let shared = (
@@ -423,7 +545,11 @@ impl Loader<'_> {
                     let g = whole(self.linear(&format!("{q}.gate_proj"), &[], i, h));
                     let u = whole(self.linear(&format!("{q}.up_proj"), &[], i, h));
                     let d = whole(self.linear(&format!("{q}.down_proj"), &[], h, i));
-                    Some(Expert { gate: g?, up: u?, down: d? })
+                    Some(Expert {
+                        gate: g?,
+                        up: u?,
+                        down: d?,
+                    })
                 })
                 .collect()
         } else {
@@ -435,7 +561,11 @@ impl Loader<'_> {
         Some(Moe {
             router: router?,
             experts: experts?,
-            shared: Expert { gate: shared.0?, up: shared.1?, down: shared.2? },
+            shared: Expert {
+                gate: shared.0?,
+                up: shared.1?,
+                down: shared.2?,
+            },
             shared_gate: shared_gate?,
         })
     }

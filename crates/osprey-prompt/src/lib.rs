@@ -57,10 +57,13 @@ impl PromptFormat {
         let gen_path = dir.join("generation_config.json");
         if gen_path.exists() {
             let text = std::fs::read_to_string(&gen_path)?;
-            let g: Value = serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", gen_path.display()))?;
+            let g: Value = serde_json::from_str(&text)
+                .with_context(|| format!("{} is not valid JSON", gen_path.display()))?;
             match g.get("eos_token_id") {
                 Some(Value::Number(n)) => stop_ids.extend(n.as_u64().map(|x| x as u32)),
-                Some(Value::Array(a)) => stop_ids.extend(a.iter().filter_map(|v| v.as_u64()).map(|x| x as u32)),
+                Some(Value::Array(a)) => {
+                    stop_ids.extend(a.iter().filter_map(|v| v.as_u64()).map(|x| x as u32))
+                }
                 _ => {}
             }
             let f = |k: &str| g.get(k).and_then(Value::as_f64).map(|x| x as f32);
@@ -80,18 +83,29 @@ impl PromptFormat {
                 }
             }
         }
-        Ok(PromptFormat { tokenizer, template, stop_ids, defaults, vocab_size })
+        Ok(PromptFormat {
+            tokenizer,
+            template,
+            stop_ids,
+            defaults,
+            vocab_size,
+        })
     }
 
     /// Text to ids; special-token text such as `<|im_start|>` maps to its id.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.tokenizer.encode(text, false).map_err(|e| anyhow::anyhow!("tokenizer: {e}"))?;
+        let enc = self
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| anyhow::anyhow!("tokenizer: {e}"))?;
         Ok(enc.get_ids().to_vec())
     }
 
     /// Ids to text (special tokens skipped, tags like `<think>` kept).
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.tokenizer.decode(ids, true).map_err(|e| anyhow::anyhow!("tokenizer: {e}"))
+        self.tokenizer
+            .decode(ids, true)
+            .map_err(|e| anyhow::anyhow!("tokenizer: {e}"))
     }
 
     /// Renders a conversation with the chat template.
@@ -108,7 +122,12 @@ impl PromptFormat {
     }
 
     pub fn incremental(&self) -> IncrementalDecoder<'_> {
-        IncrementalDecoder { tok: &self.tokenizer, ids: Vec::new(), prefix: 0, read: 0 }
+        IncrementalDecoder {
+            tok: &self.tokenizer,
+            ids: Vec::new(),
+            prefix: 0,
+            read: 0,
+        }
     }
 }
 
@@ -123,14 +142,19 @@ pub struct IncrementalDecoder<'a> {
 
 impl IncrementalDecoder<'_> {
     fn text(&self, from: usize, to: usize) -> String {
-        self.tok.decode(&self.ids[from..to], true).unwrap_or_default()
+        self.tok
+            .decode(&self.ids[from..to], true)
+            .unwrap_or_default()
     }
 
     pub fn push(&mut self, id: u32) -> String {
         self.ids.push(id);
         let before = self.text(self.prefix, self.read);
         let after = self.text(self.prefix, self.ids.len());
-        if after.len() > before.len() && !after.ends_with('\u{FFFD}') && after.is_char_boundary(before.len()) {
+        if after.len() > before.len()
+            && !after.ends_with('\u{FFFD}')
+            && after.is_char_boundary(before.len())
+        {
             self.prefix = self.read;
             self.read = self.ids.len();
             after[before.len()..].to_string()

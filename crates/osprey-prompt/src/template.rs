@@ -19,15 +19,21 @@ impl ChatTemplate {
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let jinja = dir.join("chat_template.jinja");
         let source = if jinja.exists() {
-            std::fs::read_to_string(&jinja).with_context(|| format!("cannot read {}", jinja.display()))?
+            std::fs::read_to_string(&jinja)
+                .with_context(|| format!("cannot read {}", jinja.display()))?
         } else {
             let cfg = dir.join("tokenizer_config.json");
-            let text = std::fs::read_to_string(&cfg)
-                .with_context(|| format!("no chat_template.jinja and cannot read {}", cfg.display()))?;
-            let v: Value = serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", cfg.display()))?;
+            let text = std::fs::read_to_string(&cfg).with_context(|| {
+                format!("no chat_template.jinja and cannot read {}", cfg.display())
+            })?;
+            let v: Value = serde_json::from_str(&text)
+                .with_context(|| format!("{} is not valid JSON", cfg.display()))?;
             match v.get("chat_template") {
                 Some(Value::String(s)) => s.clone(),
-                _ => bail!("{} has no chat template (no chat_template.jinja, no \"chat_template\" string)", dir.display()),
+                _ => bail!(
+                    "{} has no chat template (no chat_template.jinja, no \"chat_template\" string)",
+                    dir.display()
+                ),
             }
         };
         Self::from_source(source)
@@ -41,14 +47,18 @@ impl ChatTemplate {
             Err(Error::new(ErrorKind::InvalidOperation, msg))
         });
         env.add_filter("tojson", python_tojson);
-        env.add_template_owned("chat", source).context("the chat template does not parse")?;
+        env.add_template_owned("chat", source)
+            .context("the chat template does not parse")?;
         Ok(ChatTemplate { env })
     }
 
     pub fn render(&self, messages: &Value, opts: &ChatOptions) -> Result<String> {
         let mut ctx = opts.kwargs.clone();
         ctx.insert("messages".into(), messages.clone());
-        ctx.insert("add_generation_prompt".into(), Value::Bool(opts.add_generation_prompt));
+        ctx.insert(
+            "add_generation_prompt".into(),
+            Value::Bool(opts.add_generation_prompt),
+        );
         if let Some(tools) = &opts.tools {
             ctx.insert("tools".into(), tools.clone());
         }
@@ -115,16 +125,25 @@ mod tests {
 
     #[test]
     fn python_json_spacing_order_and_unicode() {
-        let v: Value = serde_json::from_str(r#"{"b": 1, "a": [true, null, 2.0, "é\n\"x\""], "c": {}}"#).unwrap();
+        let v: Value =
+            serde_json::from_str(r#"{"b": 1, "a": [true, null, 2.0, "é\n\"x\""], "c": {}}"#)
+                .unwrap();
         let mut s = String::new();
         write_python_json(&v, &mut s);
-        assert_eq!(s, r#"{"b": 1, "a": [true, null, 2.0, "é\n\"x\""], "c": {}}"#);
+        assert_eq!(
+            s,
+            r#"{"b": 1, "a": [true, null, 2.0, "é\n\"x\""], "c": {}}"#
+        );
     }
 
     #[test]
     fn raise_exception_becomes_an_error() {
-        let t = ChatTemplate::from_source("{{ raise_exception('No messages provided.') }}".into()).unwrap();
-        let e = t.render(&Value::Array(vec![]), &ChatOptions::default()).unwrap_err().to_string();
+        let t = ChatTemplate::from_source("{{ raise_exception('No messages provided.') }}".into())
+            .unwrap();
+        let e = t
+            .render(&Value::Array(vec![]), &ChatOptions::default())
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("No messages provided."), "{e}");
     }
 }

@@ -15,7 +15,10 @@ fn format() -> PromptFormat {
 }
 
 fn goldens() -> Value {
-    serde_json::from_str(&std::fs::read_to_string(root().join("fixtures/prompt/goldens.json")).unwrap()).unwrap()
+    serde_json::from_str(
+        &std::fs::read_to_string(root().join("fixtures/prompt/goldens.json")).unwrap(),
+    )
+    .unwrap()
 }
 
 #[test]
@@ -31,9 +34,20 @@ fn conversations_render_and_encode_like_transformers() {
             tools: (!case["tools"].is_null()).then(|| case["tools"].clone()),
             kwargs: case["kwargs"].as_object().unwrap().clone(),
         };
-        let text = f.render(&case["messages"], &opts).unwrap_or_else(|e| panic!("{name}: {e:#}"));
-        assert_eq!(text, case["text"].as_str().unwrap(), "{name}: rendered text differs");
-        let ids: Vec<u32> = case["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        let text = f
+            .render(&case["messages"], &opts)
+            .unwrap_or_else(|e| panic!("{name}: {e:#}"));
+        assert_eq!(
+            text,
+            case["text"].as_str().unwrap(),
+            "{name}: rendered text differs"
+        );
+        let ids: Vec<u32> = case["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
         assert_eq!(f.encode(&text).unwrap(), ids, "{name}: ids differ");
     }
 }
@@ -43,7 +57,12 @@ fn plain_texts_encode_like_transformers_and_round_trip() {
     let f = format();
     for case in goldens()["encode"].as_array().unwrap() {
         let text = case["text"].as_str().unwrap();
-        let ids: Vec<u32> = case["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        let ids: Vec<u32> = case["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
         assert_eq!(f.encode(text).unwrap(), ids, "{text:?}");
         assert_eq!(f.decode(&ids).unwrap(), text);
     }
@@ -56,8 +75,20 @@ fn published_prompt_ids() {
     let msgs = serde_json::json!([{"role": "user", "content": "Hi"}]);
     let mut kwargs = serde_json::Map::new();
     kwargs.insert("enable_thinking".into(), Value::Bool(false));
-    let ids = f.encode_chat(&msgs, &ChatOptions { add_generation_prompt: true, tools: None, kwargs }).unwrap();
-    assert_eq!(ids, vec![248045, 846, 198, 12675, 248046, 198, 248045, 74455, 198, 248068, 271, 248069, 271]);
+    let ids = f
+        .encode_chat(
+            &msgs,
+            &ChatOptions {
+                add_generation_prompt: true,
+                tools: None,
+                kwargs,
+            },
+        )
+        .unwrap();
+    assert_eq!(
+        ids,
+        vec![248045, 846, 198, 12675, 248046, 198, 248045, 74455, 198, 248068, 271, 248069, 271]
+    );
 }
 
 #[test]
@@ -72,7 +103,10 @@ fn stop_ids_and_defaults_from_generation_config() {
 #[test]
 fn template_errors_are_reported_not_panics() {
     let f = format();
-    let e = f.render(&serde_json::json!([]), &ChatOptions::default()).unwrap_err().to_string();
+    let e = f
+        .render(&serde_json::json!([]), &ChatOptions::default())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("No messages provided"), "{e}");
     let e = f
         .render(&serde_json::json!([{"role": "narrator", "content": "x"}, {"role": "user", "content": "y"}]), &ChatOptions::default())

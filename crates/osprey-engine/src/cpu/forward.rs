@@ -6,7 +6,9 @@
 
 use anyhow::{bail, Result};
 use osprey_model::config::ModelConfig;
-use osprey_model::weights::{AttentionWeights, GdnProjections, GdnWeights, Mixer, ModelWeights, Moe};
+use osprey_model::weights::{
+    AttentionWeights, GdnProjections, GdnWeights, Mixer, ModelWeights, Moe,
+};
 use rayon::prelude::*;
 
 use super::gdn::{self, HeadInputs};
@@ -49,14 +51,23 @@ impl CpuModel {
 
     /// Runs `tokens` through the model at the session's position, extending its state.
     /// Returns logits `[positions, vocab]` for the requested positions.
-    pub fn forward(&self, state: &mut SessionState, tokens: &[u32], gdn_form: GdnForm, want: LogitsFor) -> Result<Vec<f32>> {
+    pub fn forward(
+        &self,
+        state: &mut SessionState,
+        tokens: &[u32],
+        gdn_form: GdnForm,
+        want: LogitsFor,
+    ) -> Result<Vec<f32>> {
         let c = self.config();
         let (t, h) = (tokens.len(), c.hidden_size);
         if t == 0 {
             bail!("forward called with no tokens");
         }
         if let Some(bad) = tokens.iter().find(|&&id| id as usize >= c.vocab_size) {
-            bail!("token id {bad} is outside the vocabulary (size {})", c.vocab_size);
+            bail!(
+                "token id {bad} is outside the vocabulary (size {})",
+                c.vocab_size
+            );
         }
         let w = &self.weights;
         let eps = c.rms_norm_eps;
@@ -95,16 +106,27 @@ impl CpuModel {
     }
 
     /// Gated DeltaNet mixer (model-spec §3.3).
-    fn gated_deltanet(&self, g: &GdnWeights, u: &[f32], t: usize, conv_state: &mut [f32], rec: &mut [f32], form: GdnForm) -> Vec<f32> {
+    fn gated_deltanet(
+        &self,
+        g: &GdnWeights,
+        u: &[f32],
+        t: usize,
+        conv_state: &mut [f32],
+        rec: &mut [f32],
+        form: GdnForm,
+    ) -> Vec<f32> {
         let c = self.config();
         let (hk, hv) = (c.linear_num_key_heads, c.linear_num_value_heads);
         let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
         let (kd, vd, cd) = (c.linear_key_dim(), c.linear_value_dim(), c.conv_dim());
 
         let (mut qkv, z, b, a) = match &g.projections {
-            GdnProjections::Split { qkv, z, b, a } => {
-                (matmul(qkv, u, t), matmul(z, u, t), matmul(b, u, t), matmul(a, u, t))
-            }
+            GdnProjections::Split { qkv, z, b, a } => (
+                matmul(qkv, u, t),
+                matmul(z, u, t),
+                matmul(b, u, t),
+                matmul(a, u, t),
+            ),
             GdnProjections::Fused { qkvz, ba } => {
                 split_fused(c, &matmul(qkvz, u, t), &matmul(ba, u, t), t)
             }
@@ -133,7 +155,11 @@ impl CpuModel {
             .enumerate()
             .map(|(head, state)| {
                 let kh = head / rep;
-                let (mut q, mut k, mut v) = (Vec::with_capacity(t * dk), Vec::with_capacity(t * dk), Vec::with_capacity(t * dv));
+                let (mut q, mut k, mut v) = (
+                    Vec::with_capacity(t * dk),
+                    Vec::with_capacity(t * dk),
+                    Vec::with_capacity(t * dv),
+                );
                 let (mut gs, mut betas) = (Vec::with_capacity(t), Vec::with_capacity(t));
                 for tt in 0..t {
                     let r = &qkv[tt * cd..(tt + 1) * cd];
@@ -147,7 +173,15 @@ impl CpuModel {
                     betas.push(sigmoid(b[tt * hv + head]));
                     gs.push(-g.a_log[head].exp() * softplus(a[tt * hv + head] + g.dt_bias[head]));
                 }
-                let x = HeadInputs { q: &q, k: &k, v: &v, g: &gs, beta: &betas, dk, dv };
+                let x = HeadInputs {
+                    q: &q,
+                    k: &k,
+                    v: &v,
+                    g: &gs,
+                    beta: &betas,
+                    dk,
+                    dv,
+                };
                 let mut out = vec![0.0; t * dv];
                 let chunked = match form {
                     GdnForm::Auto => t > 1,
@@ -179,7 +213,15 @@ impl CpuModel {
     }
 
     /// Gated full attention (model-spec §3.5), appending this call's K/V to the cache.
-    fn attention(&self, a: &AttentionWeights, u: &[f32], t: usize, past: usize, k_cache: &mut Vec<f32>, v_cache: &mut Vec<f32>) -> Vec<f32> {
+    fn attention(
+        &self,
+        a: &AttentionWeights,
+        u: &[f32],
+        t: usize,
+        past: usize,
+        k_cache: &mut Vec<f32>,
+        v_cache: &mut Vec<f32>,
+    ) -> Vec<f32> {
         let c = self.config();
         let (hq, hkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let qg = matmul(&a.q_proj, u, t);
@@ -195,7 +237,8 @@ impl CpuModel {
                 qh.copy_from_slice(&src[..d]);
                 rms_norm(qh, &a.q_norm, c.rms_norm_eps);
                 self.rope.apply(qh, past + tt);
-                gate[(tt * hq + head) * d..(tt * hq + head + 1) * d].copy_from_slice(&src[d..2 * d]);
+                gate[(tt * hq + head) * d..(tt * hq + head + 1) * d]
+                    .copy_from_slice(&src[d..2 * d]);
             }
             for head in 0..hkv {
                 let kh = &mut k[(tt * hkv + head) * d..(tt * hkv + head + 1) * d];
@@ -220,7 +263,10 @@ impl CpuModel {
                 .collect();
             softmax(&mut scores);
             for (p, s) in scores.iter().enumerate() {
-                for (ov, vv) in out.iter_mut().zip(&v_cache[(p * hkv + kvh) * d..(p * hkv + kvh + 1) * d]) {
+                for (ov, vv) in out
+                    .iter_mut()
+                    .zip(&v_cache[(p * hkv + kvh) * d..(p * hkv + kvh + 1) * d])
+                {
                     *ov += s * vv;
                 }
             }
@@ -246,7 +292,11 @@ impl CpuModel {
             let mut idx: Vec<usize> = (0..e).collect();
             idx.sort_by(|&i, &j| p[j].total_cmp(&p[i]).then(i.cmp(&j)));
             let chosen = &idx[..top];
-            let norm: f32 = if c.norm_topk_prob { chosen.iter().map(|&i| p[i]).sum() } else { 1.0 };
+            let norm: f32 = if c.norm_topk_prob {
+                chosen.iter().map(|&i| p[i]).sum()
+            } else {
+                1.0
+            };
             for &i in chosen {
                 assigned[i].push((tt, p[i] / norm));
             }
@@ -258,10 +308,16 @@ impl CpuModel {
                 continue;
             }
             let n = rows.len();
-            let xe: Vec<f32> = rows.iter().flat_map(|&(tt, _)| u[tt * h..(tt + 1) * h].iter().copied()).collect();
+            let xe: Vec<f32> = rows
+                .iter()
+                .flat_map(|&(tt, _)| u[tt * h..(tt + 1) * h].iter().copied())
+                .collect();
             let out = swiglu(expert, &xe, n);
             for (r, &(tt, wgt)) in rows.iter().enumerate() {
-                for (yv, ov) in y[tt * h..(tt + 1) * h].iter_mut().zip(&out[r * h..(r + 1) * h]) {
+                for (yv, ov) in y[tt * h..(tt + 1) * h]
+                    .iter_mut()
+                    .zip(&out[r * h..(r + 1) * h])
+                {
                     *yv += wgt * ov;
                 }
             }
@@ -271,7 +327,10 @@ impl CpuModel {
         let gate = matmul(&m.shared_gate, u, t);
         for tt in 0..t {
             let s = sigmoid(gate[tt]);
-            for (yv, sv) in y[tt * h..(tt + 1) * h].iter_mut().zip(&shared[tt * h..(tt + 1) * h]) {
+            for (yv, sv) in y[tt * h..(tt + 1) * h]
+                .iter_mut()
+                .zip(&shared[tt * h..(tt + 1) * h])
+            {
                 *yv += s * sv;
             }
         }
@@ -293,7 +352,12 @@ fn add(x: &mut [f32], y: &[f32]) {
 
 /// Qwen3-Next's fused projections to the split q|k|v, z, b, a layout (model-spec §4): per key
 /// head g, `qkvz` holds `[q_g | k_g | v (r heads) | z (r heads)]` and `ba` holds `[b (r) | a (r)]`.
-fn split_fused(c: &ModelConfig, qkvz: &[f32], ba: &[f32], t: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+fn split_fused(
+    c: &ModelConfig,
+    qkvz: &[f32],
+    ba: &[f32],
+    t: usize,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
     let (hk, hv) = (c.linear_num_key_heads, c.linear_num_value_heads);
     let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
     let r = hv / hk;
@@ -307,8 +371,10 @@ fn split_fused(c: &ModelConfig, qkvz: &[f32], ba: &[f32], t: usize) -> (Vec<f32>
             let src = &qkvz[tt * hk * per + g * per..][..per];
             dst[g * dk..(g + 1) * dk].copy_from_slice(&src[..dk]);
             dst[kd + g * dk..kd + (g + 1) * dk].copy_from_slice(&src[dk..2 * dk]);
-            dst[2 * kd + g * r * dv..2 * kd + (g + 1) * r * dv].copy_from_slice(&src[2 * dk..2 * dk + r * dv]);
-            z[tt * vd + g * r * dv..tt * vd + (g + 1) * r * dv].copy_from_slice(&src[2 * dk + r * dv..]);
+            dst[2 * kd + g * r * dv..2 * kd + (g + 1) * r * dv]
+                .copy_from_slice(&src[2 * dk..2 * dk + r * dv]);
+            z[tt * vd + g * r * dv..tt * vd + (g + 1) * r * dv]
+                .copy_from_slice(&src[2 * dk + r * dv..]);
             let bsrc = &ba[tt * hk * 2 * r + g * 2 * r..][..2 * r];
             b[tt * hv + g * r..tt * hv + (g + 1) * r].copy_from_slice(&bsrc[..r]);
             a[tt * hv + g * r..tt * hv + (g + 1) * r].copy_from_slice(&bsrc[r..]);

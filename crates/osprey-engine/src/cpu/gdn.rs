@@ -19,7 +19,11 @@ pub fn recurrent(x: &HeadInputs, state: &mut [f32], out: &mut [f32]) {
     let (dk, dv) = (x.dk, x.dv);
     let mut mem = vec![0.0f32; dv];
     for t in 0..x.g.len() {
-        let (q, k, v) = (&x.q[t * dk..][..dk], &x.k[t * dk..][..dk], &x.v[t * dv..][..dv]);
+        let (q, k, v) = (
+            &x.q[t * dk..][..dk],
+            &x.k[t * dk..][..dk],
+            &x.v[t * dv..][..dv],
+        );
         let decay = x.g[t].exp();
         state.iter_mut().for_each(|s| *s *= decay);
         mem.iter_mut().for_each(|m| *m = 0.0);
@@ -62,13 +66,20 @@ pub fn chunked(x: &HeadInputs, state: &mut [f32], out: &mut [f32]) {
         let v = &x.v[start * dv..(start + n) * dv];
         let beta = &x.beta[start..start + n];
         // cumulative log-decay inside the chunk
-        let mut gc = vec![0.0f32; n];
-        let mut acc = 0.0;
-        for t in 0..n {
-            acc += x.g[start + t];
-            gc[t] = acc;
-        }
-        let kk = |a: usize, b: usize| -> f32 { k[a * dk..][..dk].iter().zip(&k[b * dk..][..dk]).map(|(x, y)| x * y).sum() };
+        let gc: Vec<f32> = x.g[start..start + n]
+            .iter()
+            .scan(0.0f32, |acc, g| {
+                *acc += g;
+                Some(*acc)
+            })
+            .collect();
+        let kk = |a: usize, b: usize| -> f32 {
+            k[a * dk..][..dk]
+                .iter()
+                .zip(&k[b * dk..][..dk])
+                .map(|(x, y)| x * y)
+                .sum()
+        };
         // (I + A) U = β V and (I + A) W = β e^G K by forward substitution,
         // A[t][s] = β_t (k_t·k_s) e^{G_t − G_s} for s < t.
         let mut u = vec![0.0f32; n * dv];
@@ -114,7 +125,11 @@ pub fn chunked(x: &HeadInputs, state: &mut [f32], out: &mut [f32]) {
                 }
             }
             for s in 0..=t {
-                let qk: f32 = q[t * dk..][..dk].iter().zip(&k[s * dk..][..dk]).map(|(a, b)| a * b).sum();
+                let qk: f32 = q[t * dk..][..dk]
+                    .iter()
+                    .zip(&k[s * dk..][..dk])
+                    .map(|(a, b)| a * b)
+                    .sum();
                 let c = qk * (gc[t] - gc[s]).exp();
                 for (ov, vs) in o.iter_mut().zip(&vp[s * dv..][..dv]) {
                     *ov += c * vs;
@@ -142,7 +157,10 @@ pub fn chunked(x: &HeadInputs, state: &mut [f32], out: &mut [f32]) {
 mod tests {
     use super::*;
 
-    fn inputs(t: usize, dk: usize, dv: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+    /// q, k, v, g, beta of a deterministic test sequence.
+    type Sequence = [Vec<f32>; 5];
+
+    fn inputs(t: usize, dk: usize, dv: usize) -> Sequence {
         let f = |i: usize, m: f32| (i as f32 * 0.7123).sin() * m;
         let mut q: Vec<f32> = (0..t * dk).map(|i| f(i, 1.0)).collect();
         let mut k: Vec<f32> = (0..t * dk).map(|i| f(i + 991, 1.0)).collect();
@@ -151,24 +169,47 @@ mod tests {
         }
         let v = (0..t * dv).map(|i| f(i + 17, 2.0)).collect();
         let g = (0..t).map(|i| -0.05 - 0.4 * f(i + 5, 1.0).abs()).collect();
-        let beta = (0..t).map(|i| crate::cpu::ops::sigmoid(f(i + 3, 2.0))).collect();
-        (q, k, v, g, beta)
+        let beta = (0..t)
+            .map(|i| crate::cpu::ops::sigmoid(f(i + 3, 2.0)))
+            .collect();
+        [q, k, v, g, beta]
     }
 
     #[test]
     fn chunked_equals_recurrent_across_chunks_and_with_initial_state() {
         let (dk, dv) = (16, 24);
         for t in [1usize, 5, 64, 100, 130] {
-            let (q, k, v, g, beta) = inputs(t, dk, dv);
-            let x = HeadInputs { q: &q, k: &k, v: &v, g: &g, beta: &beta, dk, dv };
-            let init: Vec<f32> = (0..dk * dv).map(|i| (i as f32 * 0.37).cos() * 0.3).collect();
+            let [q, k, v, g, beta] = inputs(t, dk, dv);
+            let x = HeadInputs {
+                q: &q,
+                k: &k,
+                v: &v,
+                g: &g,
+                beta: &beta,
+                dk,
+                dv,
+            };
+            let init: Vec<f32> = (0..dk * dv)
+                .map(|i| (i as f32 * 0.37).cos() * 0.3)
+                .collect();
             let (mut s1, mut s2) = (init.clone(), init);
             let (mut o1, mut o2) = (vec![0.0; t * dv], vec![0.0; t * dv]);
             recurrent(&x, &mut s1, &mut o1);
             chunked(&x, &mut s2, &mut o2);
-            let err = o1.iter().zip(&o2).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
-            let serr = s1.iter().zip(&s2).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
-            assert!(err < 1e-4 && serr < 1e-4, "T={t}: output err {err}, state err {serr}");
+            let err = o1
+                .iter()
+                .zip(&o2)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max);
+            let serr = s1
+                .iter()
+                .zip(&s2)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max);
+            assert!(
+                err < 1e-4 && serr < 1e-4,
+                "T={t}: output err {err}, state err {serr}"
+            );
         }
     }
 
@@ -179,7 +220,15 @@ mod tests {
         let q = [0.5, 0.5, 0.5, 0.5];
         let k = [1.0, 0.0, 0.0, 0.0];
         let v = [1.0, 2.0, 3.0];
-        let x = HeadInputs { q: &q, k: &k, v: &v, g: &[-0.3], beta: &[0.25], dk, dv };
+        let x = HeadInputs {
+            q: &q,
+            k: &k,
+            v: &v,
+            g: &[-0.3],
+            beta: &[0.25],
+            dk,
+            dv,
+        };
         let mut s = vec![0.0; 12];
         let mut o = vec![0.0; 3];
         recurrent(&x, &mut s, &mut o);

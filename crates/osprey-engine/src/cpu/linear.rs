@@ -10,7 +10,9 @@ use rayon::prelude::*;
 /// Rows handled by one task: enough work to amortise scheduling, small enough to balance.
 fn block_rows(rows: usize, cols: usize, tokens: usize) -> usize {
     let per_row = cols * tokens.max(1);
-    (65_536 / per_row.max(1)).clamp(1, 256).min(rows.div_ceil(rayon::current_num_threads()).max(1))
+    (65_536 / per_row.max(1))
+        .clamp(1, 256)
+        .min(rows.div_ceil(rayon::current_num_threads()).max(1))
 }
 
 #[inline]
@@ -36,7 +38,13 @@ fn load_row(lin: &Linear, r: usize, out: &mut [f32]) {
     let m = &lin.matrix;
     let row = lin.row0 + r;
     match &m.data {
-        MatrixData::Quantized { bits, group, codes, scales, biases } => {
+        MatrixData::Quantized {
+            bits,
+            group,
+            codes,
+            scales,
+            biases,
+        } => {
             let wpr = m.words_per_row();
             let words = &codes.as_slice()[row * wpr..(row + 1) * wpr];
             let groups = m.cols / group;
@@ -72,15 +80,18 @@ pub fn matmul(lin: &Linear, x: &[f32], tokens: usize) -> Vec<f32> {
     assert_eq!(x.len(), tokens * cols, "matmul input shape");
     let mut by_row = vec![0.0f32; rows * tokens];
     let block = block_rows(rows, cols, tokens);
-    by_row.par_chunks_mut(block * tokens).enumerate().for_each(|(bi, out)| {
-        let mut w = vec![0.0f32; cols];
-        for (i, o) in out.chunks_mut(tokens).enumerate() {
-            load_row(lin, bi * block + i, &mut w);
-            for (t, y) in o.iter_mut().enumerate() {
-                *y = dot(&w, &x[t * cols..(t + 1) * cols]);
+    by_row
+        .par_chunks_mut(block * tokens)
+        .enumerate()
+        .for_each(|(bi, out)| {
+            let mut w = vec![0.0f32; cols];
+            for (i, o) in out.chunks_mut(tokens).enumerate() {
+                load_row(lin, bi * block + i, &mut w);
+                for (t, y) in o.iter_mut().enumerate() {
+                    *y = dot(&w, &x[t * cols..(t + 1) * cols]);
+                }
             }
-        }
-    });
+        });
     if tokens == 1 {
         return by_row;
     }
@@ -112,8 +123,11 @@ mod tests {
         for r in 0..lin.rows {
             lin.dequantize_row(r, &mut w);
             for tt in 0..t {
-                out[tt * lin.rows + r] =
-                    w.iter().zip(&x[tt * lin.cols()..]).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() as f32;
+                out[tt * lin.rows + r] = w
+                    .iter()
+                    .zip(&x[tt * lin.cols()..])
+                    .map(|(a, b)| *a as f64 * *b as f64)
+                    .sum::<f64>() as f32;
             }
         }
         out
@@ -121,7 +135,9 @@ mod tests {
 
     fn quantized(bits: u32, group: usize, rows: usize, cols: usize) -> Linear {
         let words = rows * cols * bits as usize / 32;
-        let codes: Vec<u32> = (0..words as u32).map(|i| i.wrapping_mul(2654435761)).collect();
+        let codes: Vec<u32> = (0..words as u32)
+            .map(|i| i.wrapping_mul(2654435761))
+            .collect();
         let ng = rows * cols / group;
         let s: Vec<f32> = (0..ng).map(|i| 0.01 + (i % 7) as f32 * 0.003).collect();
         let b: Vec<f32> = (0..ng).map(|i| -0.05 + (i % 5) as f32 * 0.01).collect();
@@ -136,7 +152,11 @@ mod tests {
                 biases: FloatBuf::F32(Buf::owned(b)),
             },
         };
-        Linear { matrix: Arc::new(m), row0: 0, rows }
+        Linear {
+            matrix: Arc::new(m),
+            row0: 0,
+            rows,
+        }
     }
 
     #[test]
@@ -146,11 +166,16 @@ mod tests {
             // a window of rows, as for one expert in a stack
             let lin = Linear::rows_of(&full.matrix, 32, 40);
             for t in [1, 3] {
-                let x: Vec<f32> = (0..t * 256).map(|i| ((i * 13 % 29) as f32 - 14.0) / 7.0).collect();
+                let x: Vec<f32> = (0..t * 256)
+                    .map(|i| ((i * 13 % 29) as f32 - 14.0) / 7.0)
+                    .collect();
                 let got = matmul(&lin, &x, t);
                 let want = reference(&lin, &x, t);
                 for (g, w) in got.iter().zip(&want) {
-                    assert!((g - w).abs() <= 1e-4 * (1.0 + w.abs()), "{bits}-bit g{group}: {g} vs {w}");
+                    assert!(
+                        (g - w).abs() <= 1e-4 * (1.0 + w.abs()),
+                        "{bits}-bit g{group}: {g} vs {w}"
+                    );
                 }
             }
         }
@@ -158,10 +183,23 @@ mod tests {
 
     #[test]
     fn dense_bf16_matmul() {
-        let vals: Vec<f32> = (0..64 * 48).map(|i| ((i % 17) as f32 - 8.0) / 16.0).collect();
-        let bits: Vec<u16> = vals.iter().map(|v| half::bf16::from_f32(*v).to_bits()).collect();
-        let m = Matrix { rows: 64, cols: 48, data: MatrixData::Dense(FloatBuf::Bf16(Buf::owned(bits))) };
-        let lin = Linear { matrix: Arc::new(m), row0: 0, rows: 64 };
+        let vals: Vec<f32> = (0..64 * 48)
+            .map(|i| ((i % 17) as f32 - 8.0) / 16.0)
+            .collect();
+        let bits: Vec<u16> = vals
+            .iter()
+            .map(|v| half::bf16::from_f32(*v).to_bits())
+            .collect();
+        let m = Matrix {
+            rows: 64,
+            cols: 48,
+            data: MatrixData::Dense(FloatBuf::Bf16(Buf::owned(bits))),
+        };
+        let lin = Linear {
+            matrix: Arc::new(m),
+            row0: 0,
+            rows: 64,
+        };
         let x: Vec<f32> = (0..2 * 48).map(|i| (i as f32).sin()).collect();
         let got = matmul(&lin, &x, 2);
         let want = reference(&lin, &x, 2);

@@ -1,0 +1,263 @@
+//! `osprey bench prefill|decode`: throughput per length, repeated rounds, median and spread,
+//! written as JSON (kind, backend, device, commit, date, command, results) for bench/results/.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Subcommand;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde_json::json;
+use tracing::info;
+
+use crate::commands::load_engine;
+use crate::ModelArgs;
+
+#[derive(Subcommand)]
+pub enum BenchKind {
+    /// Prompt processing: tokens/s of a fresh prefill of each length.
+    Prefill {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Prompt lengths (K = 1024).
+        #[arg(long, default_value = "256,512,1K,2K,4K")]
+        prompt: String,
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        /// Write the results here as JSON.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// Generation: tokens/s of single-token steps after a context of each length.
+    Decode {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Context lengths (K = 1024).
+        #[arg(long, default_value = "256,512,1K,2K,4K")]
+        context: String,
+        /// Decode steps timed per round.
+        #[arg(long, default_value_t = 32)]
+        steps: usize,
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+}
+
+/// "256,1K,4K" → [256, 1024, 4096].
+pub fn parse_lengths(s: &str) -> Result<Vec<usize>> {
+    s.split(',')
+        .map(|p| {
+            let p = p.trim();
+            let (num, mult) = match p.strip_suffix(['K', 'k']) {
+                Some(n) => (n, 1024),
+                None => (p, 1),
+            };
+            let n: usize = num
+                .parse()
+                .with_context(|| format!("length \"{p}\" is not a number like 512 or 4K"))?;
+            if n == 0 {
+                bail!("length \"{p}\" must be positive");
+            }
+            Ok(n * mult)
+        })
+        .collect()
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+fn cpu_name() -> String {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let name = info
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("model name")
+                .and_then(|r| r.split(':').nth(1))
+        })
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+    format!(
+        "{name}, {} threads",
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    )
+}
+
+fn git_commit() -> String {
+    std::process::Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// UTC now as ISO 8601.
+fn utc_now() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // civil-from-days (Howard Hinnant's algorithm)
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+fn random_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..n).map(|_| rng.random_range(0..vocab as u32)).collect()
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    v.iter()
+        .enumerate()
+        .fold(
+            (0, f32::NEG_INFINITY),
+            |m, (i, &x)| if x > m.1 { (i, x) } else { m },
+        )
+        .0 as u32
+}
+
+pub fn run(kind: BenchKind) -> Result<()> {
+    let command = std::env::args().collect::<Vec<_>>().join(" ");
+    let (kind_name, model, lengths, rounds, out) = match &kind {
+        BenchKind::Prefill {
+            model,
+            prompt,
+            rounds,
+            out,
+        } => ("prefill", model, parse_lengths(prompt)?, *rounds, out),
+        BenchKind::Decode {
+            model,
+            context,
+            rounds,
+            out,
+            ..
+        } => ("decode", model, parse_lengths(context)?, *rounds, out),
+    };
+    if rounds == 0 {
+        bail!("--rounds must be at least 1");
+    }
+    let (engine, dir) = load_engine(model)?;
+    let c = engine.config().clone();
+    // ids the real tokenizer can produce (the tail of the embedding is padding)
+    let vocab = c.vocab_size.min(248_077);
+    let mut results = Vec::new();
+    for (li, &len) in lengths.iter().enumerate() {
+        let mut per_round = Vec::new();
+        match &kind {
+            BenchKind::Prefill { .. } => {
+                let tokens = random_tokens(len, vocab, li as u64);
+                if li == 0 {
+                    engine.prefill(&mut engine.new_session(), &tokens[..len.min(64)])?;
+                    // warm-up
+                }
+                for _ in 0..rounds {
+                    let mut s = engine.new_session();
+                    let (_, t) = engine.prefill(&mut s, &tokens)?;
+                    per_round.push(t.tokens_per_s());
+                }
+            }
+            BenchKind::Decode { steps, .. } => {
+                let tokens = random_tokens(len, vocab, li as u64);
+                let mut s = engine.new_session();
+                let (first, _) = engine.prefill(&mut s, &tokens)?;
+                let snapshot = s.snapshot();
+                engine.decode(&mut s, argmax(&first))?; // warm-up
+                for _ in 0..rounds {
+                    s.restore(&snapshot);
+                    let mut next = argmax(&first);
+                    let start = Instant::now();
+                    for _ in 0..*steps {
+                        next = argmax(&engine.decode(&mut s, next)?);
+                    }
+                    per_round.push(*steps as f64 / start.elapsed().as_secs_f64());
+                }
+            }
+        }
+        let (lo, hi) = per_round
+            .iter()
+            .fold((f64::MAX, 0.0f64), |(a, b), &x| (a.min(x), b.max(x)));
+        let med = median(&mut per_round.clone());
+        info!("{kind_name} {len:>6} tokens: {med:>9.1} tok/s (min {lo:.1}, max {hi:.1}, {rounds} rounds)");
+        results.push(
+            json!({"tokens": len, "tokens_per_s": med, "min": lo, "max": hi, "rounds": per_round}),
+        );
+    }
+    let report = json!({
+        "kind": kind_name,
+        "backend": engine.backend.name(),
+        "device": cpu_name(),
+        "commit": git_commit(),
+        "date": utc_now(),
+        "command": command,
+        "model": {
+            "dir": dir.display().to_string(),
+            "layers": c.num_layers(),
+            "hidden_size": c.hidden_size,
+            "num_experts": c.num_experts,
+            "experts_per_token": c.num_experts_per_tok,
+            "vocab_size": c.vocab_size,
+        },
+        "prefill_chunk": engine.prefill_chunk,
+        "results": results,
+    });
+    let text = serde_json::to_string_pretty(&report)?;
+    match out {
+        Some(path) => {
+            if let Some(parent) = path.parent() {
+                std::fs::create_dir_all(parent)?;
+            }
+            std::fs::write(path, text + "\n")
+                .with_context(|| format!("cannot write {}", path.display()))?;
+            info!("wrote {}", path.display());
+        }
+        None => println!("{text}"),
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lengths_parse_with_k_suffix() {
+        assert_eq!(parse_lengths("256, 1K,4k").unwrap(), vec![256, 1024, 4096]);
+        assert!(parse_lengths("12x").is_err());
+        assert!(parse_lengths("0").is_err());
+    }
+
+    #[test]
+    fn date_is_iso() {
+        let d = utc_now();
+        assert_eq!(d.len(), 20);
+        assert!(d.starts_with("20") && d.ends_with('Z'));
+    }
+}

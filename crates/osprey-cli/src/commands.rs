@@ -1,0 +1,316 @@
+//! The subcommands other than `bench`.
+
+use std::io::Write;
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use osprey_engine::generate::{generate as run_generation, GenerateOptions, TokenText};
+use osprey_engine::sampler::SamplingParams;
+use osprey_engine::Engine;
+use osprey_model::checkpoint::Checkpoint;
+use osprey_model::synth::{write_checkpoint, Preset, SynthOptions};
+use osprey_model::{ModelConfig, ModelWeights};
+use osprey_prompt::{ChatOptions, IncrementalDecoder, PromptFormat};
+use tracing::info;
+
+use crate::{ModelArgs, SamplingArgs};
+
+pub fn synth(preset: &str, layers: Option<usize>, seed: u64, out: &Path) -> Result<()> {
+    let preset: Preset = preset.parse()?;
+    let started = std::time::Instant::now();
+    let bytes = write_checkpoint(
+        out,
+        &SynthOptions {
+            preset,
+            layers,
+            seed,
+            show_progress: true,
+        },
+    )?;
+    info!(
+        "wrote {:.2} GB to {} in {:.1} s",
+        bytes as f64 / 1e9,
+        out.display(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// The directory of the built-in default model: a tiny synthetic checkpoint made on first use.
+fn default_model_dir() -> Result<PathBuf> {
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir);
+    let dir = base
+        .join("osprey")
+        .join(format!("synthetic-tiny-v{}", env!("CARGO_PKG_VERSION")));
+    if !dir.join("config.json").exists() {
+        info!("no --model given: writing a tiny synthetic checkpoint to {} (random weights, real tokenizer)", dir.display());
+        let tmp = dir.with_extension("partial");
+        let _ = std::fs::remove_dir_all(&tmp);
+        write_checkpoint(
+            &tmp,
+            &SynthOptions {
+                preset: Preset::Tiny,
+                layers: None,
+                seed: 0,
+                show_progress: false,
+            },
+        )?;
+        std::fs::rename(&tmp, &dir)
+            .with_context(|| format!("cannot move the synthetic model to {}", dir.display()))?;
+    } else {
+        info!(
+            "no --model given: using the tiny synthetic checkpoint at {}",
+            dir.display()
+        );
+    }
+    Ok(dir)
+}
+
+pub fn model_dir(args: &ModelArgs) -> Result<PathBuf> {
+    match &args.model {
+        Some(d) => Ok(d.clone()),
+        None => default_model_dir(),
+    }
+}
+
+/// Loads the model on the requested backend.
+pub fn load_engine(args: &ModelArgs) -> Result<(Engine, PathBuf)> {
+    let dir = model_dir(args)?;
+    match args.backend.as_str() {
+        "cpu" | "auto" => {}
+        "cuda" => bail!("--backend cuda: this build has no CUDA backend (use --backend cpu)"),
+        other => bail!("--backend {other}: expected cpu, cuda or auto"),
+    }
+    let started = std::time::Instant::now();
+    let mut engine = Engine::load_cpu(&dir)?;
+    if args.prefill_chunk == 0 {
+        bail!("--prefill-chunk must be at least 1");
+    }
+    engine.prefill_chunk = args.prefill_chunk;
+    info!(
+        "loaded {} on {} in {:.2} s",
+        dir.display(),
+        engine.backend.name(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok((engine, dir))
+}
+
+/// Sampling parameters: flags first, then generation_config.json, then greedy-safe defaults.
+pub fn sampling_params(a: &SamplingArgs, f: &PromptFormat) -> SamplingParams {
+    let d = &f.defaults;
+    SamplingParams {
+        temperature: a.temperature.or(d.temperature).unwrap_or(0.0),
+        top_k: a.top_k.or(d.top_k).unwrap_or(0),
+        top_p: a.top_p.or(d.top_p).unwrap_or(1.0),
+        min_p: a.min_p.or(d.min_p).unwrap_or(0.0),
+        presence_penalty: a.presence_penalty.unwrap_or(0.0),
+        frequency_penalty: a.frequency_penalty.unwrap_or(0.0),
+        repetition_penalty: a.repetition_penalty.or(d.repetition_penalty).unwrap_or(1.0),
+        seed: a.seed,
+    }
+}
+
+struct Detok<'a>(IncrementalDecoder<'a>);
+
+impl TokenText for Detok<'_> {
+    fn push(&mut self, token: u32) -> String {
+        self.0.push(token)
+    }
+    fn flush(&mut self) -> String {
+        self.0.flush()
+    }
+}
+
+pub fn generate(
+    args: &ModelArgs,
+    prompt: &str,
+    chat: bool,
+    no_think: bool,
+    max_tokens: usize,
+    stop: Vec<String>,
+    sampling: &SamplingArgs,
+) -> Result<()> {
+    let (engine, dir) = load_engine(args)?;
+    let format = PromptFormat::from_dir(&dir)?;
+    let ids = if chat {
+        let mut kwargs = serde_json::Map::new();
+        if no_think {
+            kwargs.insert("enable_thinking".into(), false.into());
+        }
+        let messages = serde_json::json!([{"role": "user", "content": prompt}]);
+        format.encode_chat(
+            &messages,
+            &ChatOptions {
+                add_generation_prompt: true,
+                tools: None,
+                kwargs,
+            },
+        )?
+    } else {
+        format.encode(prompt)?
+    };
+    if ids.is_empty() {
+        bail!("the prompt encodes to no tokens");
+    }
+    let opts = GenerateOptions {
+        max_tokens,
+        stop_ids: format.stop_ids.clone(),
+        stop_strings: stop,
+        sampling: sampling_params(sampling, &format),
+        valid_vocab: format.vocab_size.min(engine.config().vocab_size),
+    };
+    let mut session = engine.new_session();
+    let mut detok = Detok(format.incremental());
+    let mut out = std::io::stdout().lock();
+    if !chat {
+        write!(out, "{prompt}")?;
+    }
+    let g = run_generation(
+        &engine,
+        &mut session,
+        &ids,
+        &opts,
+        &mut detok,
+        &mut |piece| {
+            let _ = write!(out, "{piece}");
+            let _ = out.flush();
+            ControlFlow::Continue(())
+        },
+    )?;
+    writeln!(out)?;
+    eprintln!(
+        "prompt: {} tokens, {:.1} tok/s | decode: {} tokens, {:.1} tok/s | finish: {:?}",
+        g.prompt.tokens,
+        g.prompt.tokens_per_s(),
+        g.tokens.len(),
+        g.decode.tokens_per_s(),
+        g.finish
+    );
+    Ok(())
+}
+
+fn gib(b: usize) -> String {
+    format!("{:.3} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+pub fn inspect(args: &ModelArgs, list_tensors: bool) -> Result<()> {
+    let dir = model_dir(args)?;
+    let config = ModelConfig::from_dir(&dir)?;
+    let ck = Checkpoint::open(&dir)?;
+    let c = &config;
+    println!(
+        "model: {} ({:?}, model_type {})",
+        dir.display(),
+        c.family,
+        c.model_type
+    );
+    println!(
+        "layers: {} ({} Gated DeltaNet, {} attention), hidden {}, vocab {}",
+        c.num_layers(),
+        c.gdn_layers(),
+        c.attention_layers(),
+        c.hidden_size,
+        c.vocab_size
+    );
+    println!(
+        "attention: {} q heads / {} kv heads x {}, rotary {} dims, theta {}",
+        c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rotary_dim, c.rope_theta
+    );
+    println!(
+        "deltanet: {} k heads / {} v heads x {}/{}, conv {}",
+        c.linear_num_key_heads,
+        c.linear_num_value_heads,
+        c.linear_key_head_dim,
+        c.linear_value_head_dim,
+        c.conv_kernel
+    );
+    println!(
+        "moe: {} experts, top {}, intermediate {}, shared {}",
+        c.num_experts,
+        c.num_experts_per_tok,
+        c.moe_intermediate_size,
+        c.shared_expert_intermediate_size
+    );
+    match &c.quantization {
+        Some(q) => println!(
+            "quantisation: {}-bit affine, group {}, {} module overrides",
+            q.bits,
+            q.group_size,
+            q.overrides.len()
+        ),
+        None => println!("quantisation: none (dense floats)"),
+    }
+    println!(
+        "files: {} safetensors, {} tensors, {}",
+        ck.files.len(),
+        ck.tensors.len(),
+        gib(ck.total_bytes())
+    );
+    if list_tensors {
+        for (name, t) in &ck.tensors {
+            println!("  {name:<70} {:?} {:?}", t.dtype, t.shape);
+        }
+    }
+    let w = ModelWeights::from_checkpoint(config, &ck)?;
+    println!(
+        "layout: {:?} (validated: every tensor present with the expected dtype and shape)",
+        w.layout
+    );
+    println!("memory footprint:");
+    let mut total = 0;
+    for (part, bytes) in w.footprint() {
+        println!("  {part:<34} {}", gib(bytes));
+        total += bytes;
+    }
+    println!("  {:<34} {}", "total weights", gib(total));
+    let kv = w.config.kv_bytes_per_token();
+    println!(
+        "per session: KV cache {} KiB/token (bf16 on GPU, f32 on CPU: twice that)",
+        kv / 1024
+    );
+    let state = osprey_engine::SessionState::new(&w.config);
+    println!(
+        "per session: recurrent + conv state {} (f32)",
+        gib(state.bytes())
+    );
+    Ok(())
+}
+
+pub fn score(args: &ModelArgs, tokens: &Path, out: &Path) -> Result<()> {
+    let text = std::fs::read_to_string(tokens)
+        .with_context(|| format!("cannot read {}", tokens.display()))?;
+    let ids: Vec<u32> = serde_json::from_str(&text).with_context(|| {
+        format!(
+            "{} must hold a JSON array of token ids (non-negative integers)",
+            tokens.display()
+        )
+    })?;
+    if ids.is_empty() {
+        bail!("{} holds no tokens", tokens.display());
+    }
+    let (engine, _) = load_engine(args)?;
+    let vocab = engine.config().vocab_size;
+    let started = std::time::Instant::now();
+    let logits = engine.score(&ids)?;
+    let bytes: Vec<u8> = logits.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let view = safetensors::tensor::TensorView::new(
+        safetensors::Dtype::F32,
+        vec![ids.len(), vocab],
+        &bytes,
+    )
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
+    safetensors::serialize_to_file([("logits", view)], None, out)
+        .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", out.display()))?;
+    info!(
+        "scored {} tokens in {:.2} s -> {}",
+        ids.len(),
+        started.elapsed().as_secs_f64(),
+        out.display()
+    );
+    Ok(())
+}
