@@ -314,3 +314,46 @@ pub fn score(args: &ModelArgs, tokens: &Path, out: &Path) -> Result<()> {
     );
     Ok(())
 }
+
+pub fn numerics(args: &ModelArgs, n: usize, out: Option<&Path>) -> Result<()> {
+    if n == 0 {
+        bail!("--tokens must be at least 1");
+    }
+    let dir = model_dir(args)?;
+    let mut model = osprey_engine::cpu::forward::CpuModel::new(ModelWeights::load(&dir)?);
+    let vocab = model.config().vocab_size.min(248_077) as u32;
+    let tokens: Vec<u32> = (0..n as u32)
+        .map(|i| i.wrapping_mul(2_654_435_761) % vocab)
+        .collect();
+    let d = osprey_engine::cpu::numerics::bf16_divergence(&mut model, &tokens)?;
+    println!("bf16 vs f32 over {n} tokens of {}:", dir.display());
+    println!(
+        "  {:<10} {:>14} {:>14}",
+        "after", "rel. diff", "residual rms"
+    );
+    for (i, (rel, rms)) in d.per_layer.iter().zip(&d.residual_rms).enumerate() {
+        let at = if i == 0 {
+            "embedding".to_string()
+        } else {
+            format!("layer {}", i - 1)
+        };
+        println!("  {at:<10} {rel:>14.5} {rms:>14.3}");
+    }
+    println!(
+        "  logits: relative RMS difference {:.5}, std {:.3}, top-1 agreement {:.1}%",
+        d.logits_relative_rms,
+        d.logits_std,
+        100.0 * d.top1_agreement
+    );
+    if let Some(path) = out {
+        let report = serde_json::json!({
+            "kind": "numerics",
+            "model": dir.display().to_string(),
+            "layers": model.config().num_layers(),
+            "tokens": n,
+            "divergence": d,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")?;
+    }
+    Ok(())
+}

@@ -105,6 +105,17 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Measure how far bf16 arithmetic moves this model's outputs (per-layer divergence).
+    Numerics {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Length of the random token sequence.
+        #[arg(long, default_value_t = 64)]
+        tokens: usize,
+        /// Also write the measurement as JSON.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// Measure prefill or decode throughput over a list of lengths; writes JSON.
     Bench {
         #[command(subcommand)]
@@ -142,6 +153,9 @@ fn main() -> ExitCode {
         } => commands::generate(&model, &prompt, chat, no_think, max_tokens, stop, &sampling),
         Command::Inspect { model, tensors } => commands::inspect(&model, tensors),
         Command::Score { model, tokens, out } => commands::score(&model, &tokens, &out),
+        Command::Numerics { model, tokens, out } => {
+            commands::numerics(&model, tokens, out.as_deref())
+        }
         Command::Bench { kind } => bench::run(kind),
     };
     match result {

@@ -36,13 +36,20 @@ pub enum LogitsFor {
 pub struct CpuModel {
     pub weights: ModelWeights,
     rope: Rope,
+    /// Round activations to bf16 after every matrix product, norm and residual add, as a bf16
+    /// engine would; used to measure how much bf16 arithmetic moves a model's outputs.
+    pub bf16_activations: bool,
 }
 
 impl CpuModel {
     pub fn new(weights: ModelWeights) -> Self {
         let c = &weights.config;
         let rope = Rope::new(c.rotary_dim, c.rope_theta);
-        CpuModel { weights, rope }
+        CpuModel {
+            weights,
+            rope,
+            bf16_activations: false,
+        }
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -58,6 +65,19 @@ impl CpuModel {
         gdn_form: GdnForm,
         want: LogitsFor,
     ) -> Result<Vec<f32>> {
+        self.forward_traced(state, tokens, gdn_form, want, None)
+    }
+
+    /// [`forward`](Self::forward) that also records the residual stream `[T, hidden]` after the
+    /// embedding and after every layer.
+    pub fn forward_traced(
+        &self,
+        state: &mut SessionState,
+        tokens: &[u32],
+        gdn_form: GdnForm,
+        want: LogitsFor,
+        mut trace: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<Vec<f32>> {
         let c = self.config();
         let (t, h) = (tokens.len(), c.hidden_size);
         if t == 0 {
@@ -70,16 +90,19 @@ impl CpuModel {
             );
         }
         let w = &self.weights;
-        let eps = c.rms_norm_eps;
 
         // x0 = embed_tokens[ids]
         let mut x = Vec::with_capacity(t * h);
         for &id in tokens {
             x.extend(row(&w.embed_tokens, id as usize));
         }
+        self.round(&mut x);
+        if let Some(tr) = trace.as_deref_mut() {
+            tr.push(x.clone());
+        }
 
         for (layer, cache) in w.layers.iter().zip(state.layers.iter_mut()) {
-            let u = rms_normed(&x, &layer.input_norm, eps);
+            let u = self.norm(&x, &layer.input_norm);
             let mixed = match (&layer.mixer, cache) {
                 (Mixer::GatedDeltaNet(g), LayerCache::GatedDeltaNet { conv, recurrent }) => {
                     self.gated_deltanet(g, &u, t, conv, recurrent, gdn_form)
@@ -90,8 +113,13 @@ impl CpuModel {
                 _ => bail!("session state does not match the model's layer types"),
             };
             add(&mut x, &mixed);
-            let u = rms_normed(&x, &layer.post_attention_norm, eps);
+            self.round(&mut x);
+            let u = self.norm(&x, &layer.post_attention_norm);
             add(&mut x, &self.moe(&layer.moe, &u, t));
+            self.round(&mut x);
+            if let Some(tr) = trace.as_deref_mut() {
+                tr.push(x.clone());
+            }
         }
         state.position += t;
 
@@ -101,8 +129,36 @@ impl CpuModel {
             LogitsFor::All => &x,
         };
         let n = rows.len() / h;
-        let normed = rms_normed(rows, &w.final_norm, eps);
-        Ok(matmul(&w.lm_head, &normed, n))
+        let normed = self.norm(rows, &w.final_norm);
+        Ok(self.mm(&w.lm_head, &normed, n))
+    }
+
+    fn round(&self, x: &mut [f32]) {
+        if self.bf16_activations {
+            x.iter_mut()
+                .for_each(|v| *v = half::bf16::from_f32(*v).to_f32());
+        }
+    }
+
+    fn mm(&self, lin: &osprey_model::tensor::Linear, x: &[f32], t: usize) -> Vec<f32> {
+        let mut y = matmul(lin, x, t);
+        self.round(&mut y);
+        y
+    }
+
+    fn norm(&self, x: &[f32], scale: &[f32]) -> Vec<f32> {
+        let mut y = rms_normed(x, scale, self.config().rms_norm_eps);
+        self.round(&mut y);
+        y
+    }
+
+    /// `down(silu(gate(x)) · up(x))` for `n` rows.
+    fn swiglu(&self, e: &osprey_model::weights::Expert, x: &[f32], n: usize) -> Vec<f32> {
+        let gate = self.mm(&e.gate, x, n);
+        let up = self.mm(&e.up, x, n);
+        let mut act: Vec<f32> = gate.iter().zip(&up).map(|(g, u)| silu(*g) * u).collect();
+        self.round(&mut act);
+        self.mm(&e.down, &act, n)
     }
 
     /// Gated DeltaNet mixer (model-spec §3.3).
@@ -122,13 +178,13 @@ impl CpuModel {
 
         let (mut qkv, z, b, a) = match &g.projections {
             GdnProjections::Split { qkv, z, b, a } => (
-                matmul(qkv, u, t),
-                matmul(z, u, t),
-                matmul(b, u, t),
-                matmul(a, u, t),
+                self.mm(qkv, u, t),
+                self.mm(z, u, t),
+                self.mm(b, u, t),
+                self.mm(a, u, t),
             ),
             GdnProjections::Fused { qkvz, ba } => {
-                split_fused(c, &matmul(qkvz, u, t), &matmul(ba, u, t), t)
+                split_fused(c, &self.mm(qkvz, u, t), &self.mm(ba, u, t), t)
             }
         };
 
@@ -209,7 +265,8 @@ impl CpuModel {
                 }
             }
         }
-        matmul(&g.out_proj, &y, t)
+        self.round(&mut y);
+        self.mm(&g.out_proj, &y, t)
     }
 
     /// Gated full attention (model-spec §3.5), appending this call's K/V to the cache.
@@ -224,9 +281,9 @@ impl CpuModel {
     ) -> Vec<f32> {
         let c = self.config();
         let (hq, hkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-        let qg = matmul(&a.q_proj, u, t);
-        let mut k = matmul(&a.k_proj, u, t);
-        let v = matmul(&a.v_proj, u, t);
+        let qg = self.mm(&a.q_proj, u, t);
+        let mut k = self.mm(&a.k_proj, u, t);
+        let v = self.mm(&a.v_proj, u, t);
 
         let mut q = vec![0.0f32; t * hq * d];
         let mut gate = vec![0.0f32; t * hq * d];
@@ -275,14 +332,15 @@ impl CpuModel {
                 *ov *= sigmoid(*gv);
             }
         });
-        matmul(&a.o_proj, &o, t)
+        self.round(&mut o);
+        self.mm(&a.o_proj, &o, t)
     }
 
     /// Sparse MoE block with shared expert (model-spec §3.6).
     fn moe(&self, m: &Moe, u: &[f32], t: usize) -> Vec<f32> {
         let c = self.config();
         let (h, e, top) = (c.hidden_size, c.num_experts, c.num_experts_per_tok);
-        let logits = matmul(&m.router, u, t);
+        let logits = self.mm(&m.router, u, t);
 
         // softmax → top-k → renormalise; rows grouped by expert
         let mut assigned: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e];
@@ -312,7 +370,7 @@ impl CpuModel {
                 .iter()
                 .flat_map(|&(tt, _)| u[tt * h..(tt + 1) * h].iter().copied())
                 .collect();
-            let out = swiglu(expert, &xe, n);
+            let out = self.swiglu(expert, &xe, n);
             for (r, &(tt, wgt)) in rows.iter().enumerate() {
                 for (yv, ov) in y[tt * h..(tt + 1) * h]
                     .iter_mut()
@@ -323,8 +381,8 @@ impl CpuModel {
             }
         }
 
-        let shared = swiglu(&m.shared, u, t);
-        let gate = matmul(&m.shared_gate, u, t);
+        let shared = self.swiglu(&m.shared, u, t);
+        let gate = self.mm(&m.shared_gate, u, t);
         for tt in 0..t {
             let s = sigmoid(gate[tt]);
             for (yv, sv) in y[tt * h..(tt + 1) * h]
@@ -336,14 +394,6 @@ impl CpuModel {
         }
         y
     }
-}
-
-/// `down(silu(gate(x)) · up(x))` for `n` rows.
-fn swiglu(e: &osprey_model::weights::Expert, x: &[f32], n: usize) -> Vec<f32> {
-    let gate = matmul(&e.gate, x, n);
-    let up = matmul(&e.up, x, n);
-    let act: Vec<f32> = gate.iter().zip(&up).map(|(g, u)| silu(*g) * u).collect();
-    matmul(&e.down, &act, n)
 }
 
 fn add(x: &mut [f32], y: &[f32]) {

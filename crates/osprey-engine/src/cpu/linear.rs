@@ -74,24 +74,102 @@ fn load_row(lin: &Linear, r: usize, out: &mut [f32]) {
     }
 }
 
+/// Up to this many tokens, quantised rows are dotted straight from their codes (decode);
+/// above it, each row is dequantised once and reused for every token (prefill).
+const DIRECT_MAX_TOKENS: usize = 4;
+
+/// `s · Σ q·x + b · Σ x` per group, straight from the packed codes of one row.
+#[inline]
+fn dot_codes(
+    bits: u32,
+    words: &[u32],
+    x: &[f32],
+    x_group_sums: &[f32],
+    group: usize,
+    scale_bias: impl Fn(usize) -> (f32, f32),
+) -> f32 {
+    let per_word = (32 / bits) as usize;
+    let words_per_group = group / per_word;
+    let mut total = 0.0f32;
+    for (g, ws) in words.chunks_exact(words_per_group).enumerate() {
+        let xs = &x[g * group..(g + 1) * group];
+        let mut acc = [0.0f32; 8];
+        if bits == 4 {
+            for (w, x8) in ws.iter().zip(xs.chunks_exact(8)) {
+                for n in 0..8 {
+                    acc[n] = (((w >> (4 * n)) & 0xF) as f32).mul_add(x8[n], acc[n]);
+                }
+            }
+        } else {
+            for (w2, x8) in ws.chunks_exact(2).zip(xs.chunks_exact(8)) {
+                for n in 0..8 {
+                    acc[n] = (((w2[n / 4] >> (8 * (n % 4))) & 0xFF) as f32).mul_add(x8[n], acc[n]);
+                }
+            }
+        }
+        let (s, b) = scale_bias(g);
+        total += s * acc.iter().sum::<f32>() + b * x_group_sums[g];
+    }
+    total
+}
+
 /// `x`: `[tokens, cols]`, returns `[tokens, rows]`.
 pub fn matmul(lin: &Linear, x: &[f32], tokens: usize) -> Vec<f32> {
     let (rows, cols) = (lin.rows, lin.cols());
     assert_eq!(x.len(), tokens * cols, "matmul input shape");
     let mut by_row = vec![0.0f32; rows * tokens];
     let block = block_rows(rows, cols, tokens);
-    by_row
-        .par_chunks_mut(block * tokens)
-        .enumerate()
-        .for_each(|(bi, out)| {
-            let mut w = vec![0.0f32; cols];
-            for (i, o) in out.chunks_mut(tokens).enumerate() {
-                load_row(lin, bi * block + i, &mut w);
-                for (t, y) in o.iter_mut().enumerate() {
-                    *y = dot(&w, &x[t * cols..(t + 1) * cols]);
-                }
-            }
-        });
+    match &lin.matrix.data {
+        MatrixData::Quantized {
+            bits,
+            group,
+            codes,
+            scales,
+            biases,
+        } if tokens <= DIRECT_MAX_TOKENS => {
+            let (bits, group) = (*bits, *group);
+            let groups = cols / group;
+            let sums: Vec<f32> = x.chunks_exact(group).map(|c| c.iter().sum()).collect();
+            let wpr = lin.matrix.words_per_row();
+            let codes = codes.as_slice();
+            by_row
+                .par_chunks_mut(block * tokens)
+                .enumerate()
+                .for_each(|(bi, out)| {
+                    for (i, o) in out.chunks_mut(tokens).enumerate() {
+                        let r = lin.row0 + bi * block + i;
+                        let words = &codes[r * wpr..(r + 1) * wpr];
+                        let sb =
+                            |g: usize| (scales.get(r * groups + g), biases.get(r * groups + g));
+                        for (t, y) in o.iter_mut().enumerate() {
+                            let xt = &x[t * cols..(t + 1) * cols];
+                            *y = dot_codes(
+                                bits,
+                                words,
+                                xt,
+                                &sums[t * groups..(t + 1) * groups],
+                                group,
+                                sb,
+                            );
+                        }
+                    }
+                });
+        }
+        _ => {
+            by_row
+                .par_chunks_mut(block * tokens)
+                .enumerate()
+                .for_each(|(bi, out)| {
+                    let mut w = vec![0.0f32; cols];
+                    for (i, o) in out.chunks_mut(tokens).enumerate() {
+                        load_row(lin, bi * block + i, &mut w);
+                        for (t, y) in o.iter_mut().enumerate() {
+                            *y = dot(&w, &x[t * cols..(t + 1) * cols]);
+                        }
+                    }
+                });
+        }
+    }
     if tokens == 1 {
         return by_row;
     }
@@ -165,7 +243,7 @@ mod tests {
             let full = quantized(bits, group, 96, 256);
             // a window of rows, as for one expert in a stack
             let lin = Linear::rows_of(&full.matrix, 32, 40);
-            for t in [1, 3] {
+            for t in [1, 3, 7] {
                 let x: Vec<f32> = (0..t * 256)
                     .map(|i| ((i * 13 % 29) as f32 - 14.0) / 7.0)
                     .collect();

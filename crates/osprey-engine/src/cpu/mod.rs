@@ -3,4 +3,5 @@
 pub mod forward;
 pub mod gdn;
 pub mod linear;
+pub mod numerics;
 pub mod ops;
