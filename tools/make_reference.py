@@ -32,7 +32,7 @@ import transformers
 from transformers import (Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3NextConfig,
                           Qwen3NextForCausalLM)
 
-OUTPUT_GAIN = 0.5
+OUTPUT_GAIN = 0.25
 LOGIT_STD = 3.0
 ROUTER_STD = 2.0
 OUTPUT_PROJ = ("o_proj", "out_proj", "down_proj")

@@ -45,7 +45,7 @@ const MODEL_FILES: [(&str, &[u8]); 4] = [
 ];
 
 /// Damping of block output projections (see module docs).
-const OUTPUT_GAIN: f32 = 0.5;
+const OUTPUT_GAIN: f32 = 0.25;
 /// Logit standard deviation the lm_head aims for: peaked enough to be non-degenerate.
 const LOGIT_STD: f32 = 3.0;
 /// Router logit standard deviation: decisive routing, few near-ties between experts.
