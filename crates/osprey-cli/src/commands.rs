@@ -14,7 +14,7 @@ use osprey_model::{ModelConfig, ModelWeights};
 use osprey_prompt::{ChatOptions, IncrementalDecoder, PromptFormat};
 use tracing::info;
 
-use crate::{ModelArgs, SamplingArgs};
+use crate::{ModelArgs, SamplingArgs, ServeArgs};
 
 pub fn synth(preset: &str, layers: Option<usize>, seed: u64, out: &Path) -> Result<()> {
     let preset: Preset = preset.parse()?;
@@ -115,7 +115,7 @@ pub fn sampling_params(a: &SamplingArgs, f: &PromptFormat) -> SamplingParams {
     }
 }
 
-struct Detok<'a>(IncrementalDecoder<'a>);
+pub struct Detok<'a>(pub IncrementalDecoder<'a>);
 
 impl TokenText for Detok<'_> {
     fn push(&mut self, token: u32) -> String {
@@ -356,4 +356,40 @@ pub fn numerics(args: &ModelArgs, n: usize, out: Option<&Path>) -> Result<()> {
         std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")?;
     }
     Ok(())
+}
+
+pub fn serve(args: &ModelArgs, s: &ServeArgs) -> Result<()> {
+    let addr: std::net::SocketAddr = format!("{}:{}", s.host, s.port)
+        .parse()
+        .with_context(|| format!("--host {} --port {} is not a valid address", s.host, s.port))?;
+    let (engine, dir) = load_engine(args)?;
+    let format = PromptFormat::from_dir(&dir)?;
+    let name = s.served_model_name.clone().unwrap_or_else(|| {
+        dir.file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "osprey".into())
+    });
+    let max_context = s
+        .max_context
+        .unwrap_or(engine.config().max_position_embeddings);
+    if max_context < 2 {
+        bail!("--max-context must be at least 2");
+    }
+    let cfg = osprey_server::ServerConfig {
+        model_name: name.clone(),
+        api_key: s.api_key.clone(),
+        max_context,
+        max_queue: s.max_queue,
+        request_timeout: std::time::Duration::from_secs(s.request_timeout.max(1)),
+        cache_entries: s.cache_entries,
+        cache_bytes: s.cache_mib << 20,
+        max_body_bytes: s.max_body_mib.max(1) << 20,
+        default_max_tokens: s.default_max_tokens.max(1),
+    };
+    info!("serving \"{name}\" (context {max_context} tokens)");
+    let router = osprey_server::app(engine, format, cfg)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(osprey_server::serve(router, addr))
 }

@@ -1,6 +1,7 @@
 //! `osprey`: run Qwen3.5/3.6-35B-A3B checkpoints. See README.md.
 
 mod bench;
+mod chat;
 mod commands;
 
 use std::path::PathBuf;
@@ -52,6 +53,42 @@ pub struct SamplingArgs {
     pub seed: u64,
 }
 
+/// Server settings.
+#[derive(Args, Clone)]
+pub struct ServeArgs {
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Require `Authorization: Bearer KEY` on /v1 routes.
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// Longest prompt + reply in tokens (default: the model's max_position_embeddings).
+    #[arg(long)]
+    pub max_context: Option<usize>,
+    /// Requests allowed to wait for the engine; more get 429.
+    #[arg(long, default_value_t = 16)]
+    pub max_queue: usize,
+    /// Seconds before a request is abandoned.
+    #[arg(long, default_value_t = 600)]
+    pub request_timeout: u64,
+    /// Session snapshots kept for prefix reuse.
+    #[arg(long, default_value_t = 16)]
+    pub cache_entries: usize,
+    /// Memory the snapshots may use, in MiB.
+    #[arg(long, default_value_t = 4096)]
+    pub cache_mib: usize,
+    /// Largest request body, in MiB.
+    #[arg(long, default_value_t = 16)]
+    pub max_body_mib: usize,
+    /// max_tokens when a request sets none.
+    #[arg(long, default_value_t = 4096)]
+    pub default_max_tokens: usize,
+    /// Model id reported by /v1/models and accepted in requests (default: the directory name).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Write a synthetic checkpoint (random weights, real MLX 4-bit layout, real tokenizer).
@@ -84,6 +121,22 @@ enum Command {
         /// Stop when this text appears (repeatable); it is not printed.
         #[arg(long)]
         stop: Vec<String>,
+        #[command(flatten)]
+        sampling: SamplingArgs,
+    },
+    /// Serve the OpenAI chat-completions API (binds to 127.0.0.1 unless told otherwise).
+    Serve {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        server: ServeArgs,
+    },
+    /// Chat in the terminal (multi-turn; /reset, /think on|off, /quit).
+    Chat {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[arg(long, default_value_t = 1024)]
+        max_tokens: usize,
         #[command(flatten)]
         sampling: SamplingArgs,
     },
@@ -151,6 +204,12 @@ fn main() -> ExitCode {
             stop,
             sampling,
         } => commands::generate(&model, &prompt, chat, no_think, max_tokens, stop, &sampling),
+        Command::Serve { model, server } => commands::serve(&model, &server),
+        Command::Chat {
+            model,
+            max_tokens,
+            sampling,
+        } => chat::run(&model, max_tokens, &sampling),
         Command::Inspect { model, tensors } => commands::inspect(&model, tensors),
         Command::Score { model, tokens, out } => commands::score(&model, &tokens, &out),
         Command::Numerics { model, tokens, out } => {

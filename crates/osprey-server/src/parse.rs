@@ -30,9 +30,16 @@ pub enum Delta {
     Reasoning(String),
     Content(String),
     /// A new call: its index among this reply's calls, id and function name.
-    CallStart { index: usize, id: String, name: String },
+    CallStart {
+        index: usize,
+        id: String,
+        name: String,
+    },
     /// A fragment of the call's `arguments` JSON string.
-    CallArguments { index: usize, fragment: String },
+    CallArguments {
+        index: usize,
+        fragment: String,
+    },
 }
 
 /// JSON-schema types of each parameter, per function name.
@@ -47,13 +54,18 @@ impl ToolSchemas {
         let mut functions = HashMap::new();
         for t in tools.as_array().into_iter().flatten() {
             let f = &t["function"];
-            let Some(name) = f["name"].as_str() else { continue };
+            let Some(name) = f["name"].as_str() else {
+                continue;
+            };
             let mut params = HashMap::new();
             if let Some(props) = f["parameters"]["properties"].as_object() {
                 for (p, schema) in props {
                     let types = match &schema["type"] {
                         Value::String(s) => vec![s.clone()],
-                        Value::Array(a) => a.iter().filter_map(|x| x.as_str().map(String::from)).collect(),
+                        Value::Array(a) => a
+                            .iter()
+                            .filter_map(|x| x.as_str().map(String::from))
+                            .collect(),
                         _ => Vec::new(),
                     };
                     params.insert(p.clone(), types);
@@ -70,18 +82,27 @@ impl ToolSchemas {
 
     /// Converts a raw parameter value by its schema type (strings stay raw text).
     pub fn typed_value(&self, function: &str, param: &str, raw: &str) -> Value {
-        let types = self.functions.get(function).and_then(|p| p.get(param)).cloned().unwrap_or_default();
+        let types = self
+            .functions
+            .get(function)
+            .and_then(|p| p.get(param))
+            .cloned()
+            .unwrap_or_default();
         for ty in &types {
             let v = match ty.as_str() {
                 "string" => return Value::String(raw.to_string()),
-                "integer" => raw
-                    .trim()
-                    .parse::<i64>()
-                    .ok()
-                    .map(Value::from)
-                    .or_else(|| raw.trim().parse::<f64>().ok().filter(|f| f.fract() == 0.0).map(|f| Value::from(f as i64))),
+                "integer" => raw.trim().parse::<i64>().ok().map(Value::from).or_else(|| {
+                    raw.trim()
+                        .parse::<f64>()
+                        .ok()
+                        .filter(|f| f.fract() == 0.0)
+                        .map(|f| Value::from(f as i64))
+                }),
                 "number" => raw.trim().parse::<i64>().ok().map(Value::from).or_else(|| {
-                    raw.trim().parse::<f64>().ok().and_then(|f| serde_json::Number::from_f64(f).map(Value::Number))
+                    raw.trim()
+                        .parse::<f64>()
+                        .ok()
+                        .and_then(|f| serde_json::Number::from_f64(f).map(Value::Number))
                 }),
                 "boolean" => match raw.trim().to_ascii_lowercase().as_str() {
                     "true" => Some(Value::Bool(true)),
@@ -89,9 +110,13 @@ impl ToolSchemas {
                     _ => None,
                 },
                 "null" => (raw.trim() == "null" || raw.trim().is_empty()).then_some(Value::Null),
-                "object" | "array" => serde_json::from_str::<Value>(raw.trim())
-                    .ok()
-                    .filter(|v| if ty == "object" { v.is_object() } else { v.is_array() }),
+                "object" | "array" => serde_json::from_str::<Value>(raw.trim()).ok().filter(|v| {
+                    if ty == "object" {
+                        v.is_object()
+                    } else {
+                        v.is_array()
+                    }
+                }),
                 _ => None,
             };
             if let Some(v) = v {
@@ -137,7 +162,11 @@ impl OutputParser {
     /// `in_reasoning`: the prompt ended inside an open `<think>` block.
     pub fn new(in_reasoning: bool, tools: Option<ToolSchemas>, id_prefix: &str) -> Self {
         OutputParser {
-            mode: if in_reasoning { Mode::Reasoning } else { Mode::Content },
+            mode: if in_reasoning {
+                Mode::Reasoning
+            } else {
+                Mode::Content
+            },
             pending: String::new(),
             tools,
             call: None,
@@ -149,6 +178,11 @@ impl OutputParser {
 
     pub fn tool_calls(&self) -> usize {
         self.calls
+    }
+
+    /// Still inside the reasoning block (and not inside a call).
+    pub fn in_reasoning(&self) -> bool {
+        self.mode == Mode::Reasoning && self.call.is_none()
     }
 
     fn markers(&self) -> Vec<&'static str> {
@@ -176,7 +210,8 @@ impl OutputParser {
             return;
         }
         match (self.mode, out.last_mut()) {
-            (Mode::Reasoning, Some(Delta::Reasoning(s))) | (Mode::Content, Some(Delta::Content(s))) => s.push_str(text),
+            (Mode::Reasoning, Some(Delta::Reasoning(s)))
+            | (Mode::Content, Some(Delta::Content(s))) => s.push_str(text),
             (Mode::Reasoning, _) => out.push(Delta::Reasoning(text.to_string())),
             (Mode::Content, _) => out.push(Delta::Content(text.to_string())),
         }
@@ -197,7 +232,10 @@ impl OutputParser {
             match call.started {
                 Some((index, _)) => {
                     let frag = if call.params == 0 { "{}" } else { "}" };
-                    out.push(Delta::CallArguments { index, fragment: frag.to_string() });
+                    out.push(Delta::CallArguments {
+                        index,
+                        fragment: frag.to_string(),
+                    });
                 }
                 None => {
                     self.mode = call.resume;
@@ -218,11 +256,18 @@ impl OutputParser {
                 continue;
             }
             let markers = self.markers();
-            let hit = markers.iter().filter_map(|m| self.pending.find(m).map(|i| (i, *m))).min();
+            let hit = markers
+                .iter()
+                .filter_map(|m| self.pending.find(m).map(|i| (i, *m)))
+                .min();
             match hit {
                 Some((i, marker)) => {
                     let before = self.pending[..i].to_string();
-                    let before = if marker == THINK_CLOSE { before.trim_end_matches('\n').to_string() } else { before };
+                    let before = if marker == THINK_CLOSE {
+                        before.trim_end_matches('\n').to_string()
+                    } else {
+                        before
+                    };
                     self.emit_text(&before, out);
                     self.pending.drain(..i + marker.len());
                     match marker {
@@ -232,14 +277,24 @@ impl OutputParser {
                         }
                         THINK_OPEN => self.mode = Mode::Reasoning,
                         _ => {
-                            self.call = Some(OpenCall { text: String::new(), resume: self.mode, started: None, consumed: 0, params: 0 });
+                            self.call = Some(OpenCall {
+                                text: String::new(),
+                                resume: self.mode,
+                                started: None,
+                                consumed: 0,
+                                params: 0,
+                            });
                         }
                     }
                 }
                 None => {
                     // hold back a suffix that may start a marker (and, in reasoning, trailing
                     // newlines that may precede </think>)
-                    let mut hold = if at_end { 0 } else { held_suffix(&self.pending, &markers) };
+                    let mut hold = if at_end {
+                        0
+                    } else {
+                        held_suffix(&self.pending, &markers)
+                    };
                     if !at_end && self.mode == Mode::Reasoning {
                         let body = &self.pending[..self.pending.len() - hold];
                         hold += body.len() - body.trim_end_matches('\n').len();
@@ -256,7 +311,9 @@ impl OutputParser {
     /// Moves pending text into the open call and emits what became complete. Returns true when
     /// the call closed (parsing continues after it).
     fn advance_call(&mut self, out: &mut Vec<Delta>) -> bool {
-        let Some(call) = self.call.as_mut() else { return false };
+        let Some(call) = self.call.as_mut() else {
+            return false;
+        };
         call.text.push_str(&self.pending);
         self.pending.clear();
         let closed_at = call.text.find(CALL_CLOSE);
@@ -272,7 +329,11 @@ impl OutputParser {
                     if schemas.has(&name) {
                         let index = self.calls;
                         self.calls += 1;
-                        out.push(Delta::CallStart { index, id: format!("{}{index}", self.id_prefix), name: name.clone() });
+                        out.push(Delta::CallStart {
+                            index,
+                            id: format!("{}{index}", self.id_prefix),
+                            name: name.clone(),
+                        });
                         call.consumed = body.len() - trimmed.len() + "<function=".len() + end + 1;
                         call.started = Some((index, name));
                     }
@@ -283,12 +344,18 @@ impl OutputParser {
             // complete parameters: <parameter=NAME>\nVALUE\n</parameter>
             loop {
                 let rest = &call.text[call.consumed..body_end];
-                let Some(open) = rest.find("<parameter=") else { break };
-                let Some(close) = rest[open..].find("</parameter>") else { break };
+                let Some(open) = rest.find("<parameter=") else {
+                    break;
+                };
+                let Some(close) = rest[open..].find("</parameter>") else {
+                    break;
+                };
                 let inner = &rest[open + "<parameter=".len()..open + close];
                 let Some(gt) = inner.find('>') else { break };
                 let pname = inner[..gt].trim().to_string();
-                let raw = inner[gt + 1..].strip_prefix('\n').unwrap_or(&inner[gt + 1..]);
+                let raw = inner[gt + 1..]
+                    .strip_prefix('\n')
+                    .unwrap_or(&inner[gt + 1..]);
                 let raw = raw.strip_suffix('\n').unwrap_or(raw);
                 let value = schemas.typed_value(&name, &pname, raw);
                 let sep = if call.params == 0 { "{" } else { ", " };
@@ -305,7 +372,10 @@ impl OutputParser {
         match call.started {
             Some((index, _)) => {
                 let frag = if call.params == 0 { "{}" } else { "}" };
-                out.push(Delta::CallArguments { index, fragment: frag.to_string() });
+                out.push(Delta::CallArguments {
+                    index,
+                    fragment: frag.to_string(),
+                });
                 // the template separates consecutive calls with "\n"
                 self.after_think = self.mode == Mode::Content;
             }
@@ -334,12 +404,18 @@ fn held_suffix(text: &str, markers: &[&str]) -> usize {
 
 /// The deltas of a whole reply folded together: (reasoning, content, calls as (id, name, args)).
 pub fn collect(deltas: &[Delta]) -> (String, String, Vec<(String, String, String)>) {
-    let (mut reasoning, mut content, mut calls) = (String::new(), String::new(), Vec::<(String, String, String)>::new());
+    let (mut reasoning, mut content, mut calls) = (
+        String::new(),
+        String::new(),
+        Vec::<(String, String, String)>::new(),
+    );
     for d in deltas {
         match d {
             Delta::Reasoning(s) => reasoning.push_str(s),
             Delta::Content(s) => content.push_str(s),
-            Delta::CallStart { id, name, .. } => calls.push((id.clone(), name.clone(), String::new())),
+            Delta::CallStart { id, name, .. } => {
+                calls.push((id.clone(), name.clone(), String::new()))
+            }
             Delta::CallArguments { index, fragment } => {
                 if let Some(c) = calls.get_mut(*index) {
                     c.2.push_str(fragment);
@@ -355,15 +431,22 @@ mod tests {
     use super::*;
 
     fn tools() -> ToolSchemas {
-        ToolSchemas::from_tools(&serde_json::json!([{"type": "function", "function": {"name": "get_weather",
+        ToolSchemas::from_tools(
+            &serde_json::json!([{"type": "function", "function": {"name": "get_weather",
             "parameters": {"type": "object", "properties": {
                 "city": {"type": "string"}, "days": {"type": "integer"}, "hot": {"type": "boolean"},
                 "ratio": {"type": "number"}, "opts": {"type": "object"}, "tags": {"type": "array"},
-                "none": {"type": "null"}, "maybe": {"type": ["integer", "string"]}}}}}]))
+                "none": {"type": "null"}, "maybe": {"type": ["integer", "string"]}}}}}]),
+        )
     }
 
     /// Feeds `text` in pieces of `step` bytes (on char boundaries) and collects the result.
-    fn run(text: &str, step: usize, in_reasoning: bool, tools: Option<ToolSchemas>) -> (Vec<Delta>, (String, String, Vec<(String, String, String)>)) {
+    fn run(
+        text: &str,
+        step: usize,
+        in_reasoning: bool,
+        tools: Option<ToolSchemas>,
+    ) -> (Vec<Delta>, (String, String, Vec<(String, String, String)>)) {
         let mut p = OutputParser::new(in_reasoning, tools, "call_");
         let mut deltas = Vec::new();
         let chars: Vec<char> = text.chars().collect();
@@ -378,7 +461,12 @@ mod tests {
     #[test]
     fn reasoning_then_content_at_any_split() {
         for step in [1, 2, 3, 7, 100] {
-            let (_, (r, c, calls)) = run("Let me think.\nOK.\n</think>\n\nThe answer is 4.", step, true, None);
+            let (_, (r, c, calls)) = run(
+                "Let me think.\nOK.\n</think>\n\nThe answer is 4.",
+                step,
+                true,
+                None,
+            );
             assert_eq!(r, "Let me think.\nOK.", "step {step}");
             assert_eq!(c, "The answer is 4.", "step {step}");
             assert!(calls.is_empty());
@@ -409,9 +497,15 @@ mod tests {
                     "opts": {"unit": "C"}, "tags": [1, 2], "none": null, "maybe": "abc"})
             );
             // streamed: the name comes before the arguments, in several fragments
-            let frags = deltas.iter().filter(|d| matches!(d, Delta::CallArguments { .. })).count();
+            let frags = deltas
+                .iter()
+                .filter(|d| matches!(d, Delta::CallArguments { .. }))
+                .count();
             assert!(frags >= 2, "step {step}: {frags}");
-            assert!(matches!(deltas.iter().find(|d| !matches!(d, Delta::Reasoning(_))), Some(Delta::CallStart { .. })));
+            assert!(matches!(
+                deltas.iter().find(|d| !matches!(d, Delta::Reasoning(_))),
+                Some(Delta::CallStart { .. })
+            ));
         }
     }
 
@@ -432,21 +526,39 @@ mod tests {
 
     #[test]
     fn invalid_calls_stay_text() {
-        let (_, (_, c, calls)) = run("x <tool_call>\n<function=unknown_fn>\n</function>\n</tool_call> y", 3, false, Some(tools()));
+        let (_, (_, c, calls)) = run(
+            "x <tool_call>\n<function=unknown_fn>\n</function>\n</tool_call> y",
+            3,
+            false,
+            Some(tools()),
+        );
         assert!(calls.is_empty());
-        assert_eq!(c, "x <tool_call>\n<function=unknown_fn>\n</function>\n</tool_call> y");
+        assert_eq!(
+            c,
+            "x <tool_call>\n<function=unknown_fn>\n</function>\n</tool_call> y"
+        );
         let (_, (_, c, calls)) = run("a <tool_call> not xml at all", 2, false, Some(tools()));
         assert!(calls.is_empty());
         assert_eq!(c, "a <tool_call> not xml at all");
         // tools not offered: the markup is plain text
-        let (_, (_, c, calls)) = run("<tool_call>\n<function=get_weather>\n</function>\n</tool_call>", 4, false, None);
+        let (_, (_, c, calls)) = run(
+            "<tool_call>\n<function=get_weather>\n</function>\n</tool_call>",
+            4,
+            false,
+            None,
+        );
         assert!(calls.is_empty());
         assert!(c.starts_with("<tool_call>"));
     }
 
     #[test]
     fn unfinished_call_is_closed_at_the_end() {
-        let (_, (_, _, calls)) = run("<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n", 3, false, Some(tools()));
+        let (_, (_, _, calls)) = run(
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n",
+            3,
+            false,
+            Some(tools()),
+        );
         assert_eq!(calls.len(), 1);
         assert_eq!(calls[0].2, r#"{"city": "Rome"}"#);
     }

@@ -1,0 +1,677 @@
+//! `osprey serve`: the OpenAI chat-completions API over the engine. HTTP runs on tokio; the
+//! model runs on one engine thread fed by a bounded FIFO (batch 1). See README for the endpoints.
+
+pub mod api;
+pub mod metrics;
+pub mod parse;
+pub mod worker;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use osprey_engine::Engine;
+use osprey_prompt::{ChatOptions, PromptFormat};
+use serde_json::{json, Map, Value};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+
+use api::{ApiError, ApiResult, Fields, GenerationRequest, ToolChoice};
+use metrics::Metrics;
+use parse::{Delta, ToolSchemas};
+use worker::{ChatParsing, Event, Job, PrefixCache, TokenLogprob, Usage, Worker};
+
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    pub model_name: String,
+    pub api_key: Option<String>,
+    /// Longest prompt + reply, in tokens.
+    pub max_context: usize,
+    /// Requests waiting for the engine before new ones get 429.
+    pub max_queue: usize,
+    pub request_timeout: Duration,
+    pub cache_entries: usize,
+    pub cache_bytes: usize,
+    pub max_body_bytes: usize,
+    /// Default `max_tokens` when a request gives none.
+    pub default_max_tokens: usize,
+}
+
+struct AppState {
+    cfg: ServerConfig,
+    format: Arc<PromptFormat>,
+    jobs: Mutex<std::sync::mpsc::Sender<Job>>,
+    queued: Arc<AtomicUsize>,
+    metrics: Arc<Metrics>,
+    vocab_size: usize,
+    /// Tokens of `<|im_start|>assistant\n`: the next turn of a conversation branches after them.
+    assistant_header: Vec<u32>,
+    ids: AtomicU64,
+}
+
+/// The HTTP application; spawns the engine thread.
+pub fn app(engine: Engine, format: PromptFormat, cfg: ServerConfig) -> anyhow::Result<Router> {
+    let format = Arc::new(format);
+    let metrics = Arc::new(Metrics::default());
+    let queued = Arc::new(AtomicUsize::new(0));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let vocab_size = engine.config().vocab_size;
+    let worker = Worker {
+        engine,
+        format: format.clone(),
+        cache: PrefixCache::new(cfg.cache_entries, cfg.cache_bytes),
+        metrics: metrics.clone(),
+        queued: queued.clone(),
+    };
+    std::thread::Builder::new()
+        .name("osprey-engine".into())
+        .spawn(move || worker.run(rx))?;
+    let assistant_header = format.encode("<|im_start|>assistant\n")?;
+    let max_body = cfg.max_body_bytes;
+    let state = Arc::new(AppState {
+        cfg,
+        format,
+        jobs: Mutex::new(tx),
+        queued,
+        metrics,
+        vocab_size,
+        assistant_header,
+        ids: AtomicU64::new(0),
+    });
+    let v1 = Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
+    Ok(Router::new()
+        .merge(v1)
+        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/metrics", get(metrics_text))
+        .fallback(|| async {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                "not_found",
+                "unknown route",
+            )
+        })
+        .method_not_allowed_fallback(|| async {
+            ApiError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "invalid_request_error",
+                "method_not_allowed",
+                "method not allowed on this route",
+            )
+        })
+        .layer(DefaultBodyLimit::max(max_body))
+        .layer(middleware::from_fn_with_state(state.clone(), count_status))
+        .with_state(state))
+}
+
+/// Serves until SIGINT/SIGTERM; in-flight requests finish first.
+pub async fn serve(router: Router, addr: SocketAddr) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
+    tracing::info!("listening on http://{}", listener.local_addr()?);
+    axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown_signal())
+        .await?;
+    tracing::info!("shut down");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+    tracing::info!("shutting down: finishing in-flight requests");
+}
+
+async fn count_status(
+    State(st): State<Arc<AppState>>,
+    req: axum::extract::Request,
+    next: Next,
+) -> Response {
+    let r = next.run(req).await;
+    st.metrics.record_status(r.status().as_u16());
+    r
+}
+
+async fn require_key(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    req: axum::extract::Request,
+    next: Next,
+) -> Response {
+    if let Some(key) = &st.cfg.api_key {
+        let given = headers
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if given != Some(key.as_str()) {
+            return ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "invalid_request_error",
+                "invalid_api_key",
+                "invalid or missing API key",
+            )
+            .into_response();
+        }
+    }
+    next.run(req).await
+}
+
+async fn metrics_text(State(st): State<Arc<AppState>>) -> impl IntoResponse {
+    (
+        [("content-type", "text/plain; version=0.0.4")],
+        st.metrics.render(),
+    )
+}
+
+async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
+    Json(
+        json!({"object": "list", "data": [{"id": st.cfg.model_name, "object": "model", "created": now(), "owned_by": "osprey"}]}),
+    )
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn json_body(body: Result<Bytes, BytesRejection>) -> ApiResult<Value> {
+    let bytes = body.map_err(|e| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                "request_too_large",
+                "request body is too large",
+            )
+        } else {
+            ApiError::bad_request(format!("cannot read the request body: {e}"), None)
+        }
+    })?;
+    serde_json::from_slice(&bytes).map_err(|e| {
+        ApiError::bad_request(format!("the request body is not valid JSON: {e}"), None)
+    })
+}
+
+impl AppState {
+    fn check_model(&self, f: &Fields) -> ApiResult<()> {
+        match f.get("model") {
+            None => Ok(()),
+            Some(Value::String(m)) if *m == self.cfg.model_name => Ok(()),
+            Some(Value::String(m)) => Err(ApiError {
+                status: StatusCode::NOT_FOUND,
+                message: format!(
+                    "the model '{m}' does not exist (this server serves '{}')",
+                    self.cfg.model_name
+                ),
+                kind: "invalid_request_error",
+                param: Some("model".into()),
+                code: Some("model_not_found"),
+            }),
+            Some(v) => Err(ApiError::bad_request(
+                format!("'model' must be a string, got {v}"),
+                Some("model"),
+            )),
+        }
+    }
+
+    /// Token budget for the reply; the prompt must leave room for at least one token.
+    fn max_tokens(&self, prompt: usize, gen: &GenerationRequest) -> ApiResult<usize> {
+        let ctx = self.cfg.max_context;
+        if prompt >= ctx {
+            return Err(ApiError {
+                status: StatusCode::BAD_REQUEST,
+                message: format!(
+                    "the prompt is {prompt} tokens, {} more than this server's context of {ctx} tokens allows (it must leave room for at least one generated token)",
+                    prompt + 1 - ctx
+                ),
+                kind: "invalid_request_error",
+                param: Some("messages".into()),
+                code: Some("context_length_exceeded"),
+            });
+        }
+        Ok(gen
+            .max_tokens
+            .unwrap_or(self.cfg.default_max_tokens)
+            .min(ctx - prompt))
+    }
+
+    fn enqueue(&self, job: Job) -> ApiResult<()> {
+        if self.queued.load(Ordering::SeqCst) >= self.cfg.max_queue {
+            return Err(ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                "queue_full",
+                "the request queue is full; retry later",
+            ));
+        }
+        self.queued.fetch_add(1, Ordering::SeqCst);
+        self.metrics
+            .queue_depth
+            .store(self.queued.load(Ordering::SeqCst), Ordering::Relaxed);
+        let sent = self
+            .jobs
+            .lock()
+            .map_err(|_| internal("engine queue poisoned"))?
+            .send(job);
+        sent.map_err(|_| {
+            self.queued.fetch_sub(1, Ordering::SeqCst);
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "engine_stopped",
+                "the engine is not running",
+            )
+        })
+    }
+
+    fn next_id(&self, prefix: &str) -> String {
+        format!(
+            "{prefix}-{:x}{:06x}",
+            now(),
+            self.ids.fetch_add(1, Ordering::Relaxed)
+        )
+    }
+}
+
+fn internal(msg: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "server_error",
+        "internal_error",
+        msg,
+    )
+}
+
+const CHAT_FIELDS: &[&str] = &[
+    "messages",
+    "tools",
+    "tool_choice",
+    "chat_template_kwargs",
+    "response_format",
+];
+
+async fn chat_completions(
+    State(st): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let received = Instant::now();
+    match prepare_chat(&st, body, received) {
+        Ok((job, rx, gen)) => respond(st, job, rx, gen, true).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+type Prepared = (Job, mpsc::UnboundedReceiver<Event>, GenerationRequest);
+
+fn prepare_chat(
+    st: &AppState,
+    body: Result<Bytes, BytesRejection>,
+    received: Instant,
+) -> ApiResult<Prepared> {
+    let body = json_body(body)?;
+    let f = Fields::parse(&body)?;
+    f.check_known(&[api::GENERATION_FIELDS, CHAT_FIELDS].concat())?;
+    st.check_model(&f)?;
+    if let Some(rf) = f.get("response_format") {
+        if rf.get("type").and_then(Value::as_str) != Some("text") {
+            return Err(ApiError::bad_request(
+                "only response_format {\"type\": \"text\"} is supported",
+                Some("response_format"),
+            ));
+        }
+    }
+    let gen = api::generation_request(&f, &st.format.defaults, true)?;
+    let messages = api::messages(&f)?;
+    let tools = api::tools(&f)?;
+    let choice = api::tool_choice(&f, tools.as_ref())?;
+    let kwargs: Map<String, Value> = match f.get("chat_template_kwargs") {
+        None => Map::new(),
+        Some(Value::Object(o)) => o.clone(),
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "'chat_template_kwargs' must be an object",
+                Some("chat_template_kwargs"),
+            ))
+        }
+    };
+    let text = st
+        .format
+        .render(
+            &messages,
+            &ChatOptions {
+                add_generation_prompt: true,
+                tools: tools.clone(),
+                kwargs,
+            },
+        )
+        .map_err(|e| ApiError::bad_request(format!("{e:#}"), Some("messages")))?;
+    let prompt = st
+        .format
+        .encode(&text)
+        .map_err(|e| ApiError::bad_request(format!("{e:#}"), Some("messages")))?;
+    let max_tokens = st.max_tokens(prompt.len(), &gen)?;
+    let h = &st.assistant_header;
+    let branch = prompt
+        .windows(h.len())
+        .rposition(|w| w == h.as_slice())
+        .map(|i| i + h.len());
+    let schemas = tools.as_ref().map(ToolSchemas::from_tools);
+    let force = match &choice {
+        ToolChoice::Required => Some("<tool_call>\n<function=".to_string()),
+        ToolChoice::Function(name) => Some(format!("<tool_call>\n<function={name}>\n")),
+        _ => None,
+    };
+    let chat = ChatParsing {
+        in_reasoning: text.ends_with("<think>\n"),
+        tools: if choice == ToolChoice::None {
+            None
+        } else {
+            schemas
+        },
+        force,
+    };
+    let (tx, rx) = mpsc::unbounded_channel();
+    let job = Job {
+        prompt,
+        branch,
+        gen: gen.clone(),
+        max_tokens,
+        chat: Some(chat),
+        events: tx,
+        received,
+        deadline: received + st.cfg.request_timeout,
+    };
+    Ok((job, rx, gen))
+}
+
+const COMPLETION_FIELDS: &[&str] = &["prompt"];
+
+async fn completions(
+    State(st): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let received = Instant::now();
+    let prepared = (|| -> ApiResult<Prepared> {
+        let body = json_body(body)?;
+        let f = Fields::parse(&body)?;
+        f.check_known(&[api::GENERATION_FIELDS, COMPLETION_FIELDS].concat())?;
+        st.check_model(&f)?;
+        let gen = api::generation_request(&f, &st.format.defaults, false)?;
+        let prompt = match f.get("prompt") {
+            Some(Value::String(s)) => st
+                .format
+                .encode(s)
+                .map_err(|e| ApiError::bad_request(format!("{e:#}"), Some("prompt")))?,
+            Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => st
+                .format
+                .encode(a[0].as_str().unwrap_or_default())
+                .map_err(|e| ApiError::bad_request(format!("{e:#}"), Some("prompt")))?,
+            Some(Value::Array(a)) if !a.is_empty() && a.iter().all(|x| x.is_u64()) => {
+                let ids: Vec<u32> = a
+                    .iter()
+                    .filter_map(Value::as_u64)
+                    .map(|x| x as u32)
+                    .collect();
+                if let Some(bad) = ids.iter().find(|&&i| i as usize >= st.vocab_size) {
+                    return Err(ApiError::bad_request(
+                        format!(
+                            "token id {bad} is outside the vocabulary ({})",
+                            st.vocab_size
+                        ),
+                        Some("prompt"),
+                    ));
+                }
+                ids
+            }
+            _ => {
+                return Err(ApiError::bad_request(
+                    "'prompt' must be a string, a list with one string, or a list of token ids",
+                    Some("prompt"),
+                ))
+            }
+        };
+        if prompt.is_empty() {
+            return Err(ApiError::bad_request(
+                "'prompt' encodes to no tokens",
+                Some("prompt"),
+            ));
+        }
+        let max_tokens = st.max_tokens(prompt.len(), &gen)?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let job = Job {
+            prompt,
+            branch: None,
+            gen: gen.clone(),
+            max_tokens,
+            chat: None,
+            events: tx,
+            received,
+            deadline: received + st.cfg.request_timeout,
+        };
+        Ok((job, rx, gen))
+    })();
+    match prepared {
+        Ok((job, rx, gen)) => respond(st, job, rx, gen, false).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+fn logprobs_json(entries: &[TokenLogprob]) -> Value {
+    json!({"content": entries})
+}
+
+fn usage_json(u: &Usage) -> Value {
+    json!({"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+           "total_tokens": u.prompt_tokens + u.completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": u.cached_tokens}})
+}
+
+/// Chat-completion `delta` objects for some parser deltas.
+fn chat_deltas(deltas: &[Delta]) -> Vec<Value> {
+    deltas
+        .iter()
+        .map(|d| match d {
+            Delta::Reasoning(s) => json!({"reasoning_content": s}),
+            Delta::Content(s) => json!({"content": s}),
+            Delta::CallStart { index, id, name } => {
+                json!({"tool_calls": [{"index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}]})
+            }
+            Delta::CallArguments { index, fragment } => json!({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]}),
+        })
+        .collect()
+}
+
+async fn respond(
+    st: Arc<AppState>,
+    job: Job,
+    mut rx: mpsc::UnboundedReceiver<Event>,
+    gen: GenerationRequest,
+    chat: bool,
+) -> Response {
+    if let Err(e) = st.enqueue(job) {
+        return e.into_response();
+    }
+    let id = st.next_id(if chat { "chatcmpl" } else { "cmpl" });
+    let created = now();
+    let model = st.cfg.model_name.clone();
+    if gen.stream {
+        let (out_tx, out_rx) = mpsc::unbounded_channel::<Result<SseEvent, Infallible>>();
+        tokio::spawn(async move {
+            let object = if chat {
+                "chat.completion.chunk"
+            } else {
+                "text_completion"
+            };
+            let chunk = |choice: Value| json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice]});
+            let send = |v: Value| {
+                out_tx
+                    .send(Ok(SseEvent::default().data(v.to_string())))
+                    .is_ok()
+            };
+            if chat
+                && !send(chunk(
+                    json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}),
+                ))
+            {
+                return;
+            }
+            while let Some(ev) = rx.recv().await {
+                let alive = match ev {
+                    Event::Deltas { deltas, logprobs } => {
+                        let lp = if logprobs.is_empty() {
+                            Value::Null
+                        } else {
+                            logprobs_json(&logprobs)
+                        };
+                        if chat {
+                            let mut ds = chat_deltas(&deltas);
+                            if ds.is_empty() && !logprobs.is_empty() {
+                                ds.push(json!({"content": ""}));
+                            }
+                            let n = ds.len();
+                            ds.into_iter().enumerate().all(|(i, d)| {
+                                let lp = if i + 1 == n { lp.clone() } else { Value::Null };
+                                send(chunk(json!({"index": 0, "delta": d, "logprobs": lp, "finish_reason": null})))
+                            })
+                        } else {
+                            let text: String = deltas
+                                .iter()
+                                .filter_map(|d| {
+                                    if let Delta::Content(s) = d {
+                                        Some(s.as_str())
+                                    } else {
+                                        None
+                                    }
+                                })
+                                .collect();
+                            send(chunk(
+                                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": null}),
+                            ))
+                        }
+                    }
+                    Event::Done {
+                        finish_reason,
+                        usage,
+                    } => {
+                        let last = if chat {
+                            json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": finish_reason})
+                        } else {
+                            json!({"index": 0, "text": "", "logprobs": null, "finish_reason": finish_reason})
+                        };
+                        send(chunk(last));
+                        if gen.include_usage {
+                            send(
+                                json!({"id": id, "object": object, "created": created, "model": model, "choices": [], "usage": usage_json(&usage)}),
+                            );
+                        }
+                        break;
+                    }
+                    Event::Error { message, .. } => {
+                        send(
+                            json!({"error": {"message": message, "type": "server_error", "param": null, "code": null}}),
+                        );
+                        break;
+                    }
+                };
+                if !alive {
+                    return; // client gone: dropping rx tells the engine to stop
+                }
+            }
+            let _ = out_tx.send(Ok(SseEvent::default().data("[DONE]")));
+        });
+        return Sse::new(UnboundedReceiverStream::new(out_rx))
+            .keep_alive(KeepAlive::default())
+            .into_response();
+    }
+
+    let mut deltas = Vec::new();
+    let mut logprobs = Vec::new();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            Event::Deltas {
+                deltas: d,
+                logprobs: l,
+            } => {
+                deltas.extend(d);
+                logprobs.extend(l);
+            }
+            Event::Done {
+                finish_reason,
+                usage,
+            } => {
+                let (reasoning, content, calls) = parse::collect(&deltas);
+                let lp = if gen.logprobs.is_some() {
+                    logprobs_json(&logprobs)
+                } else {
+                    Value::Null
+                };
+                let body = if chat {
+                    let mut message = json!({"role": "assistant", "content": if content.is_empty() && !calls.is_empty() { Value::Null } else { Value::String(content) }});
+                    if !reasoning.is_empty() {
+                        message["reasoning_content"] = Value::String(reasoning);
+                    }
+                    if !calls.is_empty() {
+                        message["tool_calls"] = calls
+                            .iter()
+                            .map(|(id, name, args)| json!({"id": id, "type": "function", "function": {"name": name, "arguments": args}}))
+                            .collect();
+                    }
+                    json!({"id": id, "object": "chat.completion", "created": created, "model": model,
+                           "choices": [{"index": 0, "message": message, "logprobs": lp, "finish_reason": finish_reason}],
+                           "usage": usage_json(&usage)})
+                } else {
+                    json!({"id": id, "object": "text_completion", "created": created, "model": model,
+                           "choices": [{"index": 0, "text": content, "logprobs": null, "finish_reason": finish_reason}],
+                           "usage": usage_json(&usage)})
+                };
+                return Json(body).into_response();
+            }
+            Event::Error { message, timeout } => {
+                let status = if timeout {
+                    StatusCode::GATEWAY_TIMEOUT
+                } else {
+                    StatusCode::INTERNAL_SERVER_ERROR
+                };
+                return ApiError::new(
+                    status,
+                    "server_error",
+                    if timeout { "timeout" } else { "engine_error" },
+                    message,
+                )
+                .into_response();
+            }
+        }
+    }
+    internal("the engine ended the request without a result").into_response()
+}

@@ -1,0 +1,373 @@
+//! The engine thread: one model executing batch 1, fed by a FIFO of jobs. It owns the prefix
+//! cache of session snapshots, runs prefill and the generation loop, and streams events back to
+//! the HTTP side, stopping within one token when the client goes away.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use osprey_engine::generate::StopScanner;
+use osprey_engine::sampler::Sampler;
+use osprey_engine::{Engine, Session};
+use osprey_prompt::PromptFormat;
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::api::GenerationRequest;
+use crate::metrics::Metrics;
+use crate::parse::{Delta, OutputParser, ToolSchemas};
+
+/// How a chat reply's text is split into reasoning, content and tool calls.
+pub struct ChatParsing {
+    /// The prompt ends inside `<think>`.
+    pub in_reasoning: bool,
+    /// Parse tool calls against these schemas (None: tool_choice "none" or no tools).
+    pub tools: Option<ToolSchemas>,
+    /// Text forced at the start of the answer (tool_choice "required" or a named function).
+    pub force: Option<String>,
+}
+
+pub struct Job {
+    pub prompt: Vec<u32>,
+    /// Snapshot the state here (the start of the assistant turn: where the next turn branches).
+    pub branch: Option<usize>,
+    pub gen: GenerationRequest,
+    pub max_tokens: usize,
+    pub chat: Option<ChatParsing>,
+    pub events: UnboundedSender<Event>,
+    pub received: Instant,
+    pub deadline: Instant,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct TopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct TokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub cached_tokens: usize,
+}
+
+pub enum Event {
+    Deltas {
+        deltas: Vec<Delta>,
+        logprobs: Vec<TokenLogprob>,
+    },
+    Done {
+        finish_reason: &'static str,
+        usage: Usage,
+    },
+    Error {
+        message: String,
+        timeout: bool,
+    },
+}
+
+/// Session snapshots keyed by the tokens that produced them, bounded by count and bytes (LRU).
+pub struct PrefixCache {
+    entries: Vec<(Session, usize, u64)>,
+    max_entries: usize,
+    max_bytes: usize,
+    clock: u64,
+}
+
+impl PrefixCache {
+    pub fn new(max_entries: usize, max_bytes: usize) -> Self {
+        PrefixCache {
+            entries: Vec::new(),
+            max_entries,
+            max_bytes,
+            clock: 0,
+        }
+    }
+
+    /// The longest cached state whose tokens are a proper prefix of `prompt`.
+    pub fn lookup(&mut self, prompt: &[u32]) -> Option<Session> {
+        self.clock += 1;
+        let clock = self.clock;
+        let best = self
+            .entries
+            .iter_mut()
+            .filter(|(s, _, _)| s.tokens.len() < prompt.len() && prompt.starts_with(&s.tokens))
+            .max_by_key(|(s, _, _)| s.tokens.len())?;
+        best.2 = clock;
+        Some(best.0.clone())
+    }
+
+    pub fn insert(&mut self, session: &Session) {
+        if self.max_entries == 0
+            || session.tokens.is_empty()
+            || self
+                .entries
+                .iter()
+                .any(|(s, _, _)| s.tokens == session.tokens)
+        {
+            return;
+        }
+        let bytes = session.state.bytes() + 4 * session.tokens.len();
+        if bytes > self.max_bytes {
+            return;
+        }
+        self.clock += 1;
+        self.entries.push((session.clone(), bytes, self.clock));
+        while self.entries.len() > self.max_entries
+            || self.entries.iter().map(|e| e.1).sum::<usize>() > self.max_bytes
+        {
+            let oldest = self
+                .entries
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, e)| e.2)
+                .map(|(i, _)| i)
+                .unwrap_or(0);
+            self.entries.remove(oldest);
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+pub struct Worker {
+    pub engine: Engine,
+    pub format: Arc<PromptFormat>,
+    pub cache: PrefixCache,
+    pub metrics: Arc<Metrics>,
+    pub queued: Arc<AtomicUsize>,
+}
+
+fn log_softmax_top(logits: &[f32], chosen: u32, top: usize, format: &PromptFormat) -> TokenLogprob {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = max + logits.iter().map(|x| (x - max).exp()).sum::<f32>().ln();
+    let text = |id: u32| format.decode(&[id]).unwrap_or_default();
+    let mut top_logprobs = Vec::new();
+    if top > 0 {
+        let mut idx: Vec<usize> = (0..logits.len()).collect();
+        idx.select_nth_unstable_by(top.min(logits.len()) - 1, |&a, &b| {
+            logits[b].total_cmp(&logits[a])
+        });
+        idx.truncate(top);
+        idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+        top_logprobs = idx
+            .into_iter()
+            .map(|i| {
+                let t = text(i as u32);
+                TopLogprob {
+                    bytes: t.as_bytes().to_vec(),
+                    token: t,
+                    logprob: logits[i] - lse,
+                }
+            })
+            .collect();
+    }
+    let t = text(chosen);
+    TokenLogprob {
+        bytes: t.as_bytes().to_vec(),
+        token: t,
+        logprob: logits[chosen as usize] - lse,
+        top_logprobs,
+    }
+}
+
+impl Worker {
+    /// Serves jobs until the sending side closes.
+    pub fn run(mut self, jobs: std::sync::mpsc::Receiver<Job>) {
+        while let Ok(job) = jobs.recv() {
+            self.queued.fetch_sub(1, Ordering::SeqCst);
+            self.metrics
+                .queue_depth
+                .store(self.queued.load(Ordering::SeqCst), Ordering::Relaxed);
+            let events = job.events.clone();
+            if events.is_closed() {
+                continue;
+            }
+            if let Err(e) = self.serve(job) {
+                let _ = events.send(Event::Error {
+                    message: format!("{e:#}"),
+                    timeout: false,
+                });
+            }
+        }
+    }
+
+    fn serve(&mut self, job: Job) -> anyhow::Result<()> {
+        let engine = &self.engine;
+        let format = self.format.clone();
+        let valid_vocab = format.vocab_size.min(engine.config().vocab_size);
+        let prompt = &job.prompt;
+
+        // longest cached prefix, then prefill up to the branch point (snapshot) and the rest
+        let (mut session, cached) = match self.cache.lookup(prompt) {
+            Some(s) => {
+                self.metrics.cache_hits.fetch_add(1, Ordering::Relaxed);
+                let n = s.tokens.len();
+                (s, n)
+            }
+            None => {
+                self.metrics.cache_misses.fetch_add(1, Ordering::Relaxed);
+                (engine.new_session(), 0)
+            }
+        };
+        let started = Instant::now();
+        if let Some(b) = job.branch.filter(|&b| b > cached && b < prompt.len()) {
+            engine.prefill(&mut session, &prompt[cached..b])?;
+            self.cache.insert(&session);
+        }
+        let from = session.tokens.len();
+        let (mut logits, _) = engine.prefill(&mut session, &prompt[from..])?;
+        let prefill_s = started.elapsed().as_secs_f64();
+        self.metrics
+            .record_prefill(prompt.len() - cached, cached, prefill_s);
+        self.cache.insert(&session);
+
+        let mut sampler = Sampler::new(job.gen.sampling.clone(), valid_vocab, prompt);
+        let mut detok = format.incremental();
+        let mut stops = StopScanner::new(&job.gen.stop);
+        let mut parser = job
+            .chat
+            .as_ref()
+            .map(|c| OutputParser::new(c.in_reasoning, c.tools.clone(), "call_"));
+        let mut force = job.chat.as_ref().and_then(|c| c.force.clone());
+        let mut generated = 0usize;
+        let mut finish = "length";
+        let decode_start = Instant::now();
+        let mut first_token = true;
+
+        // forced start of the answer when the prompt is already past the reasoning block
+        if let (Some(p), Some(text)) = (parser.as_mut(), force.as_ref()) {
+            if !p.in_reasoning() {
+                let ids = format.encode(text)?;
+                let (l, _) = engine.prefill(&mut session, &ids)?;
+                logits = l;
+                let deltas = p.push(text);
+                let _ = job.events.send(Event::Deltas {
+                    deltas,
+                    logprobs: Vec::new(),
+                });
+                force = None;
+            }
+        }
+
+        while generated < job.max_tokens {
+            if job.events.is_closed() {
+                self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                return Ok(());
+            }
+            if Instant::now() > job.deadline {
+                let _ = job.events.send(Event::Error {
+                    message: "request timed out".into(),
+                    timeout: true,
+                });
+                return Ok(());
+            }
+            let masked = &logits[..valid_vocab];
+            let token = sampler.sample(masked);
+            sampler.observe(token);
+            generated += 1;
+            if first_token {
+                self.metrics
+                    .record_ttft(job.received.elapsed().as_secs_f64());
+                first_token = false;
+            }
+            let logprobs = match job.gen.logprobs {
+                Some(top) => vec![log_softmax_top(masked, token, top, &format)],
+                None => Vec::new(),
+            };
+            if format.stop_ids.contains(&token) {
+                finish = "stop";
+                if !logprobs.is_empty() {
+                    let _ = job.events.send(Event::Deltas {
+                        deltas: Vec::new(),
+                        logprobs,
+                    });
+                }
+                // run the end-of-turn token so the cached state ends where the next turn resumes
+                engine.decode(&mut session, token)?;
+                self.cache.insert(&session);
+                break;
+            }
+            let (piece, hit) = stops.push(&detok.push(token));
+            let deltas = match parser.as_mut() {
+                Some(p) => p.push(&piece),
+                None if piece.is_empty() => Vec::new(),
+                None => vec![Delta::Content(piece)],
+            };
+            let mut inject: Vec<u32> = Vec::new();
+            let mut deltas = deltas;
+            if let (Some(p), Some(text)) = (parser.as_mut(), force.as_ref()) {
+                if !p.in_reasoning() {
+                    let forced = format!("\n\n{text}");
+                    inject = format.encode(&forced)?;
+                    deltas.extend(p.push(&forced));
+                    force = None;
+                }
+            }
+            if !deltas.is_empty() || !logprobs.is_empty() {
+                let _ = job.events.send(Event::Deltas { deltas, logprobs });
+            }
+            if hit {
+                finish = "stop";
+                break;
+            }
+            if generated == job.max_tokens {
+                break;
+            }
+            logits = if inject.is_empty() {
+                engine.decode(&mut session, token)?
+            } else {
+                inject.insert(0, token);
+                engine.prefill(&mut session, &inject)?.0
+            };
+        }
+        let decode_s = decode_start.elapsed().as_secs_f64();
+        self.metrics.record_decode(generated, decode_s);
+
+        let mut tail = Vec::new();
+        let (piece, _) = stops.push(&detok.flush());
+        let rest = piece + &stops.finish();
+        match parser.as_mut() {
+            Some(p) => {
+                tail.extend(p.push(&rest));
+                tail.extend(p.finish());
+            }
+            None if !rest.is_empty() => tail.push(Delta::Content(rest)),
+            None => {}
+        }
+        if !tail.is_empty() {
+            let _ = job.events.send(Event::Deltas {
+                deltas: tail,
+                logprobs: Vec::new(),
+            });
+        }
+        if parser.as_ref().is_some_and(|p| p.tool_calls() > 0) && finish == "stop" {
+            finish = "tool_calls";
+        }
+        let usage = Usage {
+            prompt_tokens: prompt.len(),
+            completion_tokens: generated,
+            cached_tokens: cached,
+        };
+        let _ = job.events.send(Event::Done {
+            finish_reason: finish,
+            usage,
+        });
+        Ok(())
+    }
+}
