@@ -1,0 +1,624 @@
+//! The server over real HTTP on 127.0.0.1: a tiny synthetic model for real generation, and a
+//! scripted backend (fixed replies through the real tokenizer) for exact streaming and parsing.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use osprey_engine::{Backend, CpuBackend, Engine, LogitsFor, SessionState};
+use osprey_model::config::ModelConfig;
+use osprey_model::synth::{write_checkpoint, Preset, SynthOptions};
+use osprey_model::ModelWeights;
+use osprey_prompt::PromptFormat;
+use osprey_server::{app, ServerConfig};
+use serde_json::{json, Value};
+
+fn tiny_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("osprey-http-tiny-{}", std::process::id()));
+        if !dir.join("config.json").exists() {
+            write_checkpoint(
+                &dir,
+                &SynthOptions {
+                    preset: Preset::Tiny,
+                    layers: None,
+                    seed: 1,
+                    show_progress: false,
+                },
+            )
+            .unwrap();
+        }
+        dir
+    })
+}
+
+fn config() -> ServerConfig {
+    ServerConfig {
+        model_name: "tiny".into(),
+        api_key: None,
+        max_context: 4096,
+        max_queue: 8,
+        request_timeout: Duration::from_secs(60),
+        cache_entries: 8,
+        cache_bytes: 1 << 30,
+        max_body_bytes: 1 << 20,
+        default_max_tokens: 16,
+    }
+}
+
+/// Replies with a fixed token script: prefill answers script[0], each decode step the next one.
+struct Scripted {
+    config: ModelConfig,
+    script: Vec<u32>,
+    step: Mutex<usize>,
+    delay: Duration,
+    calls: AtomicUsize,
+}
+
+impl Backend for Scripted {
+    fn name(&self) -> &'static str {
+        "scripted"
+    }
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+    fn forward(
+        &self,
+        state: &mut SessionState,
+        tokens: &[u32],
+        want: LogitsFor,
+    ) -> anyhow::Result<Vec<f32>> {
+        std::thread::sleep(self.delay);
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        state.position += tokens.len();
+        let mut step = self.step.lock().unwrap();
+        *step = if tokens.len() > 1 { 0 } else { *step + 1 };
+        let next = self.script[(*step).min(self.script.len() - 1)];
+        let mut logits = vec![0.0; self.config.vocab_size];
+        logits[next as usize] = 100.0;
+        Ok(if want == LogitsFor::None {
+            Vec::new()
+        } else {
+            logits
+        })
+    }
+}
+
+struct Server {
+    base: String,
+    client: reqwest::Client,
+}
+
+impl Server {
+    async fn start(engine: Engine, cfg: ServerConfig) -> Server {
+        let format = PromptFormat::from_dir(tiny_dir()).unwrap();
+        let router = app(engine, format, cfg).unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+        Server {
+            base: format!("http://{addr}"),
+            client: reqwest::Client::new(),
+        }
+    }
+
+    async fn tiny(cfg: ServerConfig) -> Server {
+        Server::start(
+            Engine::new(Box::new(CpuBackend::new(
+                ModelWeights::load(tiny_dir()).unwrap(),
+            ))),
+            cfg,
+        )
+        .await
+    }
+
+    async fn scripted(reply: &str, delay: Duration, cfg: ServerConfig) -> Server {
+        let format = PromptFormat::from_dir(tiny_dir()).unwrap();
+        let mut script = format.encode(reply).unwrap();
+        script.push(248046); // <|im_end|>
+        let backend = Scripted {
+            config: ModelConfig::from_dir(tiny_dir()).unwrap(),
+            script,
+            step: Mutex::new(0),
+            delay,
+            calls: AtomicUsize::new(0),
+        };
+        Server::start(Engine::new(Box::new(backend)), cfg).await
+    }
+
+    async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        let r = self
+            .client
+            .post(format!("{}{path}", self.base))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or(Value::Null))
+    }
+
+    async fn post_raw(&self, path: &str, body: Vec<u8>, key: Option<&str>) -> (u16, Value) {
+        let mut req = self
+            .client
+            .post(format!("{}{path}", self.base))
+            .header("content-type", "application/json")
+            .body(body);
+        if let Some(k) = key {
+            req = req.bearer_auth(k);
+        }
+        let r = req.send().await.unwrap();
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or(Value::Null))
+    }
+
+    /// SSE `data:` payloads of a streaming request.
+    async fn stream(&self, body: Value) -> Vec<String> {
+        let r = self
+            .client
+            .post(format!("{}/v1/chat/completions", self.base))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 200);
+        assert!(r.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream"));
+        let text = r.text().await.unwrap();
+        text.lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .map(String::from)
+            .collect()
+    }
+
+    async fn metric(&self, name: &str) -> f64 {
+        let text = self
+            .client
+            .get(format!("{}/metrics", self.base))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.lines()
+            .find_map(|l| {
+                l.strip_prefix(&format!("{name} "))
+                    .and_then(|v| v.parse().ok())
+            })
+            .unwrap_or(0.0)
+    }
+}
+
+const WEATHER: &str = r#"[{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]"#;
+
+const CALL_REPLY: &str = "Need weather.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>";
+
+fn user(text: &str) -> Value {
+    json!([{"role": "user", "content": text}])
+}
+
+#[tokio::test]
+async fn health_models_and_metrics() {
+    let s = Server::tiny(config()).await;
+    let h: Value = s
+        .client
+        .get(format!("{}/health", s.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(h["status"], "ok");
+    let m: Value = s
+        .client
+        .get(format!("{}/v1/models", s.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(m["data"][0]["id"], "tiny");
+    let (st, _) = s
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": user("hi"), "max_tokens": 3}),
+        )
+        .await;
+    assert_eq!(st, 200);
+    assert_eq!(s.metric("osprey_generated_tokens_total").await, 3.0);
+    assert!(s.metric("osprey_requests_total{status=\"200\"}").await >= 1.0);
+}
+
+#[tokio::test]
+async fn reasoning_and_tool_call_non_streaming() {
+    let s = Server::scripted(CALL_REPLY, Duration::ZERO, config()).await;
+    let tools: Value = serde_json::from_str(WEATHER).unwrap();
+    let (st, r) = s
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": user("weather?"), "tools": tools, "max_tokens": 100}),
+        )
+        .await;
+    assert_eq!(st, 200, "{r}");
+    let c = &r["choices"][0];
+    assert_eq!(c["finish_reason"], "tool_calls");
+    assert_eq!(c["message"]["reasoning_content"], "Need weather.");
+    assert!(c["message"]["content"].is_null());
+    let call = &c["message"]["tool_calls"][0];
+    assert_eq!(call["type"], "function");
+    assert_eq!(call["function"]["name"], "get_weather");
+    let args: Value =
+        serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(args, json!({"city": "Paris", "days": 3}));
+    assert!(r["usage"]["completion_tokens"].as_u64().unwrap() > 10);
+}
+
+#[tokio::test]
+async fn streaming_framing_with_tool_call_fragments() {
+    let s = Server::scripted(CALL_REPLY, Duration::ZERO, config()).await;
+    let tools: Value = serde_json::from_str(WEATHER).unwrap();
+    let events = s.stream(json!({"messages": user("weather?"), "tools": tools, "max_tokens": 100, "stream": true, "stream_options": {"include_usage": true}})).await;
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert!(chunks
+        .iter()
+        .all(|c| c["object"] == "chat.completion.chunk"));
+    let deltas: Vec<&Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"].get(0))
+        .map(|c| &c["delta"])
+        .collect();
+    let reasoning: String = deltas
+        .iter()
+        .filter_map(|d| d["reasoning_content"].as_str())
+        .collect();
+    assert_eq!(reasoning, "Need weather.");
+    let calls: Vec<&Value> = deltas
+        .iter()
+        .filter_map(|d| d["tool_calls"].get(0))
+        .collect();
+    assert_eq!(calls[0]["function"]["name"], "get_weather");
+    assert!(calls[0]["id"].as_str().unwrap().starts_with("call_"));
+    assert!(calls.iter().all(|c| c["index"] == 0));
+    assert!(calls.len() >= 3, "arguments arrive in fragments: {calls:?}");
+    let args: String = calls
+        .iter()
+        .filter_map(|c| c["function"]["arguments"].as_str())
+        .collect();
+    assert_eq!(
+        serde_json::from_str::<Value>(&args).unwrap(),
+        json!({"city": "Paris", "days": 3})
+    );
+    let finish: Vec<&Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"].get(0))
+        .map(|c| &c["finish_reason"])
+        .filter(|f| !f.is_null())
+        .collect();
+    assert_eq!(finish, vec!["tool_calls"]);
+    let usage = &chunks.last().unwrap()["usage"];
+    assert!(chunks.last().unwrap()["choices"]
+        .as_array()
+        .unwrap()
+        .is_empty());
+    assert_eq!(
+        usage["total_tokens"],
+        usage["prompt_tokens"].as_u64().unwrap() + usage["completion_tokens"].as_u64().unwrap()
+    );
+}
+
+#[tokio::test]
+async fn stop_strings_end_the_reply_and_never_leak() {
+    let s = Server::scripted("Hello STOP world, more text", Duration::ZERO, config()).await;
+    let body = json!({"messages": user("x"), "stop": ["STOP"], "chat_template_kwargs": {"enable_thinking": false}});
+    let (st, r) = s.post("/v1/chat/completions", body.clone()).await;
+    assert_eq!(st, 200, "{r}");
+    assert_eq!(r["choices"][0]["message"]["content"], "Hello ");
+    assert_eq!(r["choices"][0]["finish_reason"], "stop");
+    let mut streamed = body;
+    streamed["stream"] = json!(true);
+    let events = s.stream(streamed).await;
+    let text: String = events
+        .iter()
+        .filter(|e| *e != "[DONE]")
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(String::from)
+        })
+        .collect();
+    assert_eq!(text, "Hello ");
+}
+
+#[tokio::test]
+async fn client_disconnect_cancels_generation() {
+    let s = Server::scripted(
+        "a b c d e f g h i j k l m n o p",
+        Duration::from_millis(20),
+        config(),
+    )
+    .await;
+    let body = json!({"messages": user("x"), "max_tokens": 1000, "stream": true});
+    let r = s
+        .client
+        .post(format!("{}/v1/chat/completions", s.base))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let mut stream = r.bytes_stream();
+    stream.next().await.unwrap().unwrap();
+    drop(stream);
+    for _ in 0..100 {
+        if s.metric("osprey_cancelled_total").await >= 1.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(s.metric("osprey_cancelled_total").await, 1.0);
+    // the engine is free again
+    let (st, _) = s
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": user("y"), "max_tokens": 2}),
+        )
+        .await;
+    assert_eq!(st, 200);
+}
+
+#[tokio::test]
+async fn full_queue_answers_429() {
+    let cfg = ServerConfig {
+        max_queue: 1,
+        ..config()
+    };
+    let s = Arc::new(
+        Server::scripted(
+            "one two three four five six",
+            Duration::from_millis(30),
+            cfg,
+        )
+        .await,
+    );
+    let mut handles = Vec::new();
+    for _ in 0..4 {
+        let s = s.clone();
+        handles.push(tokio::spawn(async move {
+            s.post(
+                "/v1/chat/completions",
+                json!({"messages": user("x"), "max_tokens": 6}),
+            )
+            .await
+        }));
+    }
+    let mut codes = Vec::new();
+    for h in handles {
+        let (st, body) = h.await.unwrap();
+        if st == 429 {
+            assert_eq!(body["error"]["code"], "queue_full");
+        }
+        codes.push(st);
+    }
+    assert!(codes.contains(&200) && codes.contains(&429), "{codes:?}");
+}
+
+#[tokio::test]
+async fn errors_use_the_openai_envelope() {
+    let cfg = ServerConfig {
+        api_key: Some("sekret".into()),
+        max_context: 64,
+        max_body_bytes: 4096,
+        ..config()
+    };
+    let s = Server::tiny(cfg).await;
+    let k = Some("sekret");
+    let ok_body = |extra: Value| {
+        let mut b = json!({"messages": user("hi"), "max_tokens": 2});
+        for (key, v) in extra.as_object().unwrap() {
+            b[key] = v.clone();
+        }
+        serde_json::to_vec(&b).unwrap()
+    };
+    let cases: Vec<(Vec<u8>, Option<&str>, u16, &str)> = vec![
+        (ok_body(json!({})), None, 401, "invalid_api_key"),
+        (ok_body(json!({})), Some("wrong"), 401, "invalid_api_key"),
+        (b"{not json".to_vec(), k, 400, "not valid JSON"),
+        (b"[1, 2]".to_vec(), k, 400, "JSON object"),
+        (br#"{"max_tokens": 2}"#.to_vec(), k, 400, "'messages'"),
+        (
+            ok_body(json!({"temperature": "hot"})),
+            k,
+            400,
+            "'temperature'",
+        ),
+        (ok_body(json!({"top_p": 2})), k, 400, "'top_p'"),
+        (ok_body(json!({"max_tokens": 0})), k, 400, "'max_tokens'"),
+        (ok_body(json!({"n": 2})), k, 400, "'n'"),
+        (ok_body(json!({"logit_bias": {}})), k, 400, "not supported"),
+        (
+            ok_body(json!({"frobnicate": 1})),
+            k,
+            400,
+            "unrecognized request field 'frobnicate'",
+        ),
+        (
+            ok_body(json!({"messages": [{"role": "wizard", "content": "x"}]})),
+            k,
+            400,
+            "'wizard'",
+        ),
+        (
+            ok_body(json!({"messages": [{"role": "user", "content": 5}]})),
+            k,
+            400,
+            "content",
+        ),
+        (
+            ok_body(json!({"tool_choice": "required"})),
+            k,
+            400,
+            "no 'tools'",
+        ),
+        (ok_body(json!({"stop": 7})), k, 400, "'stop'"),
+        (
+            ok_body(json!({"messages": [{"role": "assistant", "content": "only"}]})),
+            k,
+            400,
+            "No user query",
+        ),
+        (
+            ok_body(json!({"messages": user(&"word ".repeat(200))})),
+            k,
+            400,
+            "more than this server's context",
+        ),
+        (
+            ok_body(json!({"model": "gpt-5"})),
+            k,
+            404,
+            "model_not_found",
+        ),
+        (
+            ok_body(json!({"messages": user(&"x".repeat(8000))})),
+            k,
+            413,
+            "request_too_large",
+        ),
+    ];
+    for (body, key, want, needle) in cases {
+        let (st, r) = s.post_raw("/v1/chat/completions", body.clone(), key).await;
+        assert_eq!(
+            st,
+            want,
+            "{}: {r}",
+            String::from_utf8_lossy(&body[..body.len().min(80)])
+        );
+        let err = &r["error"];
+        assert!(
+            err["message"].is_string()
+                && err.get("type").is_some()
+                && err.get("param").is_some()
+                && err.get("code").is_some(),
+            "{r}"
+        );
+        assert!(r.to_string().contains(needle), "want {needle:?} in {r}");
+    }
+    let r = s
+        .client
+        .get(format!("{}/v2/nothing", s.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 404);
+    let r: Value = r.json().await.unwrap();
+    assert_eq!(r["error"]["code"], "not_found");
+    let (st, _) = s
+        .post_raw("/v1/chat/completions", ok_body(json!({})), k)
+        .await;
+    assert_eq!(
+        st, 200,
+        "a valid request still works after all the bad ones"
+    );
+}
+
+#[tokio::test]
+async fn second_turn_prefills_only_new_tokens_and_matches_a_cold_run() {
+    let warm = Server::tiny(config()).await;
+    let cold = Server::tiny(ServerConfig {
+        cache_entries: 0,
+        ..config()
+    })
+    .await;
+    let greedy = |messages: Value| json!({"messages": messages, "max_tokens": 8, "temperature": 0, "chat_template_kwargs": {"enable_thinking": false}});
+    let (_, r1) = warm
+        .post("/v1/chat/completions", greedy(user("What is an osprey?")))
+        .await;
+    let reply = r1["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let turn2 = json!([{"role": "user", "content": "What is an osprey?"}, {"role": "assistant", "content": reply}, {"role": "user", "content": "Where do they live?"}]);
+    let (_, w) = warm
+        .post("/v1/chat/completions", greedy(turn2.clone()))
+        .await;
+    let (_, c) = cold.post("/v1/chat/completions", greedy(turn2)).await;
+    let cached = w["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    let prompt = w["usage"]["prompt_tokens"].as_u64().unwrap();
+    let turn1_prompt = r1["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(
+        cached >= turn1_prompt - 5,
+        "turn 2 reused {cached} of {prompt} tokens (turn 1 prompt was {turn1_prompt})"
+    );
+    assert!(cached < prompt);
+    assert_eq!(c["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(
+        w["choices"][0]["message"], c["choices"][0]["message"],
+        "cached and cold runs must agree"
+    );
+}
+
+#[tokio::test]
+async fn named_tool_choice_forces_a_call() {
+    let s = Server::tiny(config()).await;
+    let tools: Value = serde_json::from_str(WEATHER).unwrap();
+    let body = json!({"messages": user("hi"), "tools": tools, "max_tokens": 4,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "chat_template_kwargs": {"enable_thinking": false}});
+    let (st, r) = s.post("/v1/chat/completions", body).await;
+    assert_eq!(st, 200, "{r}");
+    let call = &r["choices"][0]["message"]["tool_calls"][0];
+    assert_eq!(call["function"]["name"], "get_weather");
+    assert!(
+        serde_json::from_str::<Value>(call["function"]["arguments"].as_str().unwrap())
+            .unwrap()
+            .is_object()
+    );
+}
+
+#[tokio::test]
+async fn logprobs_and_completions_endpoint() {
+    let s = Server::tiny(config()).await;
+    let (st, r) = s.post("/v1/chat/completions", json!({"messages": user("hi"), "max_tokens": 3, "logprobs": true, "top_logprobs": 2, "temperature": 0})).await;
+    assert_eq!(st, 200, "{r}");
+    let content = r["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), 3);
+    for e in content {
+        let top = e["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 2);
+        assert!(e["logprob"].as_f64().unwrap() <= 0.0);
+        // greedy: the chosen token is the most likely one
+        assert!(
+            (top[0]["logprob"].as_f64().unwrap() - e["logprob"].as_f64().unwrap()).abs() < 1e-5
+        );
+    }
+    let (st, r) = s
+        .post(
+            "/v1/completions",
+            json!({"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}),
+        )
+        .await;
+    assert_eq!(st, 200, "{r}");
+    assert_eq!(r["object"], "text_completion");
+    assert!(r["choices"][0]["text"].is_string());
+    assert_eq!(r["usage"]["completion_tokens"], 4);
+    let (st, _) = s
+        .post("/v1/completions", json!({"prompt": [1, 2, 999999]}))
+        .await;
+    assert_eq!(st, 400);
+}
