@@ -113,9 +113,9 @@ pub fn run(args: &ModelArgs, max_tokens: usize, sampling: &SamplingArgs) -> Resu
             },
         )?;
         show(parser.finish(), &mut out);
-        let (reasoning, content, _) = collect(&deltas);
+        let reply = collect(&deltas);
         history
-            .push(json!({"role": "assistant", "content": content, "reasoning_content": reasoning}));
+            .push(json!({"role": "assistant", "content": reply.content, "reasoning_content": reply.reasoning}));
         eprintln!(
             "\n{DIM}[{} tokens, {:.1} tok/s]{RESET}",
             g.tokens.len(),

@@ -630,7 +630,11 @@ async fn respond(
                 finish_reason,
                 usage,
             } => {
-                let (reasoning, content, calls) = parse::collect(&deltas);
+                let parse::Reply {
+                    reasoning,
+                    content,
+                    calls,
+                } = parse::collect(&deltas);
                 let lp = if gen.logprobs.is_some() {
                     logprobs_json(&logprobs)
                 } else {
@@ -644,7 +648,7 @@ async fn respond(
                     if !calls.is_empty() {
                         message["tool_calls"] = calls
                             .iter()
-                            .map(|(id, name, args)| json!({"id": id, "type": "function", "function": {"name": name, "arguments": args}}))
+                            .map(|c| json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}))
                             .collect();
                     }
                     json!({"id": id, "object": "chat.completion", "created": created, "model": model,

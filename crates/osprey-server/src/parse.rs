@@ -402,28 +402,42 @@ fn held_suffix(text: &str, markers: &[&str]) -> usize {
     hold
 }
 
-/// The deltas of a whole reply folded together: (reasoning, content, calls as (id, name, args)).
-pub fn collect(deltas: &[Delta]) -> (String, String, Vec<(String, String, String)>) {
-    let (mut reasoning, mut content, mut calls) = (
-        String::new(),
-        String::new(),
-        Vec::<(String, String, String)>::new(),
-    );
+/// One parsed tool call of a whole reply.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ToolCall {
+    pub id: String,
+    pub name: String,
+    /// JSON object text.
+    pub arguments: String,
+}
+
+/// A whole reply: the deltas folded together.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Reply {
+    pub reasoning: String,
+    pub content: String,
+    pub calls: Vec<ToolCall>,
+}
+
+pub fn collect(deltas: &[Delta]) -> Reply {
+    let mut r = Reply::default();
     for d in deltas {
         match d {
-            Delta::Reasoning(s) => reasoning.push_str(s),
-            Delta::Content(s) => content.push_str(s),
-            Delta::CallStart { id, name, .. } => {
-                calls.push((id.clone(), name.clone(), String::new()))
-            }
+            Delta::Reasoning(s) => r.reasoning.push_str(s),
+            Delta::Content(s) => r.content.push_str(s),
+            Delta::CallStart { id, name, .. } => r.calls.push(ToolCall {
+                id: id.clone(),
+                name: name.clone(),
+                arguments: String::new(),
+            }),
             Delta::CallArguments { index, fragment } => {
-                if let Some(c) = calls.get_mut(*index) {
-                    c.2.push_str(fragment);
+                if let Some(c) = r.calls.get_mut(*index) {
+                    c.arguments.push_str(fragment);
                 }
             }
         }
     }
-    (reasoning, content, calls)
+    r
 }
 
 #[cfg(test)]
@@ -446,7 +460,7 @@ mod tests {
         step: usize,
         in_reasoning: bool,
         tools: Option<ToolSchemas>,
-    ) -> (Vec<Delta>, (String, String, Vec<(String, String, String)>)) {
+    ) -> (Vec<Delta>, Reply) {
         let mut p = OutputParser::new(in_reasoning, tools, "call_");
         let mut deltas = Vec::new();
         let chars: Vec<char> = text.chars().collect();
@@ -461,7 +475,14 @@ mod tests {
     #[test]
     fn reasoning_then_content_at_any_split() {
         for step in [1, 2, 3, 7, 100] {
-            let (_, (r, c, calls)) = run(
+            let (
+                _,
+                Reply {
+                    reasoning: r,
+                    content: c,
+                    calls,
+                },
+            ) = run(
                 "Let me think.\nOK.\n</think>\n\nThe answer is 4.",
                 step,
                 true,
@@ -475,9 +496,23 @@ mod tests {
 
     #[test]
     fn thinking_off_is_all_content_and_explicit_think_opens_reasoning() {
-        let (_, (r, c, _)) = run("plain answer", 3, false, None);
+        let (
+            _,
+            Reply {
+                reasoning: r,
+                content: c,
+                ..
+            },
+        ) = run("plain answer", 3, false, None);
         assert_eq!((r.as_str(), c.as_str()), ("", "plain answer"));
-        let (_, (r, c, _)) = run("<think>\nhmm\n</think>\n\nyes", 2, false, None);
+        let (
+            _,
+            Reply {
+                reasoning: r,
+                content: c,
+                ..
+            },
+        ) = run("<think>\nhmm\n</think>\n\nyes", 2, false, None);
         assert_eq!((r.as_str(), c.as_str()), ("\nhmm", "yes"));
     }
 
@@ -485,12 +520,19 @@ mod tests {
     fn tool_call_is_parsed_and_typed_at_any_split() {
         let text = "I'll check.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=hot>\ntrue\n</parameter>\n<parameter=ratio>\n0.5\n</parameter>\n<parameter=opts>\n{\"unit\": \"C\"}\n</parameter>\n<parameter=tags>\n[1, 2]\n</parameter>\n<parameter=none>\nnull\n</parameter>\n<parameter=maybe>\nabc\n</parameter>\n</function>\n</tool_call>";
         for step in [1, 4, 9, 1000] {
-            let (deltas, (r, c, calls)) = run(text, step, true, Some(tools()));
+            let (
+                deltas,
+                Reply {
+                    reasoning: r,
+                    content: c,
+                    calls,
+                },
+            ) = run(text, step, true, Some(tools()));
             assert_eq!(r, "I'll check.");
             assert_eq!(c, "", "step {step}");
             assert_eq!(calls.len(), 1);
-            assert_eq!(calls[0].1, "get_weather");
-            let args: Value = serde_json::from_str(&calls[0].2).unwrap();
+            assert_eq!(calls[0].name, "get_weather");
+            let args: Value = serde_json::from_str(&calls[0].arguments).unwrap();
             assert_eq!(
                 args,
                 serde_json::json!({"city": "Paris", "days": 3, "hot": true, "ratio": 0.5,
@@ -512,21 +554,38 @@ mod tests {
     #[test]
     fn several_calls_and_a_call_inside_reasoning() {
         let text = "<tool_call>\n<function=get_weather>\n<parameter=city>\nA\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\nB\n</parameter>\n</function>\n</tool_call>";
-        let (_, (_, c, calls)) = run(text, 5, false, Some(tools()));
+        let (
+            _,
+            Reply {
+                content: c, calls, ..
+            },
+        ) = run(text, 5, false, Some(tools()));
         assert_eq!(calls.len(), 2);
-        assert_eq!(calls[1].2, r#"{"city": "B"}"#);
-        assert_eq!(calls[0].0, "call_0");
+        assert_eq!(calls[1].arguments, r#"{"city": "B"}"#);
+        assert_eq!(calls[0].id, "call_0");
         assert_eq!(c, "");
         let inside = "thinking <tool_call>\n<function=get_weather>\n</function>\n</tool_call> more";
-        let (_, (r, _, calls)) = run(inside, 3, true, Some(tools()));
+        let (
+            _,
+            Reply {
+                reasoning: r,
+                calls,
+                ..
+            },
+        ) = run(inside, 3, true, Some(tools()));
         assert_eq!(calls.len(), 1);
-        assert_eq!(calls[0].2, "{}");
+        assert_eq!(calls[0].arguments, "{}");
         assert_eq!(r, "thinking  more");
     }
 
     #[test]
     fn invalid_calls_stay_text() {
-        let (_, (_, c, calls)) = run(
+        let (
+            _,
+            Reply {
+                content: c, calls, ..
+            },
+        ) = run(
             "x <tool_call>\n<function=unknown_fn>\n</function>\n</tool_call> y",
             3,
             false,
@@ -537,11 +596,21 @@ mod tests {
             c,
             "x <tool_call>\n<function=unknown_fn>\n</function>\n</tool_call> y"
         );
-        let (_, (_, c, calls)) = run("a <tool_call> not xml at all", 2, false, Some(tools()));
+        let (
+            _,
+            Reply {
+                content: c, calls, ..
+            },
+        ) = run("a <tool_call> not xml at all", 2, false, Some(tools()));
         assert!(calls.is_empty());
         assert_eq!(c, "a <tool_call> not xml at all");
         // tools not offered: the markup is plain text
-        let (_, (_, c, calls)) = run(
+        let (
+            _,
+            Reply {
+                content: c, calls, ..
+            },
+        ) = run(
             "<tool_call>\n<function=get_weather>\n</function>\n</tool_call>",
             4,
             false,
@@ -553,19 +622,26 @@ mod tests {
 
     #[test]
     fn unfinished_call_is_closed_at_the_end() {
-        let (_, (_, _, calls)) = run(
+        let (_, Reply { calls, .. }) = run(
             "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n",
             3,
             false,
             Some(tools()),
         );
         assert_eq!(calls.len(), 1);
-        assert_eq!(calls[0].2, r#"{"city": "Rome"}"#);
+        assert_eq!(calls[0].arguments, r#"{"city": "Rome"}"#);
     }
 
     #[test]
     fn partial_marker_text_is_released_when_it_is_not_a_marker() {
-        let (_, (_, c, _)) = run("a <thin b < c", 1, false, Some(tools()));
+        let (
+            _,
+            Reply {
+                reasoning: _,
+                content: c,
+                calls: _,
+            },
+        ) = run("a <thin b < c", 1, false, Some(tools()));
         assert_eq!(c, "a <thin b < c");
     }
 }

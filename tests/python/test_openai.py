@@ -1,0 +1,113 @@
+"""The official `openai` client against `osprey serve` on a tiny synthetic model.
+
+Run by .ci/run:  OSPREY_BIN=target/debug/osprey python -m pytest tests/python
+"""
+import json
+import os
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+
+import pytest
+from openai import OpenAI
+
+BIN = os.environ.get("OSPREY_BIN", "target/debug/osprey")
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def client():
+    tmp = tempfile.mkdtemp(prefix="osprey-openai-")
+    model = os.path.join(tmp, "tiny")
+    subprocess.run([BIN, "synth", "--preset", "tiny", "--seed", "3", "--out", model], check=True)
+    port = free_port()
+    proc = subprocess.Popen([BIN, "serve", "--model", model, "--port", str(port), "--served-model-name", "tiny",
+                             "--api-key", "test-key", "--default-max-tokens", "16"])
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=1) as r:
+                if json.load(r)["status"] == "ok":
+                    break
+        except OSError:
+            time.sleep(0.1)
+    else:
+        proc.kill()
+        pytest.fail("server did not come up")
+    yield OpenAI(base_url=base + "/v1", api_key="test-key")
+    proc.terminate()
+    assert proc.wait(timeout=30) == 0, "clean shutdown on SIGTERM"
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_non_streaming(client):
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}],
+                                       max_tokens=6, temperature=0)
+    c = r.choices[0]
+    assert c.message.role == "assistant"
+    assert c.finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens <= 6
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_streaming(client):
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}],
+                                            max_tokens=6, stream=True, stream_options={"include_usage": True},
+                                            extra_body=NO_THINK)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes in (["length"], ["stop"])
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 6
+
+
+def test_tool_call_round_trip(client):
+    messages = [{"role": "user", "content": "What's the weather in Paris?"}]
+    r = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=8,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                       extra_body=NO_THINK)
+    msg = r.choices[0].message
+    assert msg.tool_calls and msg.tool_calls[0].function.name == "get_weather"
+    assert isinstance(json.loads(msg.tool_calls[0].function.arguments), dict)
+    messages.append({"role": "assistant", "content": msg.content or "",
+                     "tool_calls": [tc.model_dump() for tc in msg.tool_calls]})
+    messages.append({"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": '{"temp": 21}'})
+    r2 = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=6, extra_body=NO_THINK)
+    assert r2.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert r2.usage.prompt_tokens > r.usage.prompt_tokens
+
+
+def test_multi_turn_reuses_cached_state(client):
+    messages = [{"role": "user", "content": "Tell me about ospreys."}]
+    r1 = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0, extra_body=NO_THINK)
+    messages += [{"role": "assistant", "content": r1.choices[0].message.content},
+                 {"role": "user", "content": "And their nests?"}]
+    r2 = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0, extra_body=NO_THINK)
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert cached >= r1.usage.prompt_tokens - 5
+    assert cached < r2.usage.prompt_tokens
+
+
+def test_errors_surface_as_openai_exceptions(client):
+    import openai
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=2)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
+    bad = OpenAI(base_url=client.base_url, api_key="wrong")
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
