@@ -76,7 +76,7 @@ fn median(v: &mut [f64]) -> f64 {
     }
 }
 
-fn cpu_name() -> String {
+pub fn cpu_name() -> String {
     let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let name = info
         .lines()
@@ -94,7 +94,7 @@ fn cpu_name() -> String {
     )
 }
 
-fn git_commit() -> String {
+pub fn git_commit() -> String {
     std::process::Command::new("git")
         .args(["rev-parse", "--short", "HEAD"])
         .output()
@@ -105,7 +105,7 @@ fn git_commit() -> String {
 }
 
 /// UTC now as ISO 8601.
-fn utc_now() -> String {
+pub fn utc_now() -> String {
     let secs = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())

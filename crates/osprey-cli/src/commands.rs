@@ -348,6 +348,11 @@ pub fn numerics(args: &ModelArgs, n: usize, out: Option<&Path>) -> Result<()> {
     if let Some(path) = out {
         let report = serde_json::json!({
             "kind": "numerics",
+            "backend": "cpu",
+            "device": crate::bench::cpu_name(),
+            "commit": crate::bench::git_commit(),
+            "date": crate::bench::utc_now(),
+            "command": std::env::args().collect::<Vec<_>>().join(" "),
             "model": dir.display().to_string(),
             "layers": model.config().num_layers(),
             "tokens": n,
