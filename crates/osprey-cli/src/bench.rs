@@ -164,6 +164,16 @@ pub fn run(kind: BenchKind) -> Result<()> {
     if rounds == 0 {
         bail!("--rounds must be at least 1");
     }
+    if model.backend == "cuda" {
+        return match &kind {
+            BenchKind::Decode { steps, .. } => {
+                cuda_decode(model, &lengths, *steps, rounds, out.as_deref())
+            }
+            BenchKind::Prefill { .. } => {
+                bail!("CUDA prefill is not implemented yet: bench prefill runs on --backend cpu")
+            }
+        };
+    }
     let (engine, dir) = load_engine(model)?;
     let c = engine.config().clone();
     // ids the real tokenizer can produce (the tail of the embedding is padding)
@@ -241,6 +251,25 @@ pub fn run(kind: BenchKind) -> Result<()> {
         None => println!("{text}"),
     }
     Ok(())
+}
+
+fn cuda_decode(
+    model: &ModelArgs,
+    contexts: &[usize],
+    steps: usize,
+    rounds: usize,
+    out: Option<&std::path::Path>,
+) -> Result<()> {
+    let dir = crate::commands::model_dir(model)?;
+    #[cfg(feature = "cuda")]
+    {
+        crate::gpu::bench_decode(&dir, contexts, steps, rounds, out)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (dir, contexts, steps, rounds, out);
+        bail!("this build has no CUDA backend (rebuild with --features cuda)")
+    }
 }
 
 #[cfg(test)]

@@ -37,6 +37,9 @@ pub fn synth(preset: &str, layers: Option<usize>, seed: u64, out: &Path) -> Resu
     Ok(())
 }
 
+/// Bumped whenever the tiny preset's shape or distributions change, so a stale cached copy is not used.
+const TINY_PRESET_REVISION: &str = "r2";
+
 /// The directory of the built-in default model: a tiny synthetic checkpoint made on first use.
 fn default_model_dir() -> Result<PathBuf> {
     let base = std::env::var_os("XDG_CACHE_HOME")
@@ -45,7 +48,7 @@ fn default_model_dir() -> Result<PathBuf> {
         .unwrap_or_else(std::env::temp_dir);
     let dir = base
         .join("osprey")
-        .join(format!("synthetic-tiny-v{}", env!("CARGO_PKG_VERSION")));
+        .join(format!("synthetic-tiny-{TINY_PRESET_REVISION}"));
     if !dir.join("config.json").exists() {
         info!("no --model given: writing a tiny synthetic checkpoint to {} (random weights, real tokenizer)", dir.display());
         let tmp = dir.with_extension("partial");
@@ -77,12 +80,22 @@ pub fn model_dir(args: &ModelArgs) -> Result<PathBuf> {
     }
 }
 
+/// Why generation cannot run on CUDA in this build.
+fn cuda_status() -> &'static str {
+    if cfg!(feature = "cuda") {
+        "the CUDA backend runs `osprey check` and `osprey bench decode`; generation and serving on it are not wired up yet"
+    } else {
+        "this build has no CUDA backend (rebuild with --features cuda)"
+    }
+}
+
 /// Loads the model on the requested backend.
 pub fn load_engine(args: &ModelArgs) -> Result<(Engine, PathBuf)> {
     let dir = model_dir(args)?;
     match args.backend.as_str() {
-        "cpu" | "auto" => {}
-        "cuda" => bail!("--backend cuda: this build has no CUDA backend (use --backend cpu)"),
+        "cpu" => {}
+        "auto" => info!("backend auto: {}; running on the CPU", cuda_status()),
+        "cuda" => bail!("--backend cuda: {}; use --backend cpu", cuda_status()),
         other => bail!("--backend {other}: expected cpu, cuda or auto"),
     }
     let started = std::time::Instant::now();
@@ -397,4 +410,28 @@ pub fn serve(args: &ModelArgs, s: &ServeArgs) -> Result<()> {
         .enable_all()
         .build()?;
     rt.block_on(osprey_server::serve(router, addr))
+}
+
+pub fn check(
+    args: &ModelArgs,
+    prompt_tokens: usize,
+    steps: usize,
+    out: Option<&Path>,
+) -> Result<()> {
+    if args.backend != "cuda" {
+        bail!("osprey check compares a GPU backend with the CPU reference: pass --backend cuda");
+    }
+    if steps == 0 || prompt_tokens == 0 {
+        bail!("--steps and --prompt-tokens must be at least 1");
+    }
+    let dir = model_dir(args)?;
+    #[cfg(feature = "cuda")]
+    {
+        crate::gpu::check(&dir, prompt_tokens, steps, out)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (dir, out);
+        bail!("this build has no CUDA backend (rebuild with --features cuda)")
+    }
 }

@@ -3,6 +3,8 @@
 mod bench;
 mod chat;
 mod commands;
+#[cfg(feature = "cuda")]
+mod gpu;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -158,6 +160,20 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Check a GPU backend against the CPU reference, logits step by step (teacher-forced).
+    Check {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Prompt tokens run before the compared steps.
+        #[arg(long, default_value_t = 16)]
+        prompt_tokens: usize,
+        /// Decode steps compared.
+        #[arg(long, default_value_t = 64)]
+        steps: usize,
+        /// Also write the per-step comparison as JSON.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// Measure how far bf16 arithmetic moves this model's outputs (per-layer divergence).
     Numerics {
         #[command(flatten)]
@@ -212,6 +228,12 @@ fn main() -> ExitCode {
         } => chat::run(&model, max_tokens, &sampling),
         Command::Inspect { model, tensors } => commands::inspect(&model, tensors),
         Command::Score { model, tokens, out } => commands::score(&model, &tokens, &out),
+        Command::Check {
+            model,
+            prompt_tokens,
+            steps,
+            out,
+        } => commands::check(&model, prompt_tokens, steps, out.as_deref()),
         Command::Numerics { model, tokens, out } => {
             commands::numerics(&model, tokens, out.as_deref())
         }

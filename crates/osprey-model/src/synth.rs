@@ -57,7 +57,8 @@ const CHUNK_ELEMS: usize = 1 << 20;
 pub enum Preset {
     /// The real Qwen3.6-35B-A3B shape (~19.5 GB).
     Full,
-    /// A small model over the real tokenizer and vocabulary, for tests and first runs.
+    /// A small model over the real tokenizer and vocabulary (hidden 512, 4 layers), for tests and
+    /// first runs.
     Tiny,
 }
 
@@ -87,24 +88,25 @@ pub fn synthetic_config(opts: &SynthOptions) -> Result<Value> {
         .as_object_mut()
         .context("real config has no text_config")?;
     if opts.preset == Preset::Tiny {
+        // the smallest shape the CUDA kernels run (hidden a multiple of 512, attention head 256,
+        // DeltaNet heads 128): the same code paths as the real model at ~1/40 of its width
         for (k, v) in [
-            ("hidden_size", 256),
+            ("hidden_size", 512),
             ("num_hidden_layers", 4),
             ("num_attention_heads", 4),
             ("num_key_value_heads", 2),
-            ("head_dim", 64),
+            ("head_dim", 256),
             ("linear_num_key_heads", 2),
             ("linear_num_value_heads", 4),
-            ("linear_key_head_dim", 64),
-            ("linear_value_head_dim", 64),
+            ("linear_key_head_dim", 128),
+            ("linear_value_head_dim", 128),
             ("num_experts", 16),
             ("num_experts_per_tok", 4),
-            ("moe_intermediate_size", 128),
-            ("shared_expert_intermediate_size", 128),
+            ("moe_intermediate_size", 512),
+            ("shared_expert_intermediate_size", 512),
         ] {
             tc.insert(k.into(), json!(v));
         }
-        tc["rope_parameters"]["mrope_section"] = json!([3, 3, 2]);
     }
     let layers = opts
         .layers

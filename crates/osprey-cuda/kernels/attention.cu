@@ -1,0 +1,139 @@
+// Gated full attention, decode (model-spec §3.5):
+//   attn_prep    — q/k RMSNorm (zero-centred, already 1+w), partial RoPE on the first rotary dims,
+//                  K/V appended to the bf16 cache at the device-side position. Grid Hq + Hkv.
+//   attn_decode  — split-KV (flash-decoding) over a fixed grid (Hkv, SPLITS) so the CUDA graph
+//                  never changes: each block owns a contiguous range of positions for one KV head
+//                  and all its query heads (one warp per query head, GQA: each K/V row is read from
+//                  HBM once and reused by the 8 warps through L1); online softmax in fp32.
+//   attn_combine — merges the splits, applies the sigmoid output gate. Grid Hq.
+// Shapes: head_dim D = 256 (8 dims per lane), Hq = 16, Hkv = 2.
+// Bytes: 2 KiB of K/V per position (bf16), e.g. 8 MB at 4K context.
+#include "common.cuh"
+
+#define D 256
+#define MAX_SPLITS 256
+
+struct PrepArgs {
+    const float* qg;     // [Hq, 2D]: per head, D query rows then D gate rows
+    const float* k;      // [Hkv, D]
+    const float* v;      // [Hkv, D]
+    const float* q_norm; // [D]
+    const float* k_norm; // [D]
+    float* q_out;        // [Hq, D]
+    __nv_bfloat16* k_cache;  // [max_pos, Hkv, D]
+    __nv_bfloat16* v_cache;
+    const int* pos;
+    float eps, theta;
+    int hq, hkv, rotary;
+};
+
+extern "C" __global__ void __launch_bounds__(D) attn_prep(PrepArgs a) {
+    __shared__ float x[D], scratch[32];
+    const int b = blockIdx.x, d = threadIdx.x, pos = *a.pos;
+    const bool is_q = b < a.hq;
+    const int head = is_q ? b : b - a.hq;
+    float val = is_q ? a.qg[head * 2 * D + d] : a.k[head * D + d];
+    float ss = block_sum(val * val, scratch);
+    val *= rsqrtf(ss / D + a.eps) * (is_q ? a.q_norm[d] : a.k_norm[d]);
+    x[d] = val;
+    __syncthreads();
+    const int half = a.rotary / 2;
+    if (d < a.rotary) {
+        int f = d < half ? d : d - half;
+        float inv = 1.f / powf(a.theta, (float)(2 * f) / (float)a.rotary);
+        float s, c;
+        sincosf((float)pos * inv, &s, &c);
+        val = d < half ? x[d] * c - x[d + half] * s : x[d] * c + x[d - half] * s;
+    }
+    if (is_q) {
+        a.q_out[head * D + d] = val;
+    } else {
+        size_t at = ((size_t)pos * a.hkv + head) * D + d;
+        a.k_cache[at] = __float2bfloat16(val);
+        a.v_cache[at] = __float2bfloat16(a.v[head * D + d]);
+    }
+}
+
+struct DecodeArgs {
+    const float* q;                // [Hq, D]
+    const __nv_bfloat16* k_cache;  // [max_pos, Hkv, D]
+    const __nv_bfloat16* v_cache;
+    float* part_acc;               // [Hq, SPLITS, D]
+    float* part_ml;                // [Hq, SPLITS, 2]
+    const int* pos;                // this token's position; positions 0..=pos are visible
+    float scale;
+    int hq, hkv, splits;
+};
+
+__device__ __forceinline__ void load8(const __nv_bfloat16* p, float* out) {
+    uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float2 f = __bfloat1622float2(h[i]);
+        out[2 * i] = f.x;
+        out[2 * i + 1] = f.y;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) attn_decode(DecodeArgs a) {
+    const int g = blockIdx.x, split = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int group = a.hq / a.hkv;
+    const int len = *a.pos + 1;
+    const int chunk = (len + a.splits - 1) / a.splits;
+    const int p0 = split * chunk, p1 = min(len, p0 + chunk);
+    for (int qh_local = warp; qh_local < group; qh_local += 8) {
+        const int qh = g * group + qh_local;
+        float q[8], acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = a.q[qh * D + lane * 8 + i] * a.scale;
+        float m = -INFINITY, l = 0.f;
+        for (int p = p0; p < p1; ++p) {
+            float kv[8];
+            load8(a.k_cache + ((size_t)p * a.hkv + g) * D + lane * 8, kv);
+            float s = 0.f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) s = fmaf(q[i], kv[i], s);
+            s = warp_sum(s);
+            float mn = fmaxf(m, s);
+            float corr = __expf(m - mn), w = __expf(s - mn);
+            l = l * corr + w;
+            load8(a.v_cache + ((size_t)p * a.hkv + g) * D + lane * 8, kv);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[i] = fmaf(acc[i], corr, w * kv[i]);
+            m = mn;
+        }
+        size_t base = ((size_t)qh * a.splits + split);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) a.part_acc[base * D + lane * 8 + i] = acc[i];
+        if (lane == 0) {
+            a.part_ml[base * 2] = m;
+            a.part_ml[base * 2 + 1] = l;
+        }
+    }
+}
+
+struct CombineArgs {
+    const float* part_acc;
+    const float* part_ml;
+    const float* qg;   // gate rows live at [h, D + d]
+    float* out;        // [Hq, D]
+    int splits;
+};
+
+extern "C" __global__ void __launch_bounds__(D) attn_combine(CombineArgs a) {
+    const int h = blockIdx.x, d = threadIdx.x;
+    float M = -INFINITY;
+    for (int s = 0; s < a.splits; ++s) M = fmaxf(M, a.part_ml[((size_t)h * a.splits + s) * 2]);
+    float L = 0.f, o = 0.f;
+    for (int s = 0; s < a.splits; ++s) {
+        size_t b = (size_t)h * a.splits + s;
+        float m = a.part_ml[b * 2];
+        if (m == -INFINITY) continue;
+        float w = __expf(m - M);
+        L += a.part_ml[b * 2 + 1] * w;
+        o += a.part_acc[b * D + d] * w;
+    }
+    a.out[h * D + d] = o / L * sigmoidf(a.qg[h * 2 * D + D + d]);
+}

@@ -1,0 +1,194 @@
+//! Kernel parameter blocks, laid out exactly as the `struct`s in kernels/*.cu (repr(C), device
+//! pointers as u64). Each is passed by value as the kernel's single parameter.
+
+use cudarc::driver::DeviceRepr;
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct Segment {
+    pub codes: u64,
+    pub scales: u64,
+    pub biases: u64,
+    pub out: u64,
+    pub rows: i32,
+    pub bits: i32,
+    pub accumulate: i32,
+    pub pad: i32,
+}
+
+pub const MAX_SEGS: usize = 4;
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct GemvArgs {
+    pub seg: [Segment; MAX_SEGS],
+    pub x: u64,
+    pub norm_weight: u64,
+    pub eps: f32,
+    pub nseg: i32,
+    pub k: i32,
+    pub group: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct ExpertStack {
+    pub codes: u64,
+    pub scales: u64,
+    pub biases: u64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct GateUpArgs {
+    pub gate: ExpertStack,
+    pub up: ExpertStack,
+    pub router_logits: u64,
+    pub x: u64,
+    pub norm_weight: u64,
+    pub eps: f32,
+    pub h: u64,
+    pub topk_out: u64,
+    pub hidden: i32,
+    pub inter: i32,
+    pub experts: i32,
+    pub k: i32,
+    pub renorm: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct DownArgs {
+    pub down: ExpertStack,
+    pub shared_down: ExpertStack,
+    pub h: u64,
+    pub shared_gate_proj: u64,
+    pub shared_up_proj: u64,
+    pub shared_gate_logit: u64,
+    pub topk: u64,
+    pub x: u64,
+    pub hidden: i32,
+    pub inter: i32,
+    pub k: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct GdnArgs {
+    pub qkv: u64,
+    pub z: u64,
+    pub b: u64,
+    pub a: u64,
+    pub conv_w: u64,
+    pub conv_in: u64,
+    pub conv_out: u64,
+    pub a_log: u64,
+    pub dt_bias: u64,
+    pub norm_w: u64,
+    pub state: u64,
+    pub y: u64,
+    pub pos: u64,
+    pub eps: f32,
+    pub hk: i32,
+    pub hv: i32,
+    pub conv_dim: i32,
+    pub kernel: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct PrepArgs {
+    pub qg: u64,
+    pub k: u64,
+    pub v: u64,
+    pub q_norm: u64,
+    pub k_norm: u64,
+    pub q_out: u64,
+    pub k_cache: u64,
+    pub v_cache: u64,
+    pub pos: u64,
+    pub eps: f32,
+    pub theta: f32,
+    pub hq: i32,
+    pub hkv: i32,
+    pub rotary: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct DecodeArgs {
+    pub q: u64,
+    pub k_cache: u64,
+    pub v_cache: u64,
+    pub part_acc: u64,
+    pub part_ml: u64,
+    pub pos: u64,
+    pub scale: f32,
+    pub hq: i32,
+    pub hkv: i32,
+    pub splits: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct CombineArgs {
+    pub part_acc: u64,
+    pub part_ml: u64,
+    pub qg: u64,
+    pub out: u64,
+    pub splits: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct EmbedArgs {
+    pub codes: u64,
+    pub scales: u64,
+    pub biases: u64,
+    pub token: u64,
+    pub x: u64,
+    pub hidden: i32,
+    pub group: i32,
+    pub bits: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct ArgmaxArgs {
+    pub logits: u64,
+    pub part_val: u64,
+    pub part_idx: u64,
+    pub token: u64,
+    pub pos: u64,
+    pub history: u64,
+    pub step: u64,
+    pub n: i32,
+}
+
+// SAFETY: plain-old-data with the C layout of the matching kernel structs.
+unsafe impl DeviceRepr for GemvArgs {}
+unsafe impl DeviceRepr for GateUpArgs {}
+unsafe impl DeviceRepr for DownArgs {}
+unsafe impl DeviceRepr for GdnArgs {}
+unsafe impl DeviceRepr for PrepArgs {}
+unsafe impl DeviceRepr for DecodeArgs {}
+unsafe impl DeviceRepr for CombineArgs {}
+unsafe impl DeviceRepr for EmbedArgs {}
+unsafe impl DeviceRepr for ArgmaxArgs {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts_match_the_kernel_structs() {
+        // sizes computed from the C declarations in kernels/*.cu (x86-64 / CUDA ABI)
+        assert_eq!(std::mem::size_of::<Segment>(), 48);
+        assert_eq!(std::mem::size_of::<GemvArgs>(), 4 * 48 + 16 + 16);
+        assert_eq!(std::mem::size_of::<GateUpArgs>(), 120);
+        assert_eq!(std::mem::size_of::<DownArgs>(), 48 + 48 + 12 + 4);
+        assert_eq!(std::mem::size_of::<GdnArgs>(), 13 * 8 + 20 + 4);
+        assert_eq!(std::mem::size_of::<PrepArgs>(), 9 * 8 + 20 + 4);
+        assert_eq!(std::mem::size_of::<ArgmaxArgs>(), 7 * 8 + 8);
+    }
+}

@@ -1,0 +1,980 @@
+//! The batch-1 decode step on the GPU. Per Gated DeltaNet layer: 3 kernels for the mixer (fused
+//! input projections with the RMSNorm prologue, the fused recurrent step, out_proj with the
+//! residual add) and 3 for the MoE (router + shared-expert projections, routed gate/up/SwiGLU,
+//! one down-projection pass over 8 experts + shared expert with the residual add). Attention
+//! layers use 5 for the mixer. The step ends with the lm_head GEMV and a device-side argmax that
+//! writes the next token into the input slot and advances the position, so replaying the captured
+//! graph generates greedily with no host round trip.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use anyhow::{anyhow, bail, Context, Result};
+use cudarc::driver::{
+    sys, CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
+    PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+use osprey_model::config::ModelConfig;
+use osprey_model::tensor::{FloatBuf, Linear, Matrix, MatrixData};
+use osprey_model::weights::{GdnProjections, Mixer, ModelWeights};
+
+use crate::args::*;
+
+/// Attention splits over the context (flash-decoding); fixed so the graph never changes.
+const SPLITS: usize = 64;
+/// Blocks for the argmax's first pass.
+const ARGMAX_PARTS: usize = 256;
+
+/// A quantised matrix on the device, exactly as stored.
+struct DevMatrix {
+    codes: CudaSlice<u32>,
+    scales: CudaSlice<u16>,
+    biases: CudaSlice<u16>,
+    cols: usize,
+    bits: u32,
+    group: usize,
+}
+
+fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+    let (p, _sync) = s.device_ptr(stream);
+    p
+}
+
+impl DevMatrix {
+    fn words_per_row(&self) -> usize {
+        self.cols * self.bits as usize / 32
+    }
+    fn groups_per_row(&self) -> usize {
+        self.cols / self.group
+    }
+    /// Pointers to row `row0` onwards.
+    fn at(&self, row0: usize, stream: &CudaStream) -> ExpertStack {
+        ExpertStack {
+            codes: ptr(&self.codes, stream) + (row0 * self.words_per_row() * 4) as u64,
+            scales: ptr(&self.scales, stream) + (row0 * self.groups_per_row() * 2) as u64,
+            biases: ptr(&self.biases, stream) + (row0 * self.groups_per_row() * 2) as u64,
+        }
+    }
+}
+
+/// A projection: a row window of an uploaded matrix.
+#[derive(Clone)]
+struct DevLinear {
+    m: Arc<DevMatrix>,
+    row0: usize,
+    rows: usize,
+}
+
+impl DevLinear {
+    fn segment(&self, out: u64, accumulate: bool, stream: &CudaStream) -> Segment {
+        let s = self.m.at(self.row0, stream);
+        Segment {
+            codes: s.codes,
+            scales: s.scales,
+            biases: s.biases,
+            out,
+            rows: self.rows as i32,
+            bits: self.m.bits as i32,
+            accumulate: accumulate as i32,
+            pad: 0,
+        }
+    }
+}
+
+enum LayerDev {
+    Gdn {
+        qkv: DevLinear,
+        z: DevLinear,
+        b: DevLinear,
+        a: DevLinear,
+        out: DevLinear,
+        conv_w: CudaSlice<f32>,
+        conv: [CudaSlice<f32>; 2],
+        state: CudaSlice<f32>,
+        a_log: CudaSlice<f32>,
+        dt_bias: CudaSlice<f32>,
+        norm: CudaSlice<f32>,
+    },
+    Attention {
+        q: DevLinear,
+        k: DevLinear,
+        v: DevLinear,
+        o: DevLinear,
+        q_norm: CudaSlice<f32>,
+        k_norm: CudaSlice<f32>,
+        k_cache: CudaSlice<u16>,
+        v_cache: CudaSlice<u16>,
+    },
+}
+
+struct MoeDev {
+    router: DevLinear,
+    shared_gate_logit: DevLinear,
+    shared_gate: DevLinear,
+    shared_up: DevLinear,
+    shared_down: DevLinear,
+    gate: Arc<DevMatrix>,
+    up: Arc<DevMatrix>,
+    down: Arc<DevMatrix>,
+}
+
+struct LayerWeights {
+    input_norm: CudaSlice<f32>,
+    post_norm: CudaSlice<f32>,
+    mixer: LayerDev,
+    moe: MoeDev,
+}
+
+/// Scratch activations of one step.
+struct Scratch {
+    x: CudaSlice<f32>,
+    qkv: CudaSlice<f32>,
+    z: CudaSlice<f32>,
+    b: CudaSlice<f32>,
+    a: CudaSlice<f32>,
+    y: CudaSlice<f32>,
+    qg: CudaSlice<f32>,
+    k: CudaSlice<f32>,
+    v: CudaSlice<f32>,
+    q: CudaSlice<f32>,
+    o: CudaSlice<f32>,
+    part_acc: CudaSlice<f32>,
+    part_ml: CudaSlice<f32>,
+    router: CudaSlice<f32>,
+    shared_gate_logit: CudaSlice<f32>,
+    shared_g: CudaSlice<f32>,
+    shared_u: CudaSlice<f32>,
+    h: CudaSlice<f32>,
+    topk: CudaSlice<i32>,
+    logits: CudaSlice<f32>,
+    part_val: CudaSlice<f32>,
+    part_idx: CudaSlice<i32>,
+    token: CudaSlice<i32>,
+    pos: CudaSlice<i32>,
+    step: CudaSlice<i32>,
+    history: CudaSlice<i32>,
+}
+
+struct Functions {
+    gemv: CudaFunction,
+    gate_up: CudaFunction,
+    down: CudaFunction,
+    gdn: CudaFunction,
+    prep: CudaFunction,
+    attn: CudaFunction,
+    combine: CudaFunction,
+    embed: CudaFunction,
+    argmax_partial: CudaFunction,
+    argmax_final: CudaFunction,
+}
+
+/// Time spent in one kernel family during a profiled step.
+#[derive(Clone, Debug)]
+pub struct KernelTime {
+    pub kernel: &'static str,
+    pub launches: usize,
+    pub micros: f64,
+}
+
+pub struct CudaDecoder {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    f: Functions,
+    cfg: ModelConfig,
+    embed: Arc<DevMatrix>,
+    lm_head: DevLinear,
+    final_norm: CudaSlice<f32>,
+    layers: Vec<LayerWeights>,
+    s: Scratch,
+    graph: Option<CudaGraph>,
+    pub max_context: usize,
+    /// Vocabulary ids the argmax may choose (tokenizer size; higher rows are padding).
+    valid_vocab: usize,
+    memory: Vec<(&'static str, usize)>,
+}
+
+fn upload_f32(stream: &Arc<CudaStream>, v: &[f32]) -> Result<CudaSlice<f32>> {
+    Ok(stream.clone_htod(v)?)
+}
+
+fn bf16_bits(f: &FloatBuf, what: &str) -> Result<Vec<u16>> {
+    match f {
+        FloatBuf::Bf16(b) => Ok(b.as_slice().to_vec()),
+        _ => bail!(
+            "{what}: the CUDA backend needs bf16 scales and biases (found {})",
+            f.dtype_name()
+        ),
+    }
+}
+
+struct Uploader<'a> {
+    stream: &'a Arc<CudaStream>,
+    done: HashMap<*const Matrix, Arc<DevMatrix>>,
+    bytes: usize,
+}
+
+impl Uploader<'_> {
+    fn matrix(&mut self, m: &Arc<Matrix>, what: &str) -> Result<Arc<DevMatrix>> {
+        if let Some(d) = self.done.get(&Arc::as_ptr(m)) {
+            return Ok(d.clone());
+        }
+        let MatrixData::Quantized {
+            bits,
+            group,
+            codes,
+            scales,
+            biases,
+        } = &m.data
+        else {
+            bail!("{what}: the CUDA backend runs MLX-quantised checkpoints; this tensor is dense");
+        };
+        if !m.cols.is_multiple_of(64) || m.cols > 4096 {
+            bail!("{what}: input width {} is not supported by the GEMV kernels (a multiple of 64, at most 4096)", m.cols);
+        }
+        let d = Arc::new(DevMatrix {
+            codes: self.stream.clone_htod(codes.as_slice())?,
+            scales: self.stream.clone_htod(&bf16_bits(scales, what)?)?,
+            biases: self.stream.clone_htod(&bf16_bits(biases, what)?)?,
+            cols: m.cols,
+            bits: *bits,
+            group: *group,
+        });
+        self.bytes += m.storage_bytes();
+        self.done.insert(Arc::as_ptr(m), d.clone());
+        Ok(d)
+    }
+    fn linear(&mut self, l: &Linear, what: &str) -> Result<DevLinear> {
+        Ok(DevLinear {
+            m: self.matrix(&l.matrix, what)?,
+            row0: l.row0,
+            rows: l.rows,
+        })
+    }
+}
+
+fn launch_cfg(grid: (u32, u32), block: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid.0, grid.1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+impl CudaDecoder {
+    /// Uploads `w` to GPU 0 and allocates the state for `max_context` positions.
+    pub fn new(w: &ModelWeights, max_context: usize, valid_vocab: usize) -> Result<Self> {
+        if !crate::kernels_built() {
+            bail!("this build carries no CUDA kernels (nvcc was not found when it was built; set NVCC or CUDA_HOME and rebuild)");
+        }
+        let c = w.config.clone();
+        check_shapes(&c)?;
+        // SAFETY: only probes whether the driver library can be opened (cudarc panics otherwise).
+        if !unsafe { sys::is_culib_present() } {
+            bail!("the NVIDIA driver library (libcuda.so) was not found: no usable GPU on this machine");
+        }
+        let ctx = CudaContext::new(0).map_err(|e| anyhow!("no usable CUDA device: {e}"))?;
+        // one stream, captured into a graph: cudarc's per-slice event tracking is not needed
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.default_stream();
+        let mut modules = HashMap::new();
+        for (name, cubin) in crate::CUBINS {
+            modules.insert(
+                *name,
+                ctx.load_module(Ptx::from_binary(cubin.to_vec()))
+                    .with_context(|| format!("loading kernels {name}"))?,
+            );
+        }
+        let func = |m: &str, f: &str| -> Result<CudaFunction> { Ok(modules[m].load_function(f)?) };
+        let f = Functions {
+            gemv: func("gemv", "gemv_q")?,
+            gate_up: func("moe", "moe_gate_up")?,
+            down: func("moe", "moe_down")?,
+            gdn: func("gdn", "gdn_step")?,
+            prep: func("attention", "attn_prep")?,
+            attn: func("attention", "attn_decode")?,
+            combine: func("attention", "attn_combine")?,
+            embed: func("sample", "embed")?,
+            argmax_partial: func("sample", "argmax_partial")?,
+            argmax_final: func("sample", "argmax_final")?,
+        };
+
+        let mut up = Uploader {
+            stream: &stream,
+            done: HashMap::new(),
+            bytes: 0,
+        };
+        let embed = up.matrix(&w.embed_tokens.matrix, "embed_tokens")?;
+        let lm_head = up.linear(&w.lm_head, "lm_head")?;
+        let mut state_bytes = 0usize;
+        let mut kv_bytes = 0usize;
+        let mut layers = Vec::with_capacity(w.layers.len());
+        for (i, l) in w.layers.iter().enumerate() {
+            let mixer = match &l.mixer {
+                Mixer::GatedDeltaNet(g) => {
+                    let GdnProjections::Split { qkv, z, b, a } = &g.projections else {
+                        bail!("layer {i}: the CUDA backend does not yet run Qwen3-Next's fused GDN projections");
+                    };
+                    let conv_len = (c.conv_kernel - 1) * c.conv_dim();
+                    let state_len =
+                        c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim;
+                    state_bytes += 4 * (2 * conv_len + state_len);
+                    LayerDev::Gdn {
+                        qkv: up.linear(qkv, "in_proj_qkv")?,
+                        z: up.linear(z, "in_proj_z")?,
+                        b: up.linear(b, "in_proj_b")?,
+                        a: up.linear(a, "in_proj_a")?,
+                        out: up.linear(&g.out_proj, "out_proj")?,
+                        conv_w: upload_f32(&stream, &g.conv)?,
+                        conv: [stream.alloc_zeros(conv_len)?, stream.alloc_zeros(conv_len)?],
+                        state: stream.alloc_zeros(state_len)?,
+                        a_log: upload_f32(&stream, &g.a_log)?,
+                        dt_bias: upload_f32(&stream, &g.dt_bias)?,
+                        norm: upload_f32(&stream, &g.norm)?,
+                    }
+                }
+                Mixer::Attention(a) => {
+                    let cache = max_context * c.num_key_value_heads * c.head_dim;
+                    kv_bytes += 2 * 2 * cache;
+                    LayerDev::Attention {
+                        q: up.linear(&a.q_proj, "q_proj")?,
+                        k: up.linear(&a.k_proj, "k_proj")?,
+                        v: up.linear(&a.v_proj, "v_proj")?,
+                        o: up.linear(&a.o_proj, "o_proj")?,
+                        q_norm: upload_f32(&stream, &a.q_norm)?,
+                        k_norm: upload_f32(&stream, &a.k_norm)?,
+                        k_cache: stream.alloc_zeros(cache)?,
+                        v_cache: stream.alloc_zeros(cache)?,
+                    }
+                }
+            };
+            let m = &l.moe;
+            let experts = &m.experts;
+            let check_expert = |lin: &Linear, what: &str| -> Result<()> {
+                match &lin.matrix.data {
+                    MatrixData::Quantized {
+                        bits: 4, group: 64, ..
+                    } => Ok(()),
+                    _ => bail!(
+                        "layer {i}: {what} must be 4-bit with group 64 for the CUDA MoE kernels"
+                    ),
+                }
+            };
+            check_expert(&experts[0].gate, "routed experts")?;
+            check_expert(&m.shared.down, "shared expert down_proj")?;
+            let same_stack = experts.iter().enumerate().all(|(e, x)| {
+                Arc::ptr_eq(&x.gate.matrix, &experts[0].gate.matrix)
+                    && x.gate.row0 == e * c.moe_intermediate_size
+                    && Arc::ptr_eq(&x.up.matrix, &experts[0].up.matrix)
+                    && x.up.row0 == e * c.moe_intermediate_size
+                    && Arc::ptr_eq(&x.down.matrix, &experts[0].down.matrix)
+                    && x.down.row0 == e * c.hidden_size
+            });
+            if !same_stack {
+                bail!("layer {i}: the CUDA backend needs stacked MLX expert tensors (switch_mlp)");
+            }
+            let moe = MoeDev {
+                router: up.linear(&m.router, "router")?,
+                shared_gate_logit: up.linear(&m.shared_gate, "shared_expert_gate")?,
+                shared_gate: up.linear(&m.shared.gate, "shared_expert.gate_proj")?,
+                shared_up: up.linear(&m.shared.up, "shared_expert.up_proj")?,
+                shared_down: up.linear(&m.shared.down, "shared_expert.down_proj")?,
+                gate: up.matrix(&experts[0].gate.matrix, "expert gate_proj")?,
+                up: up.matrix(&experts[0].up.matrix, "expert up_proj")?,
+                down: up.matrix(&experts[0].down.matrix, "expert down_proj")?,
+            };
+            layers.push(LayerWeights {
+                input_norm: upload_f32(&stream, &l.input_norm)?,
+                post_norm: upload_f32(&stream, &l.post_attention_norm)?,
+                mixer,
+                moe,
+            });
+        }
+        let weight_bytes = up.bytes;
+        let final_norm = upload_f32(&stream, &w.final_norm)?;
+
+        let (hq, hkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let s = Scratch {
+            x: stream.alloc_zeros(c.hidden_size)?,
+            qkv: stream.alloc_zeros(c.conv_dim())?,
+            z: stream.alloc_zeros(c.linear_value_dim())?,
+            b: stream.alloc_zeros(c.linear_num_value_heads)?,
+            a: stream.alloc_zeros(c.linear_num_value_heads)?,
+            y: stream.alloc_zeros(c.linear_value_dim())?,
+            qg: stream.alloc_zeros(2 * hq * d)?,
+            k: stream.alloc_zeros(hkv * d)?,
+            v: stream.alloc_zeros(hkv * d)?,
+            q: stream.alloc_zeros(hq * d)?,
+            o: stream.alloc_zeros(hq * d)?,
+            part_acc: stream.alloc_zeros(hq * SPLITS * d)?,
+            part_ml: stream.alloc_zeros(hq * SPLITS * 2)?,
+            router: stream.alloc_zeros(c.num_experts)?,
+            shared_gate_logit: stream.alloc_zeros(1)?,
+            shared_g: stream.alloc_zeros(c.shared_expert_intermediate_size)?,
+            shared_u: stream.alloc_zeros(c.shared_expert_intermediate_size)?,
+            h: stream.alloc_zeros(c.num_experts_per_tok * c.moe_intermediate_size)?,
+            topk: stream.alloc_zeros(32)?,
+            logits: stream.alloc_zeros(c.vocab_size)?,
+            part_val: stream.alloc_zeros(ARGMAX_PARTS)?,
+            part_idx: stream.alloc_zeros(ARGMAX_PARTS)?,
+            token: stream.alloc_zeros(1)?,
+            pos: stream.alloc_zeros(1)?,
+            step: stream.alloc_zeros(1)?,
+            history: stream.alloc_zeros(max_context)?,
+        };
+        let scratch_bytes = 4
+            * (c.hidden_size * 2
+                + c.conv_dim()
+                + 2 * c.linear_value_dim()
+                + 4 * hq * d
+                + hq * SPLITS * (d + 2)
+                + c.vocab_size
+                + max_context);
+        stream.synchronize()?;
+        let memory = vec![
+            ("weights", weight_bytes),
+            ("kv cache (bf16)", kv_bytes),
+            ("recurrent + conv state", state_bytes),
+            ("scratch", scratch_bytes),
+        ];
+        Ok(CudaDecoder {
+            ctx,
+            stream,
+            f,
+            cfg: c,
+            embed,
+            lm_head,
+            final_norm,
+            layers,
+            s,
+            graph: None,
+            max_context,
+            valid_vocab: valid_vocab.min(w.config.vocab_size),
+            memory,
+        })
+    }
+
+    /// GPU memory taken at load, by part.
+    pub fn memory_report(&self) -> &[(&'static str, usize)] {
+        &self.memory
+    }
+
+    pub fn device_name(&self) -> String {
+        self.ctx.name().unwrap_or_else(|_| "CUDA device".into())
+    }
+
+    fn p<T>(&self, s: &CudaSlice<T>) -> u64 {
+        ptr(s, &self.stream)
+    }
+
+    fn gemv(
+        &self,
+        segs: &[Segment],
+        x: u64,
+        norm: Option<u64>,
+        k: usize,
+        group: usize,
+    ) -> Result<()> {
+        let mut a = GemvArgs {
+            x,
+            norm_weight: norm.unwrap_or(0),
+            eps: self.cfg.rms_norm_eps,
+            nseg: segs.len() as i32,
+            k: k as i32,
+            group: group as i32,
+            ..Default::default()
+        };
+        a.seg[..segs.len()].copy_from_slice(segs);
+        let rows: usize = segs.iter().map(|s| s.rows as usize).sum();
+        let blocks = rows.div_ceil(8).min(132 * 8) as u32;
+        unsafe {
+            self.stream
+                .launch_builder(&self.f.gemv)
+                .arg(&a)
+                .launch(launch_cfg((blocks, 1), 256))?
+        };
+        Ok(())
+    }
+
+    /// Issues every kernel of one decode step on the stream (recorded into the graph once).
+    /// With `profile`, each launch is bracketed by events and its time returned by kernel family.
+    fn issue_step(
+        &self,
+        mut profile: Option<
+            &mut Vec<(
+                &'static str,
+                cudarc::driver::CudaEvent,
+                cudarc::driver::CudaEvent,
+            )>,
+        >,
+    ) -> Result<()> {
+        let c = &self.cfg;
+        let st = &self.stream;
+        let s = &self.s;
+        let (h, eps) = (c.hidden_size, c.rms_norm_eps);
+        let x = self.p(&s.x);
+        macro_rules! timed {
+            ($name:expr, $body:expr) => {{
+                let start = match profile.as_deref_mut() {
+                    Some(_) => Some(self.ctx.new_event(None)?),
+                    None => None,
+                };
+                if let Some(e) = &start {
+                    e.record(st)?;
+                }
+                $body;
+                if let (Some(p), Some(e0)) = (profile.as_deref_mut(), start) {
+                    let e1 = self.ctx.new_event(None)?;
+                    e1.record(st)?;
+                    p.push(($name, e0, e1));
+                }
+            }};
+        }
+        let ea = EmbedArgs {
+            codes: self.embed.at(0, st).codes,
+            scales: self.embed.at(0, st).scales,
+            biases: self.embed.at(0, st).biases,
+            token: self.p(&s.token),
+            x,
+            hidden: h as i32,
+            group: self.embed.group as i32,
+            bits: self.embed.bits as i32,
+        };
+        timed!("embed", unsafe {
+            st.launch_builder(&self.f.embed)
+                .arg(&ea)
+                .launch(launch_cfg((1, 1), 256))?
+        });
+
+        for l in &self.layers {
+            match &l.mixer {
+                LayerDev::Gdn {
+                    qkv,
+                    z,
+                    b,
+                    a,
+                    out,
+                    conv_w,
+                    conv,
+                    state,
+                    a_log,
+                    dt_bias,
+                    norm,
+                } => {
+                    let segs = [
+                        qkv.segment(self.p(&s.qkv), false, st),
+                        z.segment(self.p(&s.z), false, st),
+                        b.segment(self.p(&s.b), false, st),
+                        a.segment(self.p(&s.a), false, st),
+                    ];
+                    timed!(
+                        "gdn in_proj (norm + qkv|z|b|a)",
+                        self.gemv(&segs, x, Some(self.p(&l.input_norm)), h, qkv.m.group)?
+                    );
+                    let ga = GdnArgs {
+                        qkv: self.p(&s.qkv),
+                        z: self.p(&s.z),
+                        b: self.p(&s.b),
+                        a: self.p(&s.a),
+                        conv_w: self.p(conv_w),
+                        conv_in: self.p(&conv[0]),
+                        conv_out: self.p(&conv[1]),
+                        a_log: self.p(a_log),
+                        dt_bias: self.p(dt_bias),
+                        norm_w: self.p(norm),
+                        state: self.p(state),
+                        y: self.p(&s.y),
+                        pos: self.p(&s.pos),
+                        eps,
+                        hk: c.linear_num_key_heads as i32,
+                        hv: c.linear_num_value_heads as i32,
+                        conv_dim: c.conv_dim() as i32,
+                        kernel: c.conv_kernel as i32,
+                    };
+                    timed!("gdn step (conv, l2, delta, gated norm)", unsafe {
+                        st.launch_builder(&self.f.gdn)
+                            .arg(&ga)
+                            .launch(launch_cfg((c.linear_num_value_heads as u32, 1), 256))?
+                    });
+                    timed!(
+                        "gdn out_proj + residual",
+                        self.gemv(
+                            &[out.segment(x, true, st)],
+                            self.p(&s.y),
+                            None,
+                            c.linear_value_dim(),
+                            out.m.group
+                        )?
+                    );
+                }
+                LayerDev::Attention {
+                    q,
+                    k,
+                    v,
+                    o,
+                    q_norm,
+                    k_norm,
+                    k_cache,
+                    v_cache,
+                } => {
+                    let segs = [
+                        q.segment(self.p(&s.qg), false, st),
+                        k.segment(self.p(&s.k), false, st),
+                        v.segment(self.p(&s.v), false, st),
+                    ];
+                    timed!(
+                        "attn in_proj (norm + q|k|v)",
+                        self.gemv(&segs, x, Some(self.p(&l.input_norm)), h, q.m.group)?
+                    );
+                    let pa = PrepArgs {
+                        qg: self.p(&s.qg),
+                        k: self.p(&s.k),
+                        v: self.p(&s.v),
+                        q_norm: self.p(q_norm),
+                        k_norm: self.p(k_norm),
+                        q_out: self.p(&s.q),
+                        k_cache: self.p(k_cache),
+                        v_cache: self.p(v_cache),
+                        pos: self.p(&s.pos),
+                        eps,
+                        theta: c.rope_theta as f32,
+                        hq: c.num_attention_heads as i32,
+                        hkv: c.num_key_value_heads as i32,
+                        rotary: c.rotary_dim as i32,
+                    };
+                    let blocks = (c.num_attention_heads + c.num_key_value_heads) as u32;
+                    timed!("attn q/k norm + rope + kv append", unsafe {
+                        st.launch_builder(&self.f.prep)
+                            .arg(&pa)
+                            .launch(launch_cfg((blocks, 1), c.head_dim as u32))?
+                    });
+                    let da = DecodeArgs {
+                        q: self.p(&s.q),
+                        k_cache: self.p(k_cache),
+                        v_cache: self.p(v_cache),
+                        part_acc: self.p(&s.part_acc),
+                        part_ml: self.p(&s.part_ml),
+                        pos: self.p(&s.pos),
+                        scale: 1.0 / (c.head_dim as f32).sqrt(),
+                        hq: c.num_attention_heads as i32,
+                        hkv: c.num_key_value_heads as i32,
+                        splits: SPLITS as i32,
+                    };
+                    timed!("attn decode (split-KV)", unsafe {
+                        st.launch_builder(&self.f.attn).arg(&da).launch(launch_cfg(
+                            (c.num_key_value_heads as u32, SPLITS as u32),
+                            256,
+                        ))?
+                    });
+                    let ca = CombineArgs {
+                        part_acc: self.p(&s.part_acc),
+                        part_ml: self.p(&s.part_ml),
+                        qg: self.p(&s.qg),
+                        out: self.p(&s.o),
+                        splits: SPLITS as i32,
+                    };
+                    timed!("attn combine + gate", unsafe {
+                        st.launch_builder(&self.f.combine)
+                            .arg(&ca)
+                            .launch(launch_cfg(
+                                (c.num_attention_heads as u32, 1),
+                                c.head_dim as u32,
+                            ))?
+                    });
+                    timed!(
+                        "attn o_proj + residual",
+                        self.gemv(
+                            &[o.segment(x, true, st)],
+                            self.p(&s.o),
+                            None,
+                            c.num_attention_heads * c.head_dim,
+                            o.m.group
+                        )?
+                    );
+                }
+            }
+            let m = &l.moe;
+            let segs = [
+                m.router.segment(self.p(&s.router), false, st),
+                m.shared_gate_logit
+                    .segment(self.p(&s.shared_gate_logit), false, st),
+                m.shared_gate.segment(self.p(&s.shared_g), false, st),
+                m.shared_up.segment(self.p(&s.shared_u), false, st),
+            ];
+            timed!(
+                "moe router + shared gate/up",
+                self.gemv(&segs, x, Some(self.p(&l.post_norm)), h, m.router.m.group)?
+            );
+            let gu = GateUpArgs {
+                gate: m.gate.at(0, st),
+                up: m.up.at(0, st),
+                router_logits: self.p(&s.router),
+                x,
+                norm_weight: self.p(&l.post_norm),
+                eps,
+                h: self.p(&s.h),
+                topk_out: self.p(&s.topk),
+                hidden: h as i32,
+                inter: c.moe_intermediate_size as i32,
+                experts: c.num_experts as i32,
+                k: c.num_experts_per_tok as i32,
+                renorm: c.norm_topk_prob as i32,
+            };
+            let blocks = (c.num_experts_per_tok * c.moe_intermediate_size).div_ceil(8) as u32;
+            timed!("moe top-k + expert gate/up + swiglu", unsafe {
+                st.launch_builder(&self.f.gate_up)
+                    .arg(&gu)
+                    .launch(launch_cfg((blocks, 1), 256))?
+            });
+            let da = DownArgs {
+                down: m.down.at(0, st),
+                shared_down: m.shared_down.m.at(m.shared_down.row0, st),
+                h: self.p(&s.h),
+                shared_gate_proj: self.p(&s.shared_g),
+                shared_up_proj: self.p(&s.shared_u),
+                shared_gate_logit: self.p(&s.shared_gate_logit),
+                topk: self.p(&s.topk),
+                x,
+                hidden: h as i32,
+                inter: c.moe_intermediate_size as i32,
+                k: c.num_experts_per_tok as i32,
+            };
+            timed!("moe down (8 experts + shared) + residual", unsafe {
+                st.launch_builder(&self.f.down)
+                    .arg(&da)
+                    .launch(launch_cfg((h.div_ceil(8) as u32, 1), 256))?
+            });
+        }
+        timed!(
+            "lm_head (final norm + gemv)",
+            self.gemv(
+                &[self.lm_head.segment(self.p(&s.logits), false, st)],
+                x,
+                Some(self.p(&self.final_norm)),
+                h,
+                self.lm_head.m.group
+            )?
+        );
+        let aa = ArgmaxArgs {
+            logits: self.p(&s.logits),
+            part_val: self.p(&s.part_val),
+            part_idx: self.p(&s.part_idx),
+            token: self.p(&s.token),
+            pos: self.p(&s.pos),
+            history: self.p(&s.history),
+            step: self.p(&s.step),
+            n: self.valid_vocab as i32,
+        };
+        let parts = ARGMAX_PARTS as i32;
+        timed!("argmax", {
+            unsafe {
+                st.launch_builder(&self.f.argmax_partial)
+                    .arg(&aa)
+                    .launch(launch_cfg((ARGMAX_PARTS as u32, 1), 256))?
+            };
+            unsafe {
+                st.launch_builder(&self.f.argmax_final)
+                    .arg(&aa)
+                    .arg(&parts)
+                    .launch(launch_cfg((1, 1), 32))?
+            };
+        });
+        Ok(())
+    }
+
+    /// Clears the session state: position 0, empty caches and recurrent state.
+    pub fn reset(&mut self) -> Result<()> {
+        for l in &mut self.layers {
+            match &mut l.mixer {
+                LayerDev::Gdn { conv, state, .. } => {
+                    self.stream.memset_zeros(&mut conv[0])?;
+                    self.stream.memset_zeros(&mut conv[1])?;
+                    self.stream.memset_zeros(state)?;
+                }
+                LayerDev::Attention { .. } => {}
+            }
+        }
+        self.set_position(0)?;
+        self.stream.memcpy_htod(&[0i32], &mut self.s.step)?;
+        Ok(())
+    }
+
+    /// Moves the position (benchmarks: the work of a step depends only on the context length).
+    pub fn set_position(&mut self, pos: usize) -> Result<()> {
+        if pos >= self.max_context {
+            bail!(
+                "position {pos} is beyond the allocated context of {}",
+                self.max_context
+            );
+        }
+        self.stream.memcpy_htod(&[pos as i32], &mut self.s.pos)?;
+        Ok(())
+    }
+
+    /// Puts `token` in the input slot (teacher forcing; otherwise the previous step's argmax is used).
+    pub fn set_token(&mut self, token: u32) -> Result<()> {
+        self.stream
+            .memcpy_htod(&[token as i32], &mut self.s.token)?;
+        Ok(())
+    }
+
+    /// Runs one decode step by replaying the captured graph (captured on first use).
+    pub fn step(&mut self) -> Result<()> {
+        if self.graph.is_none() {
+            self.stream
+                .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+            let issued = self.issue_step(None);
+            let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0))?;
+            issued?;
+            self.graph = Some(graph.ok_or_else(|| anyhow!("graph capture produced no graph"))?);
+        }
+        if let Some(g) = &self.graph {
+            g.launch()?;
+        }
+        Ok(())
+    }
+
+    /// Logits of the last step (synchronises).
+    pub fn logits(&self) -> Result<Vec<f32>> {
+        Ok(self.stream.clone_dtoh(&self.s.logits)?)
+    }
+
+    /// The token the last step chose (synchronises).
+    pub fn last_token(&self) -> Result<u32> {
+        Ok(self.stream.clone_dtoh(&self.s.token)?[0] as u32)
+    }
+
+    /// Tokens chosen by the first `n` steps since `reset`.
+    pub fn history(&self, n: usize) -> Result<Vec<u32>> {
+        let h = self.stream.clone_dtoh(&self.s.history)?;
+        Ok(h.into_iter().take(n).map(|t| t as u32).collect())
+    }
+
+    pub fn synchronize(&self) -> Result<()> {
+        Ok(self.stream.synchronize()?)
+    }
+
+    /// Times `steps` graph replays with CUDA events; returns seconds.
+    pub fn time_steps(&mut self, steps: usize) -> Result<f64> {
+        self.step()?;
+        self.synchronize()?;
+        let start = self.ctx.new_event(None)?;
+        let end = self.ctx.new_event(None)?;
+        start.record(&self.stream)?;
+        for _ in 0..steps {
+            if let Some(g) = &self.graph {
+                g.launch()?;
+            }
+        }
+        end.record(&self.stream)?;
+        end.synchronize()?;
+        Ok(start.elapsed_ms(&end)? as f64 / 1e3)
+    }
+
+    /// One step launched kernel by kernel with events around each: time per kernel family.
+    pub fn profile_step(&mut self) -> Result<Vec<KernelTime>> {
+        let mut events = Vec::new();
+        self.issue_step(Some(&mut events))?;
+        self.synchronize()?;
+        let mut by: Vec<KernelTime> = Vec::new();
+        for (name, a, b) in &events {
+            let us = a.elapsed_ms(b)? as f64 * 1e3;
+            match by.iter_mut().find(|k| k.kernel == *name) {
+                Some(k) => {
+                    k.launches += 1;
+                    k.micros += us;
+                }
+                None => by.push(KernelTime {
+                    kernel: name,
+                    launches: 1,
+                    micros: us,
+                }),
+            }
+        }
+        Ok(by)
+    }
+
+    /// Bytes one step must read at `context` positions: weights touched (projections, router,
+    /// 8 routed + shared experts, lm_head, one embedding row), recurrent state read and written,
+    /// and the K/V rows attended to.
+    pub fn step_bytes(&self, context: usize) -> usize {
+        let c = &self.cfg;
+        let row_bytes = |m: &DevMatrix| m.words_per_row() * 4 + m.groups_per_row() * 4;
+        let lin = |l: &DevLinear| l.rows * row_bytes(&l.m);
+        let mut total = row_bytes(&self.embed) + lin(&self.lm_head);
+        for l in &self.layers {
+            total += match &l.mixer {
+                LayerDev::Gdn {
+                    qkv,
+                    z,
+                    b,
+                    a,
+                    out,
+                    state,
+                    ..
+                } => lin(qkv) + lin(z) + lin(b) + lin(a) + lin(out) + 2 * 4 * state.len(),
+                LayerDev::Attention { q, k, v, o, .. } => {
+                    lin(q)
+                        + lin(k)
+                        + lin(v)
+                        + lin(o)
+                        + context * 2 * 2 * c.num_key_value_heads * c.head_dim
+                }
+            };
+            let m = &l.moe;
+            let k = c.num_experts_per_tok;
+            total += lin(&m.router)
+                + lin(&m.shared_gate_logit)
+                + lin(&m.shared_gate)
+                + lin(&m.shared_up)
+                + lin(&m.shared_down);
+            total += k
+                * (c.moe_intermediate_size * (row_bytes(&m.gate) + row_bytes(&m.up))
+                    + c.hidden_size * row_bytes(&m.down));
+        }
+        total
+    }
+}
+
+fn check_shapes(c: &ModelConfig) -> Result<()> {
+    let mut problems = Vec::new();
+    if c.linear_key_head_dim != 128 || c.linear_value_head_dim != 128 {
+        problems.push(format!(
+            "Gated DeltaNet head dims {}x{} (the kernel is built for 128x128)",
+            c.linear_key_head_dim, c.linear_value_head_dim
+        ));
+    }
+    if c.head_dim != 256 {
+        problems.push(format!(
+            "attention head_dim {} (the kernel is built for 256)",
+            c.head_dim
+        ));
+    }
+    if c.num_attention_heads / c.num_key_value_heads > 8 {
+        problems.push("more than 8 query heads per KV head".into());
+    }
+    if c.hidden_size > 4096 || !c.hidden_size.is_multiple_of(512) {
+        problems.push(format!(
+            "hidden size {} (multiple of 512, at most 4096)",
+            c.hidden_size
+        ));
+    }
+    if c.num_experts > 512
+        || c.num_experts_per_tok > 16
+        || (c.num_experts_per_tok + 1) * c.moe_intermediate_size > 6144
+    {
+        problems.push(
+            "MoE shape beyond the kernels' limits (512 experts, top-16, (k+1)·I ≤ 6144)".into(),
+        );
+    }
+    if !c.moe_intermediate_size.is_multiple_of(64) {
+        problems.push(format!("moe_intermediate_size {}", c.moe_intermediate_size));
+    }
+    if !problems.is_empty() {
+        bail!(
+            "the CUDA backend does not support this model shape: {}",
+            problems.join("; ")
+        );
+    }
+    Ok(())
+}
