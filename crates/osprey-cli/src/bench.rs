@@ -94,7 +94,12 @@ pub fn cpu_name() -> String {
     )
 }
 
+/// The commit benchmarked: $OSPREY_COMMIT (set where the tree has no .git, e.g. on the GPU
+/// machine), else `git rev-parse`.
 pub fn git_commit() -> String {
+    if let Ok(c) = std::env::var("OSPREY_COMMIT") {
+        return c;
+    }
     std::process::Command::new("git")
         .args(["rev-parse", "--short", "HEAD"])
         .output()

@@ -276,7 +276,8 @@ impl CudaDecoder {
         let ctx = CudaContext::new(0).map_err(|e| anyhow!("no usable CUDA device: {e}"))?;
         // one stream, captured into a graph: cudarc's per-slice event tracking is not needed
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        // a created stream: the legacy default stream cannot be captured into a graph
+        let stream = ctx.new_stream()?;
         let mut modules = HashMap::new();
         for (name, cubin) in crate::CUBINS {
             modules.insert(
@@ -516,7 +517,10 @@ impl CudaDecoder {
         macro_rules! timed {
             ($name:expr, $body:expr) => {{
                 let start = match profile.as_deref_mut() {
-                    Some(_) => Some(self.ctx.new_event(None)?),
+                    Some(_) => Some(
+                        self.ctx
+                            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?,
+                    ),
                     None => None,
                 };
                 if let Some(e) = &start {
@@ -524,7 +528,9 @@ impl CudaDecoder {
                 }
                 $body;
                 if let (Some(p), Some(e0)) = (profile.as_deref_mut(), start) {
-                    let e1 = self.ctx.new_event(None)?;
+                    let e1 = self
+                        .ctx
+                        .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
                     e1.record(st)?;
                     p.push(($name, e0, e1));
                 }
@@ -858,8 +864,12 @@ impl CudaDecoder {
     pub fn time_steps(&mut self, steps: usize) -> Result<f64> {
         self.step()?;
         self.synchronize()?;
-        let start = self.ctx.new_event(None)?;
-        let end = self.ctx.new_event(None)?;
+        let start = self
+            .ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+        let end = self
+            .ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
         start.record(&self.stream)?;
         for _ in 0..steps {
             if let Some(g) = &self.graph {
