@@ -4,7 +4,8 @@
 //   attn_decode  — split-KV (flash-decoding) over a fixed grid (Hkv, SPLITS) so the CUDA graph
 //                  never changes: each block owns a contiguous range of positions for one KV head
 //                  and all its query heads (one warp per query head, GQA: each K/V row is read from
-//                  HBM once and reused by the 8 warps through L1); online softmax in fp32.
+//                  HBM once and reused by the 8 warps through L1); each warp keeps 8 positions' K
+//                  and V loads in flight at once; online softmax in fp32.
 //   attn_combine — merges the splits, applies the sigmoid output gate. Grid Hq.
 // Shapes: head_dim D = 256 (8 dims per lane), Hq = 16, Hkv = 2.
 // Bytes: 2 KiB of K/V per position (bf16), e.g. 8 MB at 4K context.
@@ -65,16 +66,8 @@ struct DecodeArgs {
     int hq, hkv, splits;
 };
 
-__device__ __forceinline__ void load8(const __nv_bfloat16* p, float* out) {
-    uint4 raw = *reinterpret_cast<const uint4*>(p);
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        float2 f = __bfloat1622float2(h[i]);
-        out[2 * i] = f.x;
-        out[2 * i + 1] = f.y;
-    }
-}
+// positions handled together by a warp: their K and V loads are all in flight at once
+#define POS_BATCH 8
 
 extern "C" __global__ void __launch_bounds__(256) attn_decode(DecodeArgs a) {
     const int g = blockIdx.x, split = blockIdx.y;
@@ -89,20 +82,49 @@ extern "C" __global__ void __launch_bounds__(256) attn_decode(DecodeArgs a) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) q[i] = a.q[qh * D + lane * 8 + i] * a.scale;
         float m = -INFINITY, l = 0.f;
-        for (int p = p0; p < p1; ++p) {
-            float kv[8];
-            load8(a.k_cache + ((size_t)p * a.hkv + g) * D + lane * 8, kv);
-            float s = 0.f;
+        for (int pb = p0; pb < p1; pb += POS_BATCH) {
+            uint4 kr[POS_BATCH], vr[POS_BATCH];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) s = fmaf(q[i], kv[i], s);
-            s = warp_sum(s);
-            float mn = fmaxf(m, s);
-            float corr = __expf(m - mn), w = __expf(s - mn);
-            l = l * corr + w;
-            load8(a.v_cache + ((size_t)p * a.hkv + g) * D + lane * 8, kv);
+            for (int j = 0; j < POS_BATCH; ++j) {
+                int p = min(pb + j, p1 - 1);
+                size_t at = ((size_t)p * a.hkv + g) * D + lane * 8;
+                kr[j] = *reinterpret_cast<const uint4*>(a.k_cache + at);
+                vr[j] = *reinterpret_cast<const uint4*>(a.v_cache + at);
+            }
+            float s[POS_BATCH];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) acc[i] = fmaf(acc[i], corr, w * kv[i]);
-            m = mn;
+            for (int j = 0; j < POS_BATCH; ++j) {
+                const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&kr[j]);
+                float d = 0.f;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    float2 f = __bfloat1622float2(h[i]);
+                    d = fmaf(q[2 * i], f.x, fmaf(q[2 * i + 1], f.y, d));
+                }
+                s[j] = d;
+            }
+#pragma unroll
+            for (int j = 0; j < POS_BATCH; ++j) s[j] = pb + j < p1 ? warp_sum(s[j]) : -INFINITY;
+            float mb = m;
+#pragma unroll
+            for (int j = 0; j < POS_BATCH; ++j) mb = fmaxf(mb, s[j]);
+            const float corr = __expf(m - mb);
+            l *= corr;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[i] *= corr;
+#pragma unroll
+            for (int j = 0; j < POS_BATCH; ++j) {
+                const float w = __expf(s[j] - mb);
+                l += w;
+                const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&vr[j]);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    float2 f = __bfloat1622float2(h[i]);
+                    acc[2 * i] = fmaf(w, f.x, acc[2 * i]);
+                    acc[2 * i + 1] = fmaf(w, f.y, acc[2 * i + 1]);
+                }
+            }
+            m = mb;
         }
         size_t base = ((size_t)qh * a.splits + split);
 #pragma unroll

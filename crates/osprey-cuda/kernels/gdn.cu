@@ -1,10 +1,13 @@
 // Gated DeltaNet decode step, fused: causal conv (state K-1 deep) + SiLU, L2 norm of q and k,
-// q scaling, β and the log-decay g, the gated delta update of the fp32 state with the output read
-// from the updated state, and the gated RMSNorm — one block per value head.
+// q scaling, β and the log-decay g, and the gated delta update of the fp32 state with the output
+// read from the updated state. The per-head gated RMSNorm that follows is fused into the out_proj
+// GEMV's prologue (gemv.cu), so heads can be split across blocks here.
 //
 // Shapes: Dk = Dv = 128, Hv value heads (32) over Hk key heads (16), conv kernel K (4).
-// Geometry: grid Hv, 256 threads. Thread t owns state column j = t % 128 and rows
-// [64·(t/128), +64): 64 fp32 values in registers, read and written once (coalesced rows).
+// Geometry: grid (Hv, 4): each block owns 32 state columns of one head; thread t owns column
+// t % 32 of that range and rows [16·(t/32), +16): 16 fp32 state values in registers, read and
+// written once (each warp reads 128-byte row segments). Columns are independent in the delta
+// rule, so no cross-block reduction is needed; q and k are recomputed per block (cheap).
 // Conv state is double-buffered by position parity: q/k channels are shared by Hv/Hk value heads,
 // so every block reads the old buffer and exactly one block writes each channel of the new one.
 // Bytes: state 64 KB read + 64 KB written per head (4.2 MB per layer), the dominant cost.
@@ -12,22 +15,23 @@
 
 #define DK 128
 #define DV 128
+#define COLS 32
+#define COL_SPLITS (DV / COLS)
+#define ROW_GROUPS 8
+#define ROWS_PER (DK / ROW_GROUPS)
 
 struct GdnArgs {
     const float* qkv;        // [conv_dim] raw projections (pre-conv)
-    const float* z;          // [Hv*Dv]
     const float* b;          // [Hv]
     const float* a;          // [Hv]
     const float* conv_w;     // [conv_dim, K]
-    const float* conv_in;    // [(K-1), conv_dim] state at this step's parity
-    float* conv_out;         // [(K-1), conv_dim] state for the next step
+    const float* conv_in;    // [(K-1), conv_dim] state at even positions' read side
+    float* conv_out;         // [(K-1), conv_dim] the other buffer
     const float* a_log;      // [Hv]
     const float* dt_bias;    // [Hv]
-    const float* norm_w;     // [Dv]
     float* state;            // [Hv, Dk, Dv]
-    float* y;                // [Hv*Dv]
+    float* o;                // [Hv*Dv] delta-rule output (before the gated norm)
     const int* pos;          // selects the conv parity
-    float eps;
     int hk, hv, conv_dim, kernel;
 };
 
@@ -46,27 +50,27 @@ __device__ __forceinline__ void shift_conv(const GdnArgs& p, const float* cin, f
 }
 
 extern "C" __global__ void __launch_bounds__(256) gdn_step(GdnArgs p) {
-    __shared__ float q[DK], k[DK], v[DV], part[2][DV], scratch[32];
-    const int h = blockIdx.x, t = threadIdx.x;
+    __shared__ float q[DK], k[DK], v[COLS], part[ROW_GROUPS][COLS], scratch[32];
+    const int h = blockIdx.x, split = blockIdx.y, t = threadIdx.x;
     const int rep = p.hv / p.hk, kh = h / rep, kd = p.hk * DK;
     const int parity = *p.pos & 1;
     const float* cin = parity ? p.conv_out : p.conv_in;
     float* cout = parity ? const_cast<float*>(p.conv_in) : p.conv_out;
+    const int v0 = 2 * kd + h * DV + split * COLS;
 
-    // conv + SiLU for this head's q, k (key head kh) and v channels
+    // conv + SiLU for this head's q, k (key head kh) and this block's v channels
     if (t < DK) {
         q[t] = conv_channel(p, cin, kh * DK + t);
         k[t] = conv_channel(p, cin, kd + kh * DK + t);
-    } else if (t < DK + DV) {
-        int j = t - DK;
-        v[j] = conv_channel(p, cin, 2 * kd + h * DV + j);
+    } else if (t < DK + COLS) {
+        v[t - DK] = conv_channel(p, cin, v0 + (t - DK));
     }
     __syncthreads();
-    if (t < DK && h % rep == 0) {
+    if (t < DK && h % rep == 0 && split == 0) {
         shift_conv(p, cin, cout, kh * DK + t);
         shift_conv(p, cin, cout, kd + kh * DK + t);
-    } else if (t >= DK && t < DK + DV) {
-        shift_conv(p, cin, cout, 2 * kd + h * DV + (t - DK));
+    } else if (t >= DK && t < DK + COLS) {
+        shift_conv(p, cin, cout, v0 + (t - DK));
     }
     // l2 norms (eps inside the sum), q scaled by 1/sqrt(Dk)
     float qq = t < DK ? q[t] * q[t] : 0.f;
@@ -85,34 +89,35 @@ extern "C" __global__ void __launch_bounds__(256) gdn_step(GdnArgs p) {
     const float softplus = xa > 20.f ? xa : log1pf(__expf(xa));
     const float decay = __expf(-__expf(p.a_log[h]) * softplus);
 
-    const int j = t & (DV - 1), half = t >> 7, i0 = half * (DK / 2);
+    const int jl = t & (COLS - 1), rg = t >> 5, i0 = rg * ROWS_PER, j = split * COLS + jl;
     float* S = p.state + (size_t)h * DK * DV;
-    float s[DK / 2];
+    float s[ROWS_PER];
     float m = 0.f;
 #pragma unroll
-    for (int r = 0; r < DK / 2; ++r) {
+    for (int r = 0; r < ROWS_PER; ++r) {
         s[r] = S[(i0 + r) * DV + j] * decay;
         m = fmaf(s[r], k[i0 + r], m);
     }
-    part[half][j] = m;
+    part[rg][jl] = m;
     __syncthreads();
-    const float d = beta * (v[j] - (part[0][j] + part[1][j]));
+    float mem = 0.f;
+#pragma unroll
+    for (int g = 0; g < ROW_GROUPS; ++g) mem += part[g][jl];
+    const float d = beta * (v[jl] - mem);
     __syncthreads();
     float o = 0.f;
 #pragma unroll
-    for (int r = 0; r < DK / 2; ++r) {
+    for (int r = 0; r < ROWS_PER; ++r) {
         s[r] = fmaf(k[i0 + r], d, s[r]);
         o = fmaf(s[r], q[i0 + r], o);
         S[(i0 + r) * DV + j] = s[r];
     }
-    part[half][j] = o;
+    part[rg][jl] = o;
     __syncthreads();
-    // gated RMSNorm over the head's Dv outputs: w · norm(o) · silu(z)
-    const float out = part[0][j] + part[1][j];
-    float sq = half == 0 ? out * out : 0.f;
-    sq = block_sum(sq, scratch);
-    if (half == 0) {
-        float n = out * rsqrtf(sq / DV + p.eps) * p.norm_w[j];
-        p.y[h * DV + j] = n * siluf(p.z[h * DV + j]);
+    if (rg == 0) {
+        float out = 0.f;
+#pragma unroll
+        for (int g = 0; g < ROW_GROUPS; ++g) out += part[g][jl];
+        p.o[h * DV + j] = out;
     }
 }

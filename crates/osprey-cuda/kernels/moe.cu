@@ -3,18 +3,22 @@
 // the shared expert's sigmoid gate folded into the activations, and the residual add fused.
 //
 // Shapes: hidden H (2048), expert intermediate I (512), E experts (256), top-k (8), 4-bit g64.
-// moe_gate_up: 256 threads; each warp computes gate row f and up row f of one slot (k*I warps in
-//   all); each block first redoes the top-k over the E router logits (cheap) and block 0 publishes
-//   ids and weights for moe_down. Reads k*2*I*H/2 bytes (8.4 MB).
-// moe_down: one warp per output row n; the row is 9 segments of I codes (8 experts + shared),
-//   activations h (k*I + I floats, pre-weighted) in shared memory. Reads (k+1)*H*I/2 bytes (4.7 MB).
+// moe_gate_up: 256 threads; each warp computes gate and up rows f, f+1 of one slot, all 16-byte
+//   loads issued before the arithmetic; each block first redoes the top-k over the E router
+//   logits (cheap) and block 0 publishes ids and weights for moe_down. Reads k*2*I*H/2 bytes (8.4 MB).
+// moe_down: one warp per two output rows; a row is 9 segments of I codes (8 experts + shared),
+//   activations h (k*I + I floats, pre-weighted) in shared memory, segment base pointers resolved
+//   once per block. Reads (k+1)*H*I/2 bytes (4.7 MB).
 #include "common.cuh"
 
 #define MAX_K_H 4096
 #define MAX_TOPK 16
+#define MAX_CH 4  // 16-byte chunks per lane of a hidden-size row (H <= 4096)
 #define MAX_E 512
 // routed + shared down activations: (k + 1) * I elements (11 * 512 for Qwen3-Next's top-10)
 #define MAX_KV 6144
+// 16-byte chunks per lane of a down row: (k+1)·I/32 chunks over 32 lanes (144 → 5 for 8+1 × 512)
+#define DOWN_CPL 6
 
 struct TopK {
     int ids[MAX_TOPK];
@@ -105,37 +109,64 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up(GateUpArgs a) {
     if (blockIdx.x == 0 && threadIdx.x == 0) *a.topk_out = tk;
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int total = a.k * a.I, gpr = H / 64, wpr = H / 8;
-    for (int r = blockIdx.x * 8 + warp; r < total; r += gridDim.x * 8) {
+    const int total = a.k * a.I, gpr = H / 64, wpr = H / 8, chunks = H / 32;
+    // a warp owns two intermediate rows f, f+1 of one slot: 4 matrix rows, all loads issued first
+    for (int r = (blockIdx.x * 8 + warp) * 2; r < total; r += gridDim.x * 16) {
         const int slot = r / a.I, f = r % a.I;
         const size_t row = (size_t)tk.ids[slot] * a.I + f;
-        const uint4* gc = reinterpret_cast<const uint4*>(a.gate.codes + row * wpr);
-        const uint4* uc = reinterpret_cast<const uint4*>(a.up.codes + row * wpr);
-        float g = 0.f, u = 0.f;
-        for (int c = lane; c < H / 32; c += 32) {
-            uint4 wg = __ldcs(gc + c), wu = __ldcs(uc + c);
-            int grp = c / 2;
-            float cs = chunk_sum[c];
-            // inline 4-bit chunk dots
-            const float4* xv = reinterpret_cast<const float4*>(xs + pad_idx(c * 32));
-            uint32_t g4[4] = {wg.x, wg.y, wg.z, wg.w}, u4[4] = {wu.x, wu.y, wu.z, wu.w};
-            float dg = 0.f, du = 0.f;
+        uint4 wg[2][MAX_CH], wu[2][MAX_CH];
+        float sg[2][MAX_CH], bg[2][MAX_CH], su[2][MAX_CH], bu[2][MAX_CH];
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                float4 x0 = xv[2 * q], x1 = xv[2 * q + 1];
-                float xx[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+        for (int rr = 0; rr < 2; ++rr) {
 #pragma unroll
-                for (int n = 0; n < 8; ++n) {
-                    dg = fmaf(nib(g4[q], n), xx[n], dg);
-                    du = fmaf(nib(u4[q], n), xx[n], du);
+            for (int j = 0; j < MAX_CH; ++j) {
+                int c = lane + 32 * j;
+                if (c < chunks) {
+                    size_t R = row + rr;
+                    wg[rr][j] = __ldcs(reinterpret_cast<const uint4*>(a.gate.codes + R * wpr) + c);
+                    wu[rr][j] = __ldcs(reinterpret_cast<const uint4*>(a.up.codes + R * wpr) + c);
+                    sg[rr][j] = bf16_to_f32(a.gate.scales[R * gpr + c / 2]);
+                    bg[rr][j] = bf16_to_f32(a.gate.biases[R * gpr + c / 2]);
+                    su[rr][j] = bf16_to_f32(a.up.scales[R * gpr + c / 2]);
+                    bu[rr][j] = bf16_to_f32(a.up.biases[R * gpr + c / 2]);
                 }
             }
-            g = fmaf(bf16_to_f32(a.gate.scales[row * gpr + grp]), dg, fmaf(bf16_to_f32(a.gate.biases[row * gpr + grp]), cs, g));
-            u = fmaf(bf16_to_f32(a.up.scales[row * gpr + grp]), du, fmaf(bf16_to_f32(a.up.biases[row * gpr + grp]), cs, u));
         }
-        g = warp_sum(g);
-        u = warp_sum(u);
-        if (lane == 0) a.h[slot * a.I + f] = siluf(g) * u;
+        float g[2] = {0.f, 0.f}, u[2] = {0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < MAX_CH; ++j) {
+            int c = lane + 32 * j;
+            if (c >= chunks) break;
+            const float4* xv = reinterpret_cast<const float4*>(xs + pad_idx(c * 32));
+            float xx[32];
+#pragma unroll
+            for (int q = 0; q < 8; ++q) {
+                float4 t = xv[q];
+                xx[4 * q] = t.x; xx[4 * q + 1] = t.y; xx[4 * q + 2] = t.z; xx[4 * q + 3] = t.w;
+            }
+            const float cs = chunk_sum[c];
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr) {
+                uint32_t g4[4] = {wg[rr][j].x, wg[rr][j].y, wg[rr][j].z, wg[rr][j].w};
+                uint32_t u4[4] = {wu[rr][j].x, wu[rr][j].y, wu[rr][j].z, wu[rr][j].w};
+                float dg = 0.f, du = 0.f;
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+#pragma unroll
+                    for (int n = 0; n < 8; ++n) {
+                        dg = fmaf(nib(g4[q], n), xx[8 * q + n], dg);
+                        du = fmaf(nib(u4[q], n), xx[8 * q + n], du);
+                    }
+                }
+                g[rr] = fmaf(sg[rr][j], dg, fmaf(bg[rr][j], cs, g[rr]));
+                u[rr] = fmaf(su[rr][j], du, fmaf(bu[rr][j], cs, u[rr]));
+            }
+        }
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            float gg = warp_sum(g[rr]), uu = warp_sum(u[rr]);
+            if (lane == 0) a.h[slot * a.I + f + rr] = siluf(gg) * uu;
+        }
     }
 }
 
@@ -154,14 +185,26 @@ struct DownArgs {
 extern "C" __global__ void __launch_bounds__(256) moe_down(DownArgs a) {
     __shared__ __align__(16) float hs[MAX_KV + MAX_KV / 8];
     __shared__ float chunk_sum[MAX_KV / 32];
-    __shared__ TopK tk;
-    if (threadIdx.x == 0) tk = *a.topk;
-    __syncthreads();
+    __shared__ const uint32_t* seg_codes[MAX_TOPK + 1];
+    __shared__ const __nv_bfloat16* seg_scales[MAX_TOPK + 1];
+    __shared__ const __nv_bfloat16* seg_biases[MAX_TOPK + 1];
+    __shared__ float seg_w[MAX_TOPK];
     const int I = a.I, k = a.k, segs = k + 1, Kv = segs * I;
+    const int gpr = I / 64, wpr = I / 8;
+    if (threadIdx.x < segs) {
+        const int s = threadIdx.x;
+        const size_t row0 = s < k ? (size_t)a.topk->ids[s] * a.H : 0;
+        const ExpertStack st = s < k ? a.down : a.shared_down;
+        seg_codes[s] = st.codes + row0 * wpr;
+        seg_scales[s] = st.scales + row0 * gpr;
+        seg_biases[s] = st.biases + row0 * gpr;
+        if (s < k) seg_w[s] = a.topk->w[s];
+    }
+    __syncthreads();
     const float sg = sigmoidf(a.shared_gate_logit[0]);
     for (int i = threadIdx.x; i < Kv; i += blockDim.x) {
         int s = i / I, j = i % I;
-        float v = s < k ? tk.w[s] * a.h[i] : sg * siluf(a.shared_gate_proj[j]) * a.shared_up_proj[j];
+        float v = s < k ? seg_w[s] * a.h[i] : sg * siluf(a.shared_gate_proj[j]) * a.shared_up_proj[j];
         hs[pad_idx(i)] = v;
     }
     __syncthreads();
@@ -172,28 +215,53 @@ extern "C" __global__ void __launch_bounds__(256) moe_down(DownArgs a) {
     }
     __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int cps = I / 32, gpr = I / 64, wpr = I / 8;
-    for (int n = blockIdx.x * 8 + warp; n < a.H; n += gridDim.x * 8) {
-        float acc = 0.f;
-        for (int c = lane; c < segs * cps; c += 32) {
-            int s = c / cps, cl = c % cps;
-            const ExpertStack& st = s < k ? a.down : a.shared_down;
-            size_t row = s < k ? (size_t)tk.ids[s] * a.H + n : (size_t)n;
-            uint4 w = __ldcs(reinterpret_cast<const uint4*>(st.codes + row * wpr) + cl);
-            const float4* xv = reinterpret_cast<const float4*>(hs + pad_idx(c * 32));
-            uint32_t w4[4] = {w.x, w.y, w.z, w.w};
-            float d = 0.f;
+    const int cps = I / 32, chunks = segs * cps;
+    // a warp owns two output rows; each row is `segs` segments of I codes
+    for (int n = (blockIdx.x * 8 + warp) * 2; n < a.H; n += gridDim.x * 16) {
+        uint4 w[2][DOWN_CPL];
+        float sc[2][DOWN_CPL], bi[2][DOWN_CPL];
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                float4 x0 = xv[2 * q], x1 = xv[2 * q + 1];
-                float xx[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+        for (int j = 0; j < DOWN_CPL; ++j) {
+            int c = lane + 32 * j;
+            if (c < chunks) {
+                int s = c / cps, cl = c % cps;
 #pragma unroll
-                for (int m = 0; m < 8; ++m) d = fmaf(nib(w4[q], m), xx[m], d);
+                for (int rr = 0; rr < 2; ++rr) {
+                    size_t row = (size_t)(n + rr);
+                    w[rr][j] = __ldcs(reinterpret_cast<const uint4*>(seg_codes[s] + row * wpr) + cl);
+                    sc[rr][j] = bf16_to_f32(seg_scales[s][row * gpr + cl / 2]);
+                    bi[rr][j] = bf16_to_f32(seg_biases[s][row * gpr + cl / 2]);
+                }
             }
-            int grp = cl / 2;
-            acc = fmaf(bf16_to_f32(st.scales[row * gpr + grp]), d, fmaf(bf16_to_f32(st.biases[row * gpr + grp]), chunk_sum[c], acc));
         }
-        acc = warp_sum(acc);
-        if (lane == 0) a.x[n] += acc;
+        float acc[2] = {0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < DOWN_CPL; ++j) {
+            int c = lane + 32 * j;
+            if (c >= chunks) break;
+            const float4* xv = reinterpret_cast<const float4*>(hs + pad_idx(c * 32));
+            float xx[32];
+#pragma unroll
+            for (int q = 0; q < 8; ++q) {
+                float4 t = xv[q];
+                xx[4 * q] = t.x; xx[4 * q + 1] = t.y; xx[4 * q + 2] = t.z; xx[4 * q + 3] = t.w;
+            }
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr) {
+                uint32_t w4[4] = {w[rr][j].x, w[rr][j].y, w[rr][j].z, w[rr][j].w};
+                float d = 0.f;
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+#pragma unroll
+                    for (int m = 0; m < 8; ++m) d = fmaf(nib(w4[q], m), xx[8 * q + m], d);
+                }
+                acc[rr] = fmaf(sc[rr][j], d, fmaf(bi[rr][j], chunk_sum[c], acc[rr]));
+            }
+        }
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            float v = warp_sum(acc[rr]);
+            if (lane == 0) a.x[n + rr] += v;
+        }
     }
 }

@@ -24,10 +24,14 @@ pub struct GemvArgs {
     pub seg: [Segment; MAX_SEGS],
     pub x: u64,
     pub norm_weight: u64,
+    pub gate_z: u64,
+    pub head_norm: u64,
     pub eps: f32,
     pub nseg: i32,
     pub k: i32,
     pub group: i32,
+    pub head_dim: i32,
+    pub pad: i32,
 }
 
 #[repr(C)]
@@ -76,7 +80,6 @@ pub struct DownArgs {
 #[derive(Clone, Copy, Default, Debug)]
 pub struct GdnArgs {
     pub qkv: u64,
-    pub z: u64,
     pub b: u64,
     pub a: u64,
     pub conv_w: u64,
@@ -84,11 +87,9 @@ pub struct GdnArgs {
     pub conv_out: u64,
     pub a_log: u64,
     pub dt_bias: u64,
-    pub norm_w: u64,
     pub state: u64,
-    pub y: u64,
+    pub o: u64,
     pub pos: u64,
-    pub eps: f32,
     pub hk: i32,
     pub hv: i32,
     pub conv_dim: i32,
@@ -184,10 +185,10 @@ mod tests {
     fn layouts_match_the_kernel_structs() {
         // sizes computed from the C declarations in kernels/*.cu (x86-64 / CUDA ABI)
         assert_eq!(std::mem::size_of::<Segment>(), 48);
-        assert_eq!(std::mem::size_of::<GemvArgs>(), 4 * 48 + 16 + 16);
+        assert_eq!(std::mem::size_of::<GemvArgs>(), 4 * 48 + 32 + 24);
         assert_eq!(std::mem::size_of::<GateUpArgs>(), 120);
         assert_eq!(std::mem::size_of::<DownArgs>(), 48 + 48 + 12 + 4);
-        assert_eq!(std::mem::size_of::<GdnArgs>(), 13 * 8 + 20 + 4);
+        assert_eq!(std::mem::size_of::<GdnArgs>(), 11 * 8 + 16);
         assert_eq!(std::mem::size_of::<PrepArgs>(), 9 * 8 + 20 + 4);
         assert_eq!(std::mem::size_of::<ArgmaxArgs>(), 7 * 8 + 8);
     }

@@ -229,8 +229,8 @@ impl Uploader<'_> {
         else {
             bail!("{what}: the CUDA backend runs MLX-quantised checkpoints; this tensor is dense");
         };
-        if !m.cols.is_multiple_of(64) || m.cols > 4096 {
-            bail!("{what}: input width {} is not supported by the GEMV kernels (a multiple of 64, at most 4096)", m.cols);
+        if !m.cols.is_multiple_of(64) || m.cols > 4096 || (*bits == 8 && m.cols > 2048) {
+            bail!("{what}: input width {} at {bits} bits is not supported by the GEMV kernels (a multiple of 64, at most 4096 at 4 bits, 2048 at 8)", m.cols);
         }
         let d = Arc::new(DevMatrix {
             codes: self.stream.clone_htod(codes.as_slice())?,
@@ -251,6 +251,20 @@ impl Uploader<'_> {
             rows: l.rows,
         })
     }
+}
+
+/// What the GEMV does to its input before the product.
+#[derive(Clone, Copy)]
+enum Prologue {
+    None,
+    /// RMSNorm over the whole input with this weight.
+    RmsNorm(u64),
+    /// The GDN output norm: per-head RMSNorm with `weight`, times silu(z).
+    GatedHeadNorm {
+        weight: u64,
+        z: u64,
+        head_dim: usize,
+    },
 }
 
 fn launch_cfg(grid: (u32, u32), block: u32) -> LaunchConfig {
@@ -472,22 +486,35 @@ impl CudaDecoder {
         &self,
         segs: &[Segment],
         x: u64,
-        norm: Option<u64>,
+        prologue: Prologue,
         k: usize,
         group: usize,
     ) -> Result<()> {
         let mut a = GemvArgs {
             x,
-            norm_weight: norm.unwrap_or(0),
             eps: self.cfg.rms_norm_eps,
             nseg: segs.len() as i32,
             k: k as i32,
             group: group as i32,
             ..Default::default()
         };
+        match prologue {
+            Prologue::None => {}
+            Prologue::RmsNorm(w) => a.norm_weight = w,
+            Prologue::GatedHeadNorm {
+                weight,
+                z,
+                head_dim,
+            } => {
+                a.head_norm = weight;
+                a.gate_z = z;
+                a.head_dim = head_dim as i32;
+            }
+        }
         a.seg[..segs.len()].copy_from_slice(segs);
-        let rows: usize = segs.iter().map(|s| s.rows as usize).sum();
-        let blocks = rows.div_ceil(8).min(132 * 8) as u32;
+        // rows are handed out 4 at a time, 8 warps per block, 2 blocks per SM resident
+        let units: usize = segs.iter().map(|s| (s.rows as usize).div_ceil(4)).sum();
+        let blocks = units.div_ceil(8).min(132 * 4) as u32;
         unsafe {
             self.stream
                 .launch_builder(&self.f.gemv)
@@ -575,11 +602,16 @@ impl CudaDecoder {
                     ];
                     timed!(
                         "gdn in_proj (norm + qkv|z|b|a)",
-                        self.gemv(&segs, x, Some(self.p(&l.input_norm)), h, qkv.m.group)?
+                        self.gemv(
+                            &segs,
+                            x,
+                            Prologue::RmsNorm(self.p(&l.input_norm)),
+                            h,
+                            qkv.m.group
+                        )?
                     );
                     let ga = GdnArgs {
                         qkv: self.p(&s.qkv),
-                        z: self.p(&s.z),
                         b: self.p(&s.b),
                         a: self.p(&s.a),
                         conv_w: self.p(conv_w),
@@ -587,27 +619,30 @@ impl CudaDecoder {
                         conv_out: self.p(&conv[1]),
                         a_log: self.p(a_log),
                         dt_bias: self.p(dt_bias),
-                        norm_w: self.p(norm),
                         state: self.p(state),
-                        y: self.p(&s.y),
+                        o: self.p(&s.y),
                         pos: self.p(&s.pos),
-                        eps,
                         hk: c.linear_num_key_heads as i32,
                         hv: c.linear_num_value_heads as i32,
                         conv_dim: c.conv_dim() as i32,
                         kernel: c.conv_kernel as i32,
                     };
-                    timed!("gdn step (conv, l2, delta, gated norm)", unsafe {
+                    timed!("gdn step (conv, l2, delta rule)", unsafe {
                         st.launch_builder(&self.f.gdn)
                             .arg(&ga)
-                            .launch(launch_cfg((c.linear_num_value_heads as u32, 1), 256))?
+                            .launch(launch_cfg((c.linear_num_value_heads as u32, 4), 256))?
                     });
+                    let gated = Prologue::GatedHeadNorm {
+                        weight: self.p(norm),
+                        z: self.p(&s.z),
+                        head_dim: c.linear_value_head_dim,
+                    };
                     timed!(
-                        "gdn out_proj + residual",
+                        "gdn gated norm + out_proj + residual",
                         self.gemv(
                             &[out.segment(x, true, st)],
                             self.p(&s.y),
-                            None,
+                            gated,
                             c.linear_value_dim(),
                             out.m.group
                         )?
@@ -630,7 +665,13 @@ impl CudaDecoder {
                     ];
                     timed!(
                         "attn in_proj (norm + q|k|v)",
-                        self.gemv(&segs, x, Some(self.p(&l.input_norm)), h, q.m.group)?
+                        self.gemv(
+                            &segs,
+                            x,
+                            Prologue::RmsNorm(self.p(&l.input_norm)),
+                            h,
+                            q.m.group
+                        )?
                     );
                     let pa = PrepArgs {
                         qg: self.p(&s.qg),
@@ -692,7 +733,7 @@ impl CudaDecoder {
                         self.gemv(
                             &[o.segment(x, true, st)],
                             self.p(&s.o),
-                            None,
+                            Prologue::None,
                             c.num_attention_heads * c.head_dim,
                             o.m.group
                         )?
@@ -709,7 +750,13 @@ impl CudaDecoder {
             ];
             timed!(
                 "moe router + shared gate/up",
-                self.gemv(&segs, x, Some(self.p(&l.post_norm)), h, m.router.m.group)?
+                self.gemv(
+                    &segs,
+                    x,
+                    Prologue::RmsNorm(self.p(&l.post_norm)),
+                    h,
+                    m.router.m.group
+                )?
             );
             let gu = GateUpArgs {
                 gate: m.gate.at(0, st),
@@ -726,7 +773,7 @@ impl CudaDecoder {
                 k: c.num_experts_per_tok as i32,
                 renorm: c.norm_topk_prob as i32,
             };
-            let blocks = (c.num_experts_per_tok * c.moe_intermediate_size).div_ceil(8) as u32;
+            let blocks = (c.num_experts_per_tok * c.moe_intermediate_size).div_ceil(16) as u32;
             timed!("moe top-k + expert gate/up + swiglu", unsafe {
                 st.launch_builder(&self.f.gate_up)
                     .arg(&gu)
@@ -748,7 +795,7 @@ impl CudaDecoder {
             timed!("moe down (8 experts + shared) + residual", unsafe {
                 st.launch_builder(&self.f.down)
                     .arg(&da)
-                    .launch(launch_cfg((h.div_ceil(8) as u32, 1), 256))?
+                    .launch(launch_cfg((h.div_ceil(16) as u32, 1), 256))?
             });
         }
         timed!(
@@ -756,7 +803,7 @@ impl CudaDecoder {
             self.gemv(
                 &[self.lm_head.segment(self.p(&s.logits), false, st)],
                 x,
-                Some(self.p(&self.final_norm)),
+                Prologue::RmsNorm(self.p(&self.final_norm)),
                 h,
                 self.lm_head.m.group
             )?
