@@ -147,8 +147,10 @@ struct CombineArgs {
 extern "C" __global__ void __launch_bounds__(D) attn_combine(CombineArgs a) {
     const int h = blockIdx.x, d = threadIdx.x;
     float M = -INFINITY;
+#pragma unroll 16
     for (int s = 0; s < a.splits; ++s) M = fmaxf(M, a.part_ml[((size_t)h * a.splits + s) * 2]);
     float L = 0.f, o = 0.f;
+#pragma unroll 16
     for (int s = 0; s < a.splits; ++s) {
         size_t b = (size_t)h * a.splits + s;
         float m = a.part_ml[b * 2];

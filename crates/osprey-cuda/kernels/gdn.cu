@@ -38,6 +38,7 @@ struct GdnArgs {
 __device__ __forceinline__ float conv_channel(const GdnArgs& p, const float* cin, int ch) {
     const int K = p.kernel;
     float s = 0.f;
+#pragma unroll 4
     for (int j = 0; j < K - 1; ++j) s = fmaf(p.conv_w[ch * K + j], cin[j * p.conv_dim + ch], s);
     s = fmaf(p.conv_w[ch * K + K - 1], p.qkv[ch], s);
     return siluf(s);

@@ -18,7 +18,7 @@
 
 #define MAX_SEGS 4
 #define MAX_K 4096
-#define ROWS 4
+#define ROWS 2
 #define MAX_CPL 4  // chunks per lane: K=4096 at 4 bits, K=2048 at 8 bits
 
 struct Segment {
@@ -46,41 +46,63 @@ struct GemvArgs {
     int _pad;
 };
 
+// Thread t owns the E consecutive elements [E·t, E·t + E) of the input, E = max(K/256, 4) (so
+// 4, 8 or 16; K/E threads take part): all of its x, weight and gate values are loaded in one batch
+// of 16-byte loads, so the prologue costs one memory round trip instead of one per loop iteration.
+#define MAX_E 16
+
 __device__ __forceinline__ void load_input(const GemvArgs& a, float* xs, float* chunk_sum, float* scratch) {
-    const int K = a.K;
-    float scale = 1.f;
-    if (a.norm_weight) {
-        float ss = 0.f;
-        for (int i = threadIdx.x; i < K; i += blockDim.x) { float v = a.x[i]; ss += v * v; }
-        ss = block_sum(ss, scratch);
-        scale = rsqrtf(ss / K + a.eps);
-    }
-    for (int i = threadIdx.x; i < K; i += blockDim.x) {
-        float v = a.x[i] * scale;
-        if (a.norm_weight) v *= a.norm_weight[i];
-        xs[pad_idx(i)] = v;
-    }
-    __syncthreads();
-    if (a.head_norm) {
-        // one warp per head: rms over head_dim, then w * silu(z)
-        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, hd = a.head_dim;
-        for (int h = warp; h < K / hd; h += blockDim.x >> 5) {
-            float ss = 0.f;
-            for (int j = lane; j < hd; j += 32) { float v = xs[pad_idx(h * hd + j)]; ss += v * v; }
-            ss = warp_sum(ss);
-            float inv = rsqrtf(ss / hd + a.eps);
-            for (int j = lane; j < hd; j += 32) {
-                int i = h * hd + j;
-                xs[pad_idx(i)] = xs[pad_idx(i)] * inv * a.head_norm[j] * siluf(a.gate_z[i]);
+    const int K = a.K, E = max(K / (int)blockDim.x, 4), t = threadIdx.x, base = t * E;
+    const bool active = base < K;
+    float v[MAX_E], w[MAX_E], z[MAX_E], hw[MAX_E];
+#pragma unroll
+    for (int q = 0; q < MAX_E / 4; ++q) {
+        if (active && 4 * q < E) {
+            float4 xv = *reinterpret_cast<const float4*>(a.x + base + 4 * q);
+            v[4 * q] = xv.x; v[4 * q + 1] = xv.y; v[4 * q + 2] = xv.z; v[4 * q + 3] = xv.w;
+            if (a.norm_weight) {
+                float4 wv = *reinterpret_cast<const float4*>(a.norm_weight + base + 4 * q);
+                w[4 * q] = wv.x; w[4 * q + 1] = wv.y; w[4 * q + 2] = wv.z; w[4 * q + 3] = wv.w;
+            }
+            if (a.head_norm) {
+                float4 zv = *reinterpret_cast<const float4*>(a.gate_z + base + 4 * q);
+                z[4 * q] = zv.x; z[4 * q + 1] = zv.y; z[4 * q + 2] = zv.z; z[4 * q + 3] = zv.w;
+                float4 hv = *reinterpret_cast<const float4*>(a.head_norm + (base + 4 * q) % a.head_dim);
+                hw[4 * q] = hv.x; hw[4 * q + 1] = hv.y; hw[4 * q + 2] = hv.z; hw[4 * q + 3] = hv.w;
             }
         }
-        __syncthreads();
     }
-    for (int c = threadIdx.x; c < K / 16; c += blockDim.x) {
-        float s = 0.f;
+    float ss = 0.f;
 #pragma unroll
-        for (int j = 0; j < 16; ++j) s += xs[pad_idx(c * 16 + j)];
-        chunk_sum[c] = s;
+    for (int e = 0; e < MAX_E; ++e) if (active && e < E) ss += v[e] * v[e];
+    if (a.norm_weight) {
+        ss = block_sum(ss, scratch);
+        const float inv = rsqrtf(ss / K + a.eps);
+#pragma unroll
+        for (int e = 0; e < MAX_E; ++e) if (e < E) v[e] *= inv * w[e];
+    } else if (a.head_norm) {
+        // the head_dim/E (<= 32) consecutive threads of one head reduce by shuffles
+        for (int o = 1; o < a.head_dim / E; o <<= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
+        const float inv = rsqrtf(ss / a.head_dim + a.eps);
+#pragma unroll
+        for (int e = 0; e < MAX_E; ++e) if (e < E) v[e] *= inv * hw[e] * siluf(z[e]);
+    }
+    // sums of 16-element chunks: a thread holds E/16 whole chunks, or 16/E threads share one
+    float cs = 0.f;
+#pragma unroll
+    for (int e = 0; e < MAX_E; ++e) {
+        if (active && e < E) {
+            xs[pad_idx(base + e)] = v[e];
+            cs += v[e];
+            if (E >= 16 && (e & 15) == 15) {
+                chunk_sum[(base + e) / 16] = cs;
+                cs = 0.f;
+            }
+        }
+    }
+    if (E < 16) {
+        for (int o = 1; o < 16 / E; o <<= 1) cs += __shfl_xor_sync(FULL_MASK, cs, o);
+        if (active && (t % (16 / E)) == 0) chunk_sum[base / 16] = cs;
     }
     __syncthreads();
 }
@@ -159,7 +181,7 @@ __device__ __forceinline__ void dispatch(const Segment& s, int row0, int n, int 
     else rows_dot<BITS, MAX_CPL>(s, row0, n, K, group, xs, cs, y);  // the host checks cpl <= MAX_CPL
 }
 
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q(GemvArgs a) {
+extern "C" __global__ void __launch_bounds__(256) gemv_q(GemvArgs a) {
     __shared__ __align__(16) float xs[MAX_K + MAX_K / 8];
     __shared__ float chunk_sum[MAX_K / 16];
     __shared__ float scratch[32];

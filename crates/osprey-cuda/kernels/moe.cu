@@ -31,25 +31,29 @@ __device__ void top_k(const float* logits, int E, int k, int renorm, TopK* out) 
     float vals[MAX_E / 32];
     const int per = (E + 31) / 32;
     float mx = -INFINITY;
-    for (int j = 0; j < per; ++j) {
+#pragma unroll
+    for (int j = 0; j < MAX_E / 32; ++j) {
+        if (j >= per) { vals[j] = -INFINITY; continue; }
         int e = lane + 32 * j;
         vals[j] = e < E ? logits[e] : -INFINITY;
         mx = fmaxf(mx, vals[j]);
     }
     mx = warp_max(mx);
     float total = 0.f;
-    for (int j = 0; j < per; ++j) {
+#pragma unroll
+    for (int j = 0; j < MAX_E / 32; ++j) {
         int e = lane + 32 * j;
-        total += e < E ? __expf(vals[j] - mx) : 0.f;
+        total += j < per && e < E ? __expf(vals[j] - mx) : 0.f;
     }
     total = warp_sum(total);
     float chosen = 0.f;
     for (int r = 0; r < k; ++r) {
         float best = -INFINITY;
         int bi = 0x7fffffff;
-        for (int j = 0; j < per; ++j) {
+#pragma unroll
+        for (int j = 0; j < MAX_E / 32; ++j) {
             int e = lane + 32 * j;
-            if (e < E && (vals[j] > best || (vals[j] == best && e < bi))) { best = vals[j]; bi = e; }
+            if (j < per && e < E && (vals[j] > best || (vals[j] == best && e < bi))) { best = vals[j]; bi = e; }
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
@@ -60,7 +64,8 @@ __device__ void top_k(const float* logits, int E, int k, int renorm, TopK* out) 
         float p = __expf(best - mx);
         chosen += p;
         if (lane == 0) { out->ids[r] = bi; out->w[r] = p; }
-        for (int j = 0; j < per; ++j)
+#pragma unroll
+        for (int j = 0; j < MAX_E / 32; ++j)
             if (lane + 32 * j == bi) vals[j] = -INFINITY;
     }
     __syncwarp();
@@ -94,17 +99,36 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up(GateUpArgs a) {
     __shared__ TopK tk;
     const int H = a.H;
     if (threadIdx.x < 32) top_k(a.router_logits, a.E, a.k, a.renorm, &tk);
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < H; i += blockDim.x) { float v = a.x[i]; ss += v * v; }
-    ss = block_sum(ss, scratch);
-    float inv = rsqrtf(ss / H + a.eps);
-    for (int i = threadIdx.x; i < H; i += blockDim.x) xs[pad_idx(i)] = a.x[i] * inv * a.norm_weight[i];
-    __syncthreads();
-    for (int c = threadIdx.x; c < H / 32; c += blockDim.x) {
-        float s = 0.f;
-        for (int j = 0; j < 32; ++j) s += xs[pad_idx(c * 32 + j)];
-        chunk_sum[c] = s;
+    // thread t owns E = max(H/256, 4) consecutive elements, loaded in one batch (see gemv.cu)
+    const int E = max(H / (int)blockDim.x, 4), t = threadIdx.x, base = t * E;
+    const bool active = base < H;
+    float v[16], w[16];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        if (active && 4 * q < E) {
+            float4 xv = *reinterpret_cast<const float4*>(a.x + base + 4 * q);
+            float4 wv = *reinterpret_cast<const float4*>(a.norm_weight + base + 4 * q);
+            v[4 * q] = xv.x; v[4 * q + 1] = xv.y; v[4 * q + 2] = xv.z; v[4 * q + 3] = xv.w;
+            w[4 * q] = wv.x; w[4 * q + 1] = wv.y; w[4 * q + 2] = wv.z; w[4 * q + 3] = wv.w;
+        }
     }
+    float ss = 0.f;
+#pragma unroll
+    for (int e = 0; e < 16; ++e) if (active && e < E) ss += v[e] * v[e];
+    ss = block_sum(ss, scratch);
+    const float inv = rsqrtf(ss / H + a.eps);
+    float cs = 0.f;
+#pragma unroll
+    for (int e = 0; e < 16; ++e) {
+        if (active && e < E) {
+            float y = v[e] * inv * w[e];
+            xs[pad_idx(base + e)] = y;
+            cs += y;
+        }
+    }
+    // 32-element chunks: 32/E threads share one
+    for (int o = 1; o < 32 / E; o <<= 1) cs += __shfl_xor_sync(FULL_MASK, cs, o);
+    if (active && (t % (32 / E)) == 0) chunk_sum[base / 32] = cs;
     __syncthreads();
     if (blockIdx.x == 0 && threadIdx.x == 0) *a.topk_out = tk;
 
@@ -202,6 +226,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_down(DownArgs a) {
     }
     __syncthreads();
     const float sg = sigmoidf(a.shared_gate_logit[0]);
+#pragma unroll 8
     for (int i = threadIdx.x; i < Kv; i += blockDim.x) {
         int s = i / I, j = i % I;
         float v = s < k ? seg_w[s] * a.h[i] : sg * siluf(a.shared_gate_proj[j]) * a.shared_up_proj[j];
