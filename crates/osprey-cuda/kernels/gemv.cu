@@ -152,18 +152,20 @@ __device__ __forceinline__ void rows_dot(const Segment& s, int row0, int n, int 
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
             uint32_t ws[4] = {w[r][j].x, w[r][j].y, w[r][j].z, w[r][j].w};
-            float d = 0.f;
+            // 8 independent partial sums: short FMA dependency chains
+            float d[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
                 if (BITS == 4) {
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) d = fmaf(nib(ws[k], e), x[8 * k + e], d);
+                    for (int e = 0; e < 8; ++e) d[e] = fmaf(nib(ws[k], e), x[8 * k + e], d[e]);
                 } else {
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) d = fmaf(byte_code(ws[k], e), x[4 * k + e], d);
+                    for (int e = 0; e < 4; ++e) d[(k & 1) * 4 + e] = fmaf(byte_code(ws[k], e), x[4 * k + e], d[(k & 1) * 4 + e]);
                 }
             }
-            acc[r] = fmaf(sc[r][j], d, fmaf(bi[r][j], xsum, acc[r]));
+            const float dot = ((d[0] + d[1]) + (d[2] + d[3])) + ((d[4] + d[5]) + (d[6] + d[7]));
+            acc[r] = fmaf(sc[r][j], dot, fmaf(bi[r][j], xsum, acc[r]));
         }
     }
 #pragma unroll

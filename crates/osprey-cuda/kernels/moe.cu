@@ -96,9 +96,12 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up(GateUpArgs a) {
     __shared__ __align__(16) float xs[MAX_K_H + MAX_K_H / 8];
     __shared__ float chunk_sum[MAX_K_H / 32];
     __shared__ float scratch[32];
-    __shared__ TopK tk;
+    __shared__ TopK tks[8];
     const int H = a.H;
-    if (threadIdx.x < 32) top_k(a.router_logits, a.E, a.k, a.renorm, &tk);
+    // every warp selects the experts itself (cheap, and no warp waits for another)
+    TopK& tk = tks[threadIdx.x >> 5];
+    top_k(a.router_logits, a.E, a.k, a.renorm, &tk);
+    __syncwarp();
     // thread t owns E = max(H/256, 4) consecutive elements, loaded in one batch (see gemv.cu)
     const int E = max(H / (int)blockDim.x, 4), t = threadIdx.x, base = t * E;
     const bool active = base < H;
@@ -173,15 +176,17 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up(GateUpArgs a) {
             for (int rr = 0; rr < 2; ++rr) {
                 uint32_t g4[4] = {wg[rr][j].x, wg[rr][j].y, wg[rr][j].z, wg[rr][j].w};
                 uint32_t u4[4] = {wu[rr][j].x, wu[rr][j].y, wu[rr][j].z, wu[rr][j].w};
-                float dg = 0.f, du = 0.f;
+                float pg[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, pu[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
                 for (int q = 0; q < 4; ++q) {
 #pragma unroll
                     for (int n = 0; n < 8; ++n) {
-                        dg = fmaf(nib(g4[q], n), xx[8 * q + n], dg);
-                        du = fmaf(nib(u4[q], n), xx[8 * q + n], du);
+                        pg[n] = fmaf(nib(g4[q], n), xx[8 * q + n], pg[n]);
+                        pu[n] = fmaf(nib(u4[q], n), xx[8 * q + n], pu[n]);
                     }
                 }
+                const float dg = ((pg[0] + pg[1]) + (pg[2] + pg[3])) + ((pg[4] + pg[5]) + (pg[6] + pg[7]));
+                const float du = ((pu[0] + pu[1]) + (pu[2] + pu[3])) + ((pu[4] + pu[5]) + (pu[6] + pu[7]));
                 g[rr] = fmaf(sg[rr][j], dg, fmaf(bg[rr][j], cs, g[rr]));
                 u[rr] = fmaf(su[rr][j], du, fmaf(bu[rr][j], cs, u[rr]));
             }
@@ -274,12 +279,13 @@ extern "C" __global__ void __launch_bounds__(256) moe_down(DownArgs a) {
 #pragma unroll
             for (int rr = 0; rr < 2; ++rr) {
                 uint32_t w4[4] = {w[rr][j].x, w[rr][j].y, w[rr][j].z, w[rr][j].w};
-                float d = 0.f;
+                float pd[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
                 for (int q = 0; q < 4; ++q) {
 #pragma unroll
-                    for (int m = 0; m < 8; ++m) d = fmaf(nib(w4[q], m), xx[8 * q + m], d);
+                    for (int m = 0; m < 8; ++m) pd[m] = fmaf(nib(w4[q], m), xx[8 * q + m], pd[m]);
                 }
+                const float d = ((pd[0] + pd[1]) + (pd[2] + pd[3])) + ((pd[4] + pd[5]) + (pd[6] + pd[7]));
                 acc[rr] = fmaf(sc[rr][j], d, fmaf(bi[rr][j], chunk_sum[c], acc[rr]));
             }
         }
