@@ -3,11 +3,8 @@
 // mixed (the router and shared-expert gate are 8-bit).
 //
 // Shapes: K (input width) a multiple of 64 up to 4096, group 32/64/128.
-// Geometry: 256 threads = 8 warps; a warp owns ROWS consecutive rows at a time (grid-stride over
-// row units); lane l reads 16-byte chunks l, l+32, ... of each row, so a warp reads whole 512-byte
-// spans. All codes, scales and biases of the unit are loaded before any arithmetic (ROWS x chunks
-// 16-byte loads in flight per lane), and each x chunk is read from shared memory once and reused
-// for the ROWS rows.
+// Geometry: 256 threads = 8 warps; a warp owns one row at a time (grid-stride); lane l reads
+// 16-byte chunks l, l+32, ... of the row, so a warp reads whole 512-byte spans.
 // Prologue: x is loaded once per block into padded shared memory and, optionally, RMS-normalised
 // with a weight (the layer's pre-norm), or per-head RMS-normalised and gated by silu(z) (the GDN
 // output norm), fused here instead of separate kernels; sums of x per 16 elements are precomputed
@@ -18,8 +15,6 @@
 
 #define MAX_SEGS 4
 #define MAX_K 4096
-#define ROWS 2
-#define MAX_CPL 4  // chunks per lane: K=4096 at 4 bits, K=2048 at 8 bits
 
 struct Segment {
     const uint32_t* codes;
@@ -107,80 +102,60 @@ __device__ __forceinline__ void load_input(const GemvArgs& a, float* xs, float* 
     __syncthreads();
 }
 
-// ROWS rows [row0, row0 + n) of segment s (all of one bit width), K columns.
-template <int BITS, int CPL>
-__device__ __forceinline__ void rows_dot(const Segment& s, int row0, int n, int K, int group, const float* xs,
-                                         const float* chunk_sum, float* y) {
-    const int lane = threadIdx.x & 31;
-    constexpr int EPC = BITS == 4 ? 32 : 16;  // elements per 16-byte chunk
-    const int chunks = K / EPC, gpr = K / group, wpr = K * BITS / 32;
-    uint4 w[ROWS][CPL];
-    float sc[ROWS][CPL], bi[ROWS][CPL];
+// dot of one 16-byte chunk (c) of a 4-bit row with x, eight independent partial sums
+__device__ __forceinline__ float chunk_dot4(uint4 w, const float* xs, int c) {
+    const float4* xv = reinterpret_cast<const float4*>(xs + pad_idx(c * 32));
+    uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+    float d[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-        for (int j = 0; j < CPL; ++j) {
-            int c = lane + 32 * j;
-            if (r < n && c < chunks) {
-                size_t row = (size_t)(row0 + r);
-                w[r][j] = __ldcs(reinterpret_cast<const uint4*>(s.codes + row * wpr) + c);
-                int g = (c * EPC) / group;
-                sc[r][j] = bf16_to_f32(s.scales[row * gpr + g]);
-                bi[r][j] = bf16_to_f32(s.biases[row * gpr + g]);
-            } else {
-                w[r][j] = make_uint4(0, 0, 0, 0);
-                sc[r][j] = 0.f;
-                bi[r][j] = 0.f;
-            }
-        }
+    for (int k = 0; k < 4; ++k) {
+        float4 x0 = xv[2 * k], x1 = xv[2 * k + 1];
+        d[0] = fmaf(nib(ws[k], 0), x0.x, d[0]);
+        d[1] = fmaf(nib(ws[k], 1), x0.y, d[1]);
+        d[2] = fmaf(nib(ws[k], 2), x0.z, d[2]);
+        d[3] = fmaf(nib(ws[k], 3), x0.w, d[3]);
+        d[4] = fmaf(nib(ws[k], 4), x1.x, d[4]);
+        d[5] = fmaf(nib(ws[k], 5), x1.y, d[5]);
+        d[6] = fmaf(nib(ws[k], 6), x1.z, d[6]);
+        d[7] = fmaf(nib(ws[k], 7), x1.w, d[7]);
     }
-    float acc[ROWS];
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
-#pragma unroll
-    for (int j = 0; j < CPL; ++j) {
-        int c = lane + 32 * j;
-        if (c >= chunks) break;
-        float x[EPC];
-        const float4* xv = reinterpret_cast<const float4*>(xs + pad_idx(c * EPC));
-#pragma unroll
-        for (int q = 0; q < EPC / 4; ++q) {
-            float4 t = xv[q];
-            x[4 * q] = t.x; x[4 * q + 1] = t.y; x[4 * q + 2] = t.z; x[4 * q + 3] = t.w;
-        }
-        float xsum = BITS == 4 ? chunk_sum[2 * c] + chunk_sum[2 * c + 1] : chunk_sum[c];
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            uint32_t ws[4] = {w[r][j].x, w[r][j].y, w[r][j].z, w[r][j].w};
-            // 8 independent partial sums: short FMA dependency chains
-            float d[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                if (BITS == 4) {
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) d[e] = fmaf(nib(ws[k], e), x[8 * k + e], d[e]);
-                } else {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) d[(k & 1) * 4 + e] = fmaf(byte_code(ws[k], e), x[4 * k + e], d[(k & 1) * 4 + e]);
-                }
-            }
-            const float dot = ((d[0] + d[1]) + (d[2] + d[3])) + ((d[4] + d[5]) + (d[6] + d[7]));
-            acc[r] = fmaf(sc[r][j], dot, fmaf(bi[r][j], xsum, acc[r]));
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) y[r] = warp_sum(acc[r]);
+    return ((d[0] + d[1]) + (d[2] + d[3])) + ((d[4] + d[5]) + (d[6] + d[7]));
 }
 
-template <int BITS>
-__device__ __forceinline__ void dispatch(const Segment& s, int row0, int n, int K, int group, const float* xs,
-                                         const float* cs, float* y) {
-    constexpr int EPC = BITS == 4 ? 32 : 16;
-    const int cpl = (K / EPC + 31) / 32;
-    if (cpl <= 1) rows_dot<BITS, 1>(s, row0, n, K, group, xs, cs, y);
-    else if (cpl <= 2) rows_dot<BITS, 2>(s, row0, n, K, group, xs, cs, y);
-    else if (cpl <= 4) rows_dot<BITS, 4>(s, row0, n, K, group, xs, cs, y);
-    else rows_dot<BITS, MAX_CPL>(s, row0, n, K, group, xs, cs, y);  // the host checks cpl <= MAX_CPL
+__device__ __forceinline__ float chunk_dot8(uint4 w, const float* xs, int c) {
+    const float4* xv = reinterpret_cast<const float4*>(xs + pad_idx(c * 16));
+    uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        float4 x0 = xv[k];
+        d[0] = fmaf(byte_code(ws[k], 0), x0.x, d[0]);
+        d[1] = fmaf(byte_code(ws[k], 1), x0.y, d[1]);
+        d[2] = fmaf(byte_code(ws[k], 2), x0.z, d[2]);
+        d[3] = fmaf(byte_code(ws[k], 3), x0.w, d[3]);
+    }
+    return (d[0] + d[1]) + (d[2] + d[3]);
+}
+
+// One row's dot product by one warp: compact code (the kernels are short, so instruction-cache
+// misses of heavily unrolled variants cost more than the extra memory parallelism gains).
+__device__ __forceinline__ float row_dot(const Segment& s, int row, int K, int group, const float* xs, const float* chunk_sum) {
+    const int lane = threadIdx.x & 31;
+    const int epc = s.bits == 4 ? 32 : 16;
+    const int chunks = K / epc, gpr = K / group;
+    const uint4* codes = reinterpret_cast<const uint4*>(s.codes + (size_t)row * (K * s.bits / 32));
+    float acc = 0.f;
+    for (int c = lane; c < chunks; c += 32) {
+        uint4 w = __ldcs(codes + c);
+        int g = (c * epc) / group;
+        float sc = bf16_to_f32(s.scales[(size_t)row * gpr + g]);
+        float bi = bf16_to_f32(s.biases[(size_t)row * gpr + g]);
+        float d, xsum;
+        if (s.bits == 4) { d = chunk_dot4(w, xs, c); xsum = chunk_sum[2 * c] + chunk_sum[2 * c + 1]; }
+        else { d = chunk_dot8(w, xs, c); xsum = chunk_sum[c]; }
+        acc = fmaf(sc, d, fmaf(bi, xsum, acc));
+    }
+    return warp_sum(acc);
 }
 
 extern "C" __global__ void __launch_bounds__(256) gemv_q(GemvArgs a) {
@@ -189,22 +164,16 @@ extern "C" __global__ void __launch_bounds__(256) gemv_q(GemvArgs a) {
     __shared__ float scratch[32];
     load_input(a, xs, chunk_sum, scratch);
 
-    int units = 0;
-    for (int i = 0; i < a.nseg; ++i) units += (a.seg[i].rows + ROWS - 1) / ROWS;
+    int total = 0;
+    for (int i = 0; i < a.nseg; ++i) total += a.seg[i].rows;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int u = blockIdx.x * 8 + warp; u < units; u += gridDim.x * 8) {
-        int si = 0, local = u;
-        while (local >= (a.seg[si].rows + ROWS - 1) / ROWS) { local -= (a.seg[si].rows + ROWS - 1) / ROWS; ++si; }
+    for (int r = blockIdx.x * 8 + warp; r < total; r += gridDim.x * 8) {
+        int si = 0, local = r;
+        while (local >= a.seg[si].rows) { local -= a.seg[si].rows; ++si; }
         const Segment& s = a.seg[si];
-        const int row0 = local * ROWS, n = min(ROWS, s.rows - row0);
-        float y[ROWS];
-        if (s.bits == 4) dispatch<4>(s, row0, n, a.K, a.group, xs, chunk_sum, y);
-        else dispatch<8>(s, row0, n, a.K, a.group, xs, chunk_sum, y);
-        if (lane < n) {
-            float v = y[0];
-#pragma unroll
-            for (int r = 1; r < ROWS; ++r) if (lane == r) v = y[r];
-            if (s.accumulate) s.out[row0 + lane] += v; else s.out[row0 + lane] = v;
+        float y = row_dot(s, local, a.K, a.group, xs, chunk_sum);
+        if (lane == 0) {
+            if (s.accumulate) s.out[local] += y; else s.out[local] = y;
         }
     }
 }

@@ -512,9 +512,9 @@ impl CudaDecoder {
             }
         }
         a.seg[..segs.len()].copy_from_slice(segs);
-        // rows are handed out 4 at a time, 8 warps per block, 2 blocks per SM resident
-        let units: usize = segs.iter().map(|s| (s.rows as usize).div_ceil(4)).sum();
-        let blocks = units.div_ceil(8).min(132 * 4) as u32;
+        // one row per warp, 8 warps per block, at most 8 blocks per SM worth of grid
+        let rows: usize = segs.iter().map(|s| s.rows as usize).sum();
+        let blocks = rows.div_ceil(8).min(132 * 8) as u32;
         unsafe {
             self.stream
                 .launch_builder(&self.f.gemv)
