@@ -3,22 +3,21 @@
 // the shared expert's sigmoid gate folded into the activations, and the residual add fused.
 //
 // Shapes: hidden H (2048), expert intermediate I (512), E experts (256), top-k (8), 4-bit g64.
-// moe_gate_up: 256 threads; each warp computes gate and up rows f, f+1 of one slot, all 16-byte
-//   loads issued before the arithmetic; each block first redoes the top-k over the E router
-//   logits (cheap) and block 0 publishes ids and weights for moe_down. Reads k*2*I*H/2 bytes (8.4 MB).
-// moe_down: one warp per two output rows; a row is 9 segments of I codes (8 experts + shared),
+// moe_gate_up: 256 threads; each warp computes the gate and up rows f of one slot; every warp
+//   first redoes the top-k over the E router logits itself (cheap, no barrier), and block 0
+//   publishes ids and weights for moe_down. Reads k*2*I*H/2 bytes (8.4 MB).
+// moe_down: one warp per output row; a row is 9 segments of I codes (8 experts + shared),
 //   activations h (k*I + I floats, pre-weighted) in shared memory, segment base pointers resolved
 //   once per block. Reads (k+1)*H*I/2 bytes (4.7 MB).
+// Loops over 16-byte chunks stay rolled: these kernels are short, and heavily unrolled variants
+// measured slower (instruction-cache misses and lower occupancy).
 #include "common.cuh"
 
 #define MAX_K_H 4096
 #define MAX_TOPK 16
-#define MAX_CH 4  // 16-byte chunks per lane of a hidden-size row (H <= 4096)
 #define MAX_E 512
 // routed + shared down activations: (k + 1) * I elements (11 * 512 for Qwen3-Next's top-10)
 #define MAX_KV 6144
-// 16-byte chunks per lane of a down row: (k+1)·I/32 chunks over 32 lanes (144 → 5 for 8+1 × 512)
-#define DOWN_CPL 6
 
 struct TopK {
     int ids[MAX_TOPK];
@@ -137,65 +136,40 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up(GateUpArgs a) {
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int total = a.k * a.I, gpr = H / 64, wpr = H / 8, chunks = H / 32;
-    // a warp owns two intermediate rows f, f+1 of one slot: 4 matrix rows, all loads issued first
-    for (int r = (blockIdx.x * 8 + warp) * 2; r < total; r += gridDim.x * 16) {
+    // a warp owns intermediate row f of one slot (its gate and up rows); compact loop over chunks
+    for (int r = blockIdx.x * 8 + warp; r < total; r += gridDim.x * 8) {
         const int slot = r / a.I, f = r % a.I;
         const size_t row = (size_t)tk.ids[slot] * a.I + f;
-        uint4 wg[2][MAX_CH], wu[2][MAX_CH];
-        float sg[2][MAX_CH], bg[2][MAX_CH], su[2][MAX_CH], bu[2][MAX_CH];
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-#pragma unroll
-            for (int j = 0; j < MAX_CH; ++j) {
-                int c = lane + 32 * j;
-                if (c < chunks) {
-                    size_t R = row + rr;
-                    wg[rr][j] = __ldcs(reinterpret_cast<const uint4*>(a.gate.codes + R * wpr) + c);
-                    wu[rr][j] = __ldcs(reinterpret_cast<const uint4*>(a.up.codes + R * wpr) + c);
-                    sg[rr][j] = bf16_to_f32(a.gate.scales[R * gpr + c / 2]);
-                    bg[rr][j] = bf16_to_f32(a.gate.biases[R * gpr + c / 2]);
-                    su[rr][j] = bf16_to_f32(a.up.scales[R * gpr + c / 2]);
-                    bu[rr][j] = bf16_to_f32(a.up.biases[R * gpr + c / 2]);
-                }
-            }
-        }
-        float g[2] = {0.f, 0.f}, u[2] = {0.f, 0.f};
-#pragma unroll
-        for (int j = 0; j < MAX_CH; ++j) {
-            int c = lane + 32 * j;
-            if (c >= chunks) break;
+        const uint4* gc = reinterpret_cast<const uint4*>(a.gate.codes + row * wpr);
+        const uint4* uc = reinterpret_cast<const uint4*>(a.up.codes + row * wpr);
+        float g = 0.f, u = 0.f;
+        for (int c = lane; c < chunks; c += 32) {
+            uint4 wg = __ldcs(gc + c), wu = __ldcs(uc + c);
+            const int grp = c / 2;
+            const float sgl = bf16_to_f32(a.gate.scales[row * gpr + grp]), bgl = bf16_to_f32(a.gate.biases[row * gpr + grp]);
+            const float sul = bf16_to_f32(a.up.scales[row * gpr + grp]), bul = bf16_to_f32(a.up.biases[row * gpr + grp]);
             const float4* xv = reinterpret_cast<const float4*>(xs + pad_idx(c * 32));
-            float xx[32];
+            uint32_t g4[4] = {wg.x, wg.y, wg.z, wg.w}, u4[4] = {wu.x, wu.y, wu.z, wu.w};
+            float pg[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, pu[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-            for (int q = 0; q < 8; ++q) {
-                float4 t = xv[q];
-                xx[4 * q] = t.x; xx[4 * q + 1] = t.y; xx[4 * q + 2] = t.z; xx[4 * q + 3] = t.w;
-            }
-            const float cs = chunk_sum[c];
+            for (int q = 0; q < 4; ++q) {
+                float4 x0 = xv[2 * q], x1 = xv[2 * q + 1];
+                float xx[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
 #pragma unroll
-            for (int rr = 0; rr < 2; ++rr) {
-                uint32_t g4[4] = {wg[rr][j].x, wg[rr][j].y, wg[rr][j].z, wg[rr][j].w};
-                uint32_t u4[4] = {wu[rr][j].x, wu[rr][j].y, wu[rr][j].z, wu[rr][j].w};
-                float pg[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, pu[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                for (int q = 0; q < 4; ++q) {
-#pragma unroll
-                    for (int n = 0; n < 8; ++n) {
-                        pg[n] = fmaf(nib(g4[q], n), xx[8 * q + n], pg[n]);
-                        pu[n] = fmaf(nib(u4[q], n), xx[8 * q + n], pu[n]);
-                    }
+                for (int n = 0; n < 8; ++n) {
+                    pg[n] = fmaf(nib(g4[q], n), xx[n], pg[n]);
+                    pu[n] = fmaf(nib(u4[q], n), xx[n], pu[n]);
                 }
-                const float dg = ((pg[0] + pg[1]) + (pg[2] + pg[3])) + ((pg[4] + pg[5]) + (pg[6] + pg[7]));
-                const float du = ((pu[0] + pu[1]) + (pu[2] + pu[3])) + ((pu[4] + pu[5]) + (pu[6] + pu[7]));
-                g[rr] = fmaf(sg[rr][j], dg, fmaf(bg[rr][j], cs, g[rr]));
-                u[rr] = fmaf(su[rr][j], du, fmaf(bu[rr][j], cs, u[rr]));
             }
+            const float dg = ((pg[0] + pg[1]) + (pg[2] + pg[3])) + ((pg[4] + pg[5]) + (pg[6] + pg[7]));
+            const float du = ((pu[0] + pu[1]) + (pu[2] + pu[3])) + ((pu[4] + pu[5]) + (pu[6] + pu[7]));
+            const float cs = chunk_sum[c];
+            g = fmaf(sgl, dg, fmaf(bgl, cs, g));
+            u = fmaf(sul, du, fmaf(bul, cs, u));
         }
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-            float gg = warp_sum(g[rr]), uu = warp_sum(u[rr]);
-            if (lane == 0) a.h[slot * a.I + f + rr] = siluf(gg) * uu;
-        }
+        g = warp_sum(g);
+        u = warp_sum(u);
+        if (lane == 0) a.h[slot * a.I + f] = siluf(g) * u;
     }
 }
 
@@ -246,53 +220,29 @@ extern "C" __global__ void __launch_bounds__(256) moe_down(DownArgs a) {
     __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int cps = I / 32, chunks = segs * cps;
-    // a warp owns two output rows; each row is `segs` segments of I codes
-    for (int n = (blockIdx.x * 8 + warp) * 2; n < a.H; n += gridDim.x * 16) {
-        uint4 w[2][DOWN_CPL];
-        float sc[2][DOWN_CPL], bi[2][DOWN_CPL];
-#pragma unroll
-        for (int j = 0; j < DOWN_CPL; ++j) {
-            int c = lane + 32 * j;
-            if (c < chunks) {
-                int s = c / cps, cl = c % cps;
-#pragma unroll
-                for (int rr = 0; rr < 2; ++rr) {
-                    size_t row = (size_t)(n + rr);
-                    w[rr][j] = __ldcs(reinterpret_cast<const uint4*>(seg_codes[s] + row * wpr) + cl);
-                    sc[rr][j] = bf16_to_f32(seg_scales[s][row * gpr + cl / 2]);
-                    bi[rr][j] = bf16_to_f32(seg_biases[s][row * gpr + cl / 2]);
-                }
-            }
-        }
-        float acc[2] = {0.f, 0.f};
-#pragma unroll
-        for (int j = 0; j < DOWN_CPL; ++j) {
-            int c = lane + 32 * j;
-            if (c >= chunks) break;
+    // a warp owns one output row: `segs` segments of I codes, compact loop over chunks
+    for (int n = blockIdx.x * 8 + warp; n < a.H; n += gridDim.x * 8) {
+        float acc = 0.f;
+        for (int c = lane; c < chunks; c += 32) {
+            const int s = c / cps, cl = c % cps;
+            const size_t row = (size_t)n;
+            uint4 w = __ldcs(reinterpret_cast<const uint4*>(seg_codes[s] + row * wpr) + cl);
+            const float sc = bf16_to_f32(seg_scales[s][row * gpr + cl / 2]);
+            const float bi = bf16_to_f32(seg_biases[s][row * gpr + cl / 2]);
             const float4* xv = reinterpret_cast<const float4*>(hs + pad_idx(c * 32));
-            float xx[32];
+            uint32_t w4[4] = {w.x, w.y, w.z, w.w};
+            float pd[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-            for (int q = 0; q < 8; ++q) {
-                float4 t = xv[q];
-                xx[4 * q] = t.x; xx[4 * q + 1] = t.y; xx[4 * q + 2] = t.z; xx[4 * q + 3] = t.w;
+            for (int q = 0; q < 4; ++q) {
+                float4 x0 = xv[2 * q], x1 = xv[2 * q + 1];
+                float xx[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+                for (int m = 0; m < 8; ++m) pd[m] = fmaf(nib(w4[q], m), xx[m], pd[m]);
             }
-#pragma unroll
-            for (int rr = 0; rr < 2; ++rr) {
-                uint32_t w4[4] = {w[rr][j].x, w[rr][j].y, w[rr][j].z, w[rr][j].w};
-                float pd[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                for (int q = 0; q < 4; ++q) {
-#pragma unroll
-                    for (int m = 0; m < 8; ++m) pd[m] = fmaf(nib(w4[q], m), xx[8 * q + m], pd[m]);
-                }
-                const float d = ((pd[0] + pd[1]) + (pd[2] + pd[3])) + ((pd[4] + pd[5]) + (pd[6] + pd[7]));
-                acc[rr] = fmaf(sc[rr][j], d, fmaf(bi[rr][j], chunk_sum[c], acc[rr]));
-            }
+            const float d = ((pd[0] + pd[1]) + (pd[2] + pd[3])) + ((pd[4] + pd[5]) + (pd[6] + pd[7]));
+            acc = fmaf(sc, d, fmaf(bi, chunk_sum[c], acc));
         }
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-            float v = warp_sum(acc[rr]);
-            if (lane == 0) a.x[n + rr] += v;
-        }
+        acc = warp_sum(acc);
+        if (lane == 0) a.x[n] += acc;
     }
 }

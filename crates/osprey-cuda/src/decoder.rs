@@ -773,7 +773,7 @@ impl CudaDecoder {
                 k: c.num_experts_per_tok as i32,
                 renorm: c.norm_topk_prob as i32,
             };
-            let blocks = (c.num_experts_per_tok * c.moe_intermediate_size).div_ceil(16) as u32;
+            let blocks = (c.num_experts_per_tok * c.moe_intermediate_size).div_ceil(8) as u32;
             timed!("moe top-k + expert gate/up + swiglu", unsafe {
                 st.launch_builder(&self.f.gate_up)
                     .arg(&gu)
@@ -795,7 +795,7 @@ impl CudaDecoder {
             timed!("moe down (8 experts + shared) + residual", unsafe {
                 st.launch_builder(&self.f.down)
                     .arg(&da)
-                    .launch(launch_cfg((h.div_ceil(16) as u32, 1), 256))?
+                    .launch(launch_cfg((h.div_ceil(8) as u32, 1), 256))?
             });
         }
         timed!(
