@@ -219,3 +219,47 @@ fn bad_input_gives_clear_errors() {
     let err = fails(&["bench", "prefill", "--model", ms, "--prompt", "12x"]);
     assert!(err.contains("12x"), "{err}");
 }
+
+#[test]
+fn terminal_chat_holds_a_conversation() {
+    use std::io::Write;
+    use std::process::Stdio;
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tmp.path().join("m");
+    synth(&m);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_osprey"))
+        .args([
+            "chat",
+            "--model",
+            m.to_str().unwrap(),
+            "--max-tokens",
+            "4",
+            "--temperature",
+            "0",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"Hi\n/think off\nAnd again?\n/reset\n/quit\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stdout.contains("(thinking off)") && stdout.contains("(conversation cleared)"),
+        "{stdout}"
+    );
+    // two replies, each reporting its speed
+    assert_eq!(stderr.matches("tok/s]").count(), 2, "{stderr}");
+    // the reasoning of the first (thinking) turn is shown dimmed
+    assert!(stdout.contains("\x1b[2m"), "{stdout}");
+}

@@ -622,3 +622,33 @@ async fn logprobs_and_completions_endpoint() {
         .await;
     assert_eq!(st, 400);
 }
+
+#[tokio::test]
+async fn slow_request_times_out_with_504() {
+    let cfg = ServerConfig {
+        request_timeout: Duration::from_millis(300),
+        ..config()
+    };
+    let s = Server::scripted(
+        "a b c d e f g h i j k l m n o p q r s t",
+        Duration::from_millis(50),
+        cfg,
+    )
+    .await;
+    let (st, r) = s
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": user("x"), "max_tokens": 1000}),
+        )
+        .await;
+    assert_eq!(st, 504, "{r}");
+    assert_eq!(r["error"]["code"], "timeout");
+    // the engine moves on
+    let (st, _) = s
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": user("y"), "max_tokens": 1}),
+        )
+        .await;
+    assert_eq!(st, 200);
+}
