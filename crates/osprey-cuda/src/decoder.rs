@@ -192,6 +192,8 @@ pub struct CudaDecoder {
     /// Vocabulary ids the argmax may choose (tokenizer size; higher rows are padding).
     valid_vocab: usize,
     memory: Vec<(&'static str, usize)>,
+    /// Multiprocessors of the device (sizes persistent-style grids).
+    sms: usize,
 }
 
 fn upload_f32(stream: &Arc<CudaStream>, v: &[f32]) -> Result<CudaSlice<f32>> {
@@ -446,6 +448,9 @@ impl CudaDecoder {
                 + c.vocab_size
                 + max_context);
         stream.synchronize()?;
+        let sms = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
+            as usize;
         let memory = vec![
             ("weights", weight_bytes),
             ("kv cache (bf16)", kv_bytes),
@@ -466,6 +471,7 @@ impl CudaDecoder {
             max_context,
             valid_vocab: valid_vocab.min(w.config.vocab_size),
             memory,
+            sms,
         })
     }
 
@@ -512,9 +518,10 @@ impl CudaDecoder {
             }
         }
         a.seg[..segs.len()].copy_from_slice(segs);
-        // one row per warp, 8 warps per block, at most 8 blocks per SM worth of grid
+        // 8 warps per block; the grid is what stays resident (3 blocks per SM at the kernel's
+        // register budget), so the prologue runs once per block and warps stream their rows
         let rows: usize = segs.iter().map(|s| s.rows as usize).sum();
-        let blocks = rows.div_ceil(8).min(132 * 8) as u32;
+        let blocks = rows.div_ceil(8).min(self.sms * 3) as u32;
         unsafe {
             self.stream
                 .launch_builder(&self.f.gemv)
