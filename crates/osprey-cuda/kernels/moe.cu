@@ -3,9 +3,10 @@
 // the shared expert's sigmoid gate folded into the activations, and the residual add fused.
 //
 // Shapes: hidden H (2048), expert intermediate I (512), E experts (256), top-k (8), 4-bit g64.
-// moe_gate_up: 256 threads; each warp computes the gate and up rows f of one slot; every warp
-//   first redoes the top-k over the E router logits itself (cheap, no barrier), and block 0
-//   publishes ids and weights for moe_down. Reads k*2*I*H/2 bytes (8.4 MB).
+// moe_topk: one warp selects the experts (softmax, top-k, renormalise) once per layer; doing it in
+//   every warp of the expert kernels cost more instructions than the expert GEMVs themselves.
+// moe_gate_up: 256 threads; each warp computes the gate and up rows f of one slot. Reads
+//   k*2*I*H/2 bytes (8.4 MB).
 // moe_down: one warp per output row; a row is 9 segments of I codes (8 experts + shared),
 //   activations h (k*I + I floats, pre-weighted) in shared memory, segment base pointers resolved
 //   once per block. Reads (k+1)*H*I/2 bytes (4.7 MB).
@@ -74,6 +75,23 @@ __device__ void top_k(const float* logits, int E, int k, int renorm, TopK* out) 
     }
 }
 
+struct TopKArgs {
+    const float* router_logits;
+    TopK* out;
+    int E, k, renorm;
+};
+
+// One warp: softmax over the E router logits, top-k, renormalise; read by both expert kernels.
+extern "C" __global__ void moe_topk(TopKArgs a) {
+    __shared__ TopK tk;
+    top_k(a.router_logits, a.E, a.k, a.renorm, &tk);
+    __syncwarp();
+    if (threadIdx.x < a.k) {
+        a.out->ids[threadIdx.x] = tk.ids[threadIdx.x];
+        a.out->w[threadIdx.x] = tk.w[threadIdx.x];
+    }
+}
+
 struct ExpertStack {
     const uint32_t* codes;
     const __nv_bfloat16* scales;
@@ -82,25 +100,21 @@ struct ExpertStack {
 
 struct GateUpArgs {
     ExpertStack gate, up;     // [E*I, H]
-    const float* router_logits;
+    const TopK* topk;         // from moe_topk
     const float* x;           // residual stream
     const float* norm_weight; // post-attention norm
     float eps;
     float* h;                 // [k, I] SwiGLU outputs
-    TopK* topk_out;           // published by block 0
-    int H, I, E, k, renorm;
+    int H, I, k;
 };
 
 extern "C" __global__ void __launch_bounds__(256) moe_gate_up(GateUpArgs a) {
     __shared__ __align__(16) float xs[MAX_K_H + MAX_K_H / 8];
     __shared__ float chunk_sum[MAX_K_H / 32];
     __shared__ float scratch[32];
-    __shared__ TopK tks[8];
+    __shared__ int ids[MAX_TOPK];
     const int H = a.H;
-    // every warp selects the experts itself (cheap, and no warp waits for another)
-    TopK& tk = tks[threadIdx.x >> 5];
-    top_k(a.router_logits, a.E, a.k, a.renorm, &tk);
-    __syncwarp();
+    if (threadIdx.x < a.k) ids[threadIdx.x] = a.topk->ids[threadIdx.x];
     // thread t owns E = max(H/256, 4) consecutive elements, loaded in one batch (see gemv.cu)
     const int E = max(H / (int)blockDim.x, 4), t = threadIdx.x, base = t * E;
     const bool active = base < H;
@@ -132,14 +146,13 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up(GateUpArgs a) {
     for (int o = 1; o < 32 / E; o <<= 1) cs += __shfl_xor_sync(FULL_MASK, cs, o);
     if (active && (t % (32 / E)) == 0) chunk_sum[base / 32] = cs;
     __syncthreads();
-    if (blockIdx.x == 0 && threadIdx.x == 0) *a.topk_out = tk;
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int total = a.k * a.I, gpr = H / 64, wpr = H / 8, chunks = H / 32;
     // a warp owns intermediate row f of one slot (its gate and up rows); compact loop over chunks
     for (int r = blockIdx.x * 8 + warp; r < total; r += gridDim.x * 8) {
         const int slot = r / a.I, f = r % a.I;
-        const size_t row = (size_t)tk.ids[slot] * a.I + f;
+        const size_t row = (size_t)ids[slot] * a.I + f;
         const uint4* gc = reinterpret_cast<const uint4*>(a.gate.codes + row * wpr);
         const uint4* uc = reinterpret_cast<const uint4*>(a.up.codes + row * wpr);
         float g = 0.f, u = 0.f;

@@ -158,6 +158,7 @@ struct Scratch {
 
 struct Functions {
     gemv: CudaFunction,
+    topk: CudaFunction,
     gate_up: CudaFunction,
     down: CudaFunction,
     gdn: CudaFunction,
@@ -305,6 +306,7 @@ impl CudaDecoder {
         let func = |m: &str, f: &str| -> Result<CudaFunction> { Ok(modules[m].load_function(f)?) };
         let f = Functions {
             gemv: func("gemv", "gemv_q")?,
+            topk: func("moe", "moe_topk")?,
             gate_up: func("moe", "moe_gate_up")?,
             down: func("moe", "moe_down")?,
             gdn: func("gdn", "gdn_step")?,
@@ -765,23 +767,32 @@ impl CudaDecoder {
                     m.router.m.group
                 )?
             );
-            let gu = GateUpArgs {
-                gate: m.gate.at(0, st),
-                up: m.up.at(0, st),
+            let ta = TopKArgs {
                 router_logits: self.p(&s.router),
-                x,
-                norm_weight: self.p(&l.post_norm),
-                eps,
-                h: self.p(&s.h),
-                topk_out: self.p(&s.topk),
-                hidden: h as i32,
-                inter: c.moe_intermediate_size as i32,
+                out: self.p(&s.topk),
                 experts: c.num_experts as i32,
                 k: c.num_experts_per_tok as i32,
                 renorm: c.norm_topk_prob as i32,
             };
+            timed!("moe top-k", unsafe {
+                st.launch_builder(&self.f.topk)
+                    .arg(&ta)
+                    .launch(launch_cfg((1, 1), 32))?
+            });
+            let gu = GateUpArgs {
+                gate: m.gate.at(0, st),
+                up: m.up.at(0, st),
+                topk: self.p(&s.topk),
+                x,
+                norm_weight: self.p(&l.post_norm),
+                eps,
+                h: self.p(&s.h),
+                hidden: h as i32,
+                inter: c.moe_intermediate_size as i32,
+                k: c.num_experts_per_tok as i32,
+            };
             let blocks = (c.num_experts_per_tok * c.moe_intermediate_size).div_ceil(8) as u32;
-            timed!("moe top-k + expert gate/up + swiglu", unsafe {
+            timed!("moe expert gate/up + swiglu", unsafe {
                 st.launch_builder(&self.f.gate_up)
                     .arg(&gu)
                     .launch(launch_cfg((blocks, 1), 256))?
