@@ -39,20 +39,26 @@ struct GemvArgs {
     int K;
     int group;
     int head_dim;
-    int _pad;
+    // routing: when `topk` is set, the last block to finish selects the experts from segment 0's
+    // output (the router logits), so no separate launch is needed
+    int experts;
+    TopK* topk;
+    int* done_counter;
+    int k;
+    int renorm;
 };
 
 // Thread t owns the E consecutive elements [E·t, E·t + E) of the input, E = max(K/256, 4) (so
 // 4, 8 or 16; K/E threads take part): all of its x, weight and gate values are loaded in one batch
 // of 16-byte loads, so the prologue costs one memory round trip instead of one per loop iteration.
-#define MAX_E 16
+#define MAX_ELEMS 16
 
 __device__ __forceinline__ void load_input(const GemvArgs& a, float* xs, float* chunk_sum, float* scratch) {
     const int K = a.K, E = max(K / (int)blockDim.x, 4), t = threadIdx.x, base = t * E;
     const bool active = base < K;
-    float v[MAX_E], w[MAX_E], z[MAX_E], hw[MAX_E];
+    float v[MAX_ELEMS], w[MAX_ELEMS], z[MAX_ELEMS], hw[MAX_ELEMS];
 #pragma unroll
-    for (int q = 0; q < MAX_E / 4; ++q) {
+    for (int q = 0; q < MAX_ELEMS / 4; ++q) {
         if (active && 4 * q < E) {
             float4 xv = *reinterpret_cast<const float4*>(a.x + base + 4 * q);
             v[4 * q] = xv.x; v[4 * q + 1] = xv.y; v[4 * q + 2] = xv.z; v[4 * q + 3] = xv.w;
@@ -70,23 +76,23 @@ __device__ __forceinline__ void load_input(const GemvArgs& a, float* xs, float* 
     }
     float ss = 0.f;
 #pragma unroll
-    for (int e = 0; e < MAX_E; ++e) if (active && e < E) ss += v[e] * v[e];
+    for (int e = 0; e < MAX_ELEMS; ++e) if (active && e < E) ss += v[e] * v[e];
     if (a.norm_weight) {
         ss = block_sum(ss, scratch);
         const float inv = rsqrtf(ss / K + a.eps);
 #pragma unroll
-        for (int e = 0; e < MAX_E; ++e) if (e < E) v[e] *= inv * w[e];
+        for (int e = 0; e < MAX_ELEMS; ++e) if (e < E) v[e] *= inv * w[e];
     } else if (a.head_norm) {
         // the head_dim/E (<= 32) consecutive threads of one head reduce by shuffles
         for (int o = 1; o < a.head_dim / E; o <<= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
         const float inv = rsqrtf(ss / a.head_dim + a.eps);
 #pragma unroll
-        for (int e = 0; e < MAX_E; ++e) if (e < E) v[e] *= inv * hw[e] * siluf(z[e]);
+        for (int e = 0; e < MAX_ELEMS; ++e) if (e < E) v[e] *= inv * hw[e] * siluf(z[e]);
     }
     // sums of 16-element chunks: a thread holds E/16 whole chunks, or 16/E threads share one
     float cs = 0.f;
 #pragma unroll
-    for (int e = 0; e < MAX_E; ++e) {
+    for (int e = 0; e < MAX_ELEMS; ++e) {
         if (active && e < E) {
             xs[pad_idx(base + e)] = v[e];
             cs += v[e];
@@ -190,10 +196,13 @@ __device__ __forceinline__ int find_segment(const GemvArgs& a, int r, int& local
 
 // The grid is sized to the resident blocks (the prologue is paid once per block), and each warp
 // walks its rows with the next row's loads issued before the current row's arithmetic.
+// The grid is sized to the resident blocks (the prologue is paid once per block), and each warp
+// walks its rows with the next row's loads issued before the current row's arithmetic.
 extern "C" __global__ void __launch_bounds__(256, 3) gemv_q(GemvArgs a) {
     __shared__ __align__(16) float xs[MAX_K + MAX_K / 8];
     __shared__ float chunk_sum[MAX_K / 16];
     __shared__ float scratch[32];
+    __shared__ int last_block;
     load_input(a, xs, chunk_sum, scratch);
 
     int total = 0;
@@ -201,26 +210,40 @@ extern "C" __global__ void __launch_bounds__(256, 3) gemv_q(GemvArgs a) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int stride = gridDim.x * 8;
     int r = blockIdx.x * 8 + warp;
-    if (r >= total) return;
-    int local, si = find_segment(a, r, local);
-    RowLoads cur, next;
-    load_row(a.seg[si], local, a.K, a.group, cur);
-    while (true) {
-        const int rn = r + stride;
-        int local_n = 0, si_n = 0;
-        if (rn < total) {
-            si_n = find_segment(a, rn, local_n);
-            load_row(a.seg[si_n], local_n, a.K, a.group, next);
+    if (r < total) {
+        int local, si = find_segment(a, r, local);
+        RowLoads cur, next;
+        load_row(a.seg[si], local, a.K, a.group, cur);
+        while (true) {
+            const int rn = r + stride;
+            int local_n = 0, si_n = 0;
+            if (rn < total) {
+                si_n = find_segment(a, rn, local_n);
+                load_row(a.seg[si_n], local_n, a.K, a.group, next);
+            }
+            const Segment& s = a.seg[si];
+            const float y = row_dot(s, cur, a.K, xs, chunk_sum);
+            if (lane == 0) {
+                if (s.accumulate) s.out[local] += y; else s.out[local] = y;
+            }
+            if (rn >= total) break;
+            r = rn;
+            si = si_n;
+            local = local_n;
+            cur = next;
         }
-        const Segment& s = a.seg[si];
-        const float y = row_dot(s, cur, a.K, xs, chunk_sum);
-        if (lane == 0) {
-            if (s.accumulate) s.out[local] += y; else s.out[local] = y;
-        }
-        if (rn >= total) break;
-        r = rn;
-        si = si_n;
-        local = local_n;
-        cur = next;
+    }
+    if (a.topk == nullptr) return;
+    // last block done: every block's writes are visible after its fence and the counter
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last_block = atomicAdd(a.done_counter, 1) == (int)gridDim.x - 1;
+    }
+    __syncthreads();
+    if (last_block && warp == 0) {
+        __threadfence();
+        top_k(a.seg[0].out, a.experts, a.k, a.renorm, a.topk);
+        if (lane == 0) *a.done_counter = 0;
     }
 }

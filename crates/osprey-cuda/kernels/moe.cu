@@ -3,8 +3,8 @@
 // the shared expert's sigmoid gate folded into the activations, and the residual add fused.
 //
 // Shapes: hidden H (2048), expert intermediate I (512), E experts (256), top-k (8), 4-bit g64.
-// moe_topk: one warp selects the experts (softmax, top-k, renormalise) once per layer; doing it in
-//   every warp of the expert kernels cost more instructions than the expert GEMVs themselves.
+// The experts are selected (softmax, top-k, renormalise) once per layer by the last block of the
+//   router GEMV (gemv.cu); doing it in every warp here cost more than the expert GEMVs themselves.
 // moe_gate_up: 256 threads; each warp computes the gate and up rows f of one slot. Reads
 //   k*2*I*H/2 bytes (8.4 MB).
 // moe_down: one warp per output row; a row is 9 segments of I codes (8 experts + shared),
@@ -15,82 +15,8 @@
 #include "common.cuh"
 
 #define MAX_K_H 4096
-#define MAX_TOPK 16
-#define MAX_E 512
 // routed + shared down activations: (k + 1) * I elements (11 * 512 for Qwen3-Next's top-10)
 #define MAX_KV 6144
-
-struct TopK {
-    int ids[MAX_TOPK];
-    float w[MAX_TOPK];
-};
-
-// softmax(logits) -> top-k (ties: lower index) -> optionally renormalised; warp 0 only.
-__device__ void top_k(const float* logits, int E, int k, int renorm, TopK* out) {
-    const int lane = threadIdx.x & 31;
-    float vals[MAX_E / 32];
-    const int per = (E + 31) / 32;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < MAX_E / 32; ++j) {
-        if (j >= per) { vals[j] = -INFINITY; continue; }
-        int e = lane + 32 * j;
-        vals[j] = e < E ? logits[e] : -INFINITY;
-        mx = fmaxf(mx, vals[j]);
-    }
-    mx = warp_max(mx);
-    float total = 0.f;
-#pragma unroll
-    for (int j = 0; j < MAX_E / 32; ++j) {
-        int e = lane + 32 * j;
-        total += j < per && e < E ? __expf(vals[j] - mx) : 0.f;
-    }
-    total = warp_sum(total);
-    float chosen = 0.f;
-    for (int r = 0; r < k; ++r) {
-        float best = -INFINITY;
-        int bi = 0x7fffffff;
-#pragma unroll
-        for (int j = 0; j < MAX_E / 32; ++j) {
-            int e = lane + 32 * j;
-            if (j < per && e < E && (vals[j] > best || (vals[j] == best && e < bi))) { best = vals[j]; bi = e; }
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            float ob = __shfl_xor_sync(FULL_MASK, best, o);
-            int oi = __shfl_xor_sync(FULL_MASK, bi, o);
-            if (ob > best || (ob == best && oi < bi)) { best = ob; bi = oi; }
-        }
-        float p = __expf(best - mx);
-        chosen += p;
-        if (lane == 0) { out->ids[r] = bi; out->w[r] = p; }
-#pragma unroll
-        for (int j = 0; j < MAX_E / 32; ++j)
-            if (lane + 32 * j == bi) vals[j] = -INFINITY;
-    }
-    __syncwarp();
-    if (lane == 0) {
-        float denom = renorm ? chosen : total;
-        for (int r = 0; r < k; ++r) out->w[r] /= denom;
-    }
-}
-
-struct TopKArgs {
-    const float* router_logits;
-    TopK* out;
-    int E, k, renorm;
-};
-
-// One warp: softmax over the E router logits, top-k, renormalise; read by both expert kernels.
-extern "C" __global__ void moe_topk(TopKArgs a) {
-    __shared__ TopK tk;
-    top_k(a.router_logits, a.E, a.k, a.renorm, &tk);
-    __syncwarp();
-    if (threadIdx.x < a.k) {
-        a.out->ids[threadIdx.x] = tk.ids[threadIdx.x];
-        a.out->w[threadIdx.x] = tk.w[threadIdx.x];
-    }
-}
 
 struct ExpertStack {
     const uint32_t* codes;

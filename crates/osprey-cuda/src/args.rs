@@ -31,7 +31,11 @@ pub struct GemvArgs {
     pub k: i32,
     pub group: i32,
     pub head_dim: i32,
-    pub pad: i32,
+    pub experts: i32,
+    pub topk: u64,
+    pub done_counter: u64,
+    pub k_top: i32,
+    pub renorm: i32,
 }
 
 #[repr(C)]
@@ -55,16 +59,6 @@ pub struct GateUpArgs {
     pub hidden: i32,
     pub inter: i32,
     pub k: i32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Default, Debug)]
-pub struct TopKArgs {
-    pub router_logits: u64,
-    pub out: u64,
-    pub experts: i32,
-    pub k: i32,
-    pub renorm: i32,
 }
 
 #[repr(C)]
@@ -176,7 +170,6 @@ pub struct ArgmaxArgs {
 // SAFETY: plain-old-data with the C layout of the matching kernel structs.
 unsafe impl DeviceRepr for GemvArgs {}
 unsafe impl DeviceRepr for GateUpArgs {}
-unsafe impl DeviceRepr for TopKArgs {}
 unsafe impl DeviceRepr for DownArgs {}
 unsafe impl DeviceRepr for GdnArgs {}
 unsafe impl DeviceRepr for PrepArgs {}
@@ -193,9 +186,8 @@ mod tests {
     fn layouts_match_the_kernel_structs() {
         // sizes computed from the C declarations in kernels/*.cu (x86-64 / CUDA ABI)
         assert_eq!(std::mem::size_of::<Segment>(), 48);
-        assert_eq!(std::mem::size_of::<GemvArgs>(), 4 * 48 + 32 + 24);
+        assert_eq!(std::mem::size_of::<GemvArgs>(), 272);
         assert_eq!(std::mem::size_of::<GateUpArgs>(), 104);
-        assert_eq!(std::mem::size_of::<TopKArgs>(), 32);
         assert_eq!(std::mem::size_of::<DownArgs>(), 48 + 48 + 12 + 4);
         assert_eq!(std::mem::size_of::<GdnArgs>(), 11 * 8 + 16);
         assert_eq!(std::mem::size_of::<PrepArgs>(), 9 * 8 + 20 + 4);

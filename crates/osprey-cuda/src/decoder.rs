@@ -147,6 +147,7 @@ struct Scratch {
     shared_u: CudaSlice<f32>,
     h: CudaSlice<f32>,
     topk: CudaSlice<i32>,
+    done_counter: CudaSlice<i32>,
     logits: CudaSlice<f32>,
     part_val: CudaSlice<f32>,
     part_idx: CudaSlice<i32>,
@@ -158,7 +159,6 @@ struct Scratch {
 
 struct Functions {
     gemv: CudaFunction,
-    topk: CudaFunction,
     gate_up: CudaFunction,
     down: CudaFunction,
     gdn: CudaFunction,
@@ -306,7 +306,6 @@ impl CudaDecoder {
         let func = |m: &str, f: &str| -> Result<CudaFunction> { Ok(modules[m].load_function(f)?) };
         let f = Functions {
             gemv: func("gemv", "gemv_q")?,
-            topk: func("moe", "moe_topk")?,
             gate_up: func("moe", "moe_gate_up")?,
             down: func("moe", "moe_down")?,
             gdn: func("gdn", "gdn_step")?,
@@ -433,6 +432,7 @@ impl CudaDecoder {
             shared_u: stream.alloc_zeros(c.shared_expert_intermediate_size)?,
             h: stream.alloc_zeros(c.num_experts_per_tok * c.moe_intermediate_size)?,
             topk: stream.alloc_zeros(32)?,
+            done_counter: stream.alloc_zeros(1)?,
             logits: stream.alloc_zeros(c.vocab_size)?,
             part_val: stream.alloc_zeros(ARGMAX_PARTS)?,
             part_idx: stream.alloc_zeros(ARGMAX_PARTS)?,
@@ -497,6 +497,7 @@ impl CudaDecoder {
         prologue: Prologue,
         k: usize,
         group: usize,
+        route: bool,
     ) -> Result<()> {
         let mut a = GemvArgs {
             x,
@@ -518,6 +519,15 @@ impl CudaDecoder {
                 a.gate_z = z;
                 a.head_dim = head_dim as i32;
             }
+        }
+        if route {
+            // segment 0 holds the router logits: the last block selects the experts
+            let c = &self.cfg;
+            a.experts = c.num_experts as i32;
+            a.topk = self.p(&self.s.topk);
+            a.done_counter = self.p(&self.s.done_counter);
+            a.k_top = c.num_experts_per_tok as i32;
+            a.renorm = c.norm_topk_prob as i32;
         }
         a.seg[..segs.len()].copy_from_slice(segs);
         // 8 warps per block; the grid is what stays resident (3 blocks per SM at the kernel's
@@ -616,7 +626,8 @@ impl CudaDecoder {
                             x,
                             Prologue::RmsNorm(self.p(&l.input_norm)),
                             h,
-                            qkv.m.group
+                            qkv.m.group,
+                            false
                         )?
                     );
                     let ga = GdnArgs {
@@ -653,7 +664,8 @@ impl CudaDecoder {
                             self.p(&s.y),
                             gated,
                             c.linear_value_dim(),
-                            out.m.group
+                            out.m.group,
+                            false
                         )?
                     );
                 }
@@ -679,7 +691,8 @@ impl CudaDecoder {
                             x,
                             Prologue::RmsNorm(self.p(&l.input_norm)),
                             h,
-                            q.m.group
+                            q.m.group,
+                            false
                         )?
                     );
                     let pa = PrepArgs {
@@ -744,7 +757,8 @@ impl CudaDecoder {
                             self.p(&s.o),
                             Prologue::None,
                             c.num_attention_heads * c.head_dim,
-                            o.m.group
+                            o.m.group,
+                            false
                         )?
                     );
                 }
@@ -758,27 +772,16 @@ impl CudaDecoder {
                 m.shared_up.segment(self.p(&s.shared_u), false, st),
             ];
             timed!(
-                "moe router + shared gate/up",
+                "moe router (+ top-k) + shared gate/up",
                 self.gemv(
                     &segs,
                     x,
                     Prologue::RmsNorm(self.p(&l.post_norm)),
                     h,
-                    m.router.m.group
+                    m.router.m.group,
+                    true
                 )?
             );
-            let ta = TopKArgs {
-                router_logits: self.p(&s.router),
-                out: self.p(&s.topk),
-                experts: c.num_experts as i32,
-                k: c.num_experts_per_tok as i32,
-                renorm: c.norm_topk_prob as i32,
-            };
-            timed!("moe top-k", unsafe {
-                st.launch_builder(&self.f.topk)
-                    .arg(&ta)
-                    .launch(launch_cfg((1, 1), 32))?
-            });
             let gu = GateUpArgs {
                 gate: m.gate.at(0, st),
                 up: m.up.at(0, st),
@@ -823,7 +826,8 @@ impl CudaDecoder {
                 x,
                 Prologue::RmsNorm(self.p(&self.final_norm)),
                 h,
-                self.lm_head.m.group
+                self.lm_head.m.group,
+                false
             )?
         );
         let aa = ArgmaxArgs {
