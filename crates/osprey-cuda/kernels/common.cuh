@@ -46,7 +46,7 @@ __device__ __forceinline__ float byte_code(uint32_t w, int n) {
 // reading consecutive 32-element chunks with float4 loads hit distinct banks.
 __device__ __forceinline__ int pad_idx(int i) { return i + ((i >> 5) << 2); }
 
-// ---- routing (used by the router GEMV's last block and by moe_topk) ----
+// ---- routing: the router GEMV's last block writes the selected experts here ----
 #define MAX_TOPK 16
 #define MAX_E 512
 
@@ -54,54 +54,3 @@ struct TopK {
     int ids[MAX_TOPK];
     float w[MAX_TOPK];
 };
-
-// softmax(logits) -> top-k (ties: lower index) -> optionally renormalised; warp 0 only.
-__device__ void top_k(const float* logits, int E, int k, int renorm, TopK* out) {
-    const int lane = threadIdx.x & 31;
-    float vals[MAX_E / 32];
-    const int per = (E + 31) / 32;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < MAX_E / 32; ++j) {
-        if (j >= per) { vals[j] = -INFINITY; continue; }
-        int e = lane + 32 * j;
-        vals[j] = e < E ? __ldcg(logits + e) : -INFINITY;
-        mx = fmaxf(mx, vals[j]);
-    }
-    mx = warp_max(mx);
-    float total = 0.f;
-#pragma unroll
-    for (int j = 0; j < MAX_E / 32; ++j) {
-        int e = lane + 32 * j;
-        total += j < per && e < E ? __expf(vals[j] - mx) : 0.f;
-    }
-    total = warp_sum(total);
-    float chosen = 0.f;
-    for (int r = 0; r < k; ++r) {
-        float best = -INFINITY;
-        int bi = 0x7fffffff;
-#pragma unroll
-        for (int j = 0; j < MAX_E / 32; ++j) {
-            int e = lane + 32 * j;
-            if (j < per && e < E && (vals[j] > best || (vals[j] == best && e < bi))) { best = vals[j]; bi = e; }
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            float ob = __shfl_xor_sync(FULL_MASK, best, o);
-            int oi = __shfl_xor_sync(FULL_MASK, bi, o);
-            if (ob > best || (ob == best && oi < bi)) { best = ob; bi = oi; }
-        }
-        float p = __expf(best - mx);
-        chosen += p;
-        if (lane == 0) { out->ids[r] = bi; out->w[r] = p; }
-#pragma unroll
-        for (int j = 0; j < MAX_E / 32; ++j)
-            if (lane + 32 * j == bi) vals[j] = -INFINITY;
-    }
-    __syncwarp();
-    if (lane == 0) {
-        float denom = renorm ? chosen : total;
-        for (int r = 0; r < k; ++r) out->w[r] /= denom;
-    }
-}
-

@@ -241,9 +241,50 @@ extern "C" __global__ void __launch_bounds__(256, 3) gemv_q(GemvArgs a) {
         last_block = atomicAdd(a.done_counter, 1) == (int)gridDim.x - 1;
     }
     __syncthreads();
-    if (last_block && warp == 0) {
-        __threadfence();
-        top_k(a.seg[0].out, a.experts, a.k, a.renorm, a.topk);
-        if (lane == 0) *a.done_counter = 0;
+    if (!last_block) return;
+    // block-parallel top-k: each thread ranks its logits against all others (ties: lower index),
+    // so selection costs one pass over E values from shared memory instead of k serial rounds
+    __threadfence();
+    float* sl = xs;  // the input is no longer needed
+    __shared__ int sel_id[MAX_TOPK];
+    __shared__ float sel_logit[MAX_TOPK];
+    const int E = a.experts;
+    float mx = -INFINITY;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        sl[e] = __ldcg(a.seg[0].out + e);
+        mx = fmaxf(mx, sl[e]);
+    }
+    mx = warp_max(mx);
+    if (lane == 0) scratch[warp] = mx;
+    __syncthreads();
+    mx = scratch[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); ++w) mx = fmaxf(mx, scratch[w]);
+    float all = 0.f;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        const float v = sl[e];
+        int rank = 0;
+        for (int j = 0; j < E; ++j) {
+            const float u = sl[j];
+            rank += (u > v) || (u == v && j < e);
+        }
+        if (rank < a.k) {
+            sel_id[rank] = e;
+            sel_logit[rank] = v;
+        }
+        all += __expf(v - mx);
+    }
+    all = block_sum(all, scratch);
+    if (threadIdx.x == 0) {
+        float p[MAX_TOPK], chosen = 0.f;
+        for (int r = 0; r < a.k; ++r) {
+            p[r] = __expf(sel_logit[r] - mx);
+            chosen += p[r];
+        }
+        const float denom = a.renorm ? chosen : all;
+        for (int r = 0; r < a.k; ++r) {
+            a.topk->ids[r] = sel_id[r];
+            a.topk->w[r] = p[r] / denom;
+        }
+        *a.done_counter = 0;
     }
 }
