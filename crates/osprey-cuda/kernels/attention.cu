@@ -9,6 +9,8 @@
 //   attn_combine — merges the splits, applies the sigmoid output gate. Grid Hq.
 // Shapes: head_dim D = 256 (8 dims per lane), Hq = 16, Hkv = 2.
 // Bytes: 2 KiB of K/V per position (bf16), e.g. 8 MB at 4K context.
+// Measured (H200, commit e06983b, launched alone with events, 4K context): decode 25.3 us for
+// 8 MB of K/V = 0.33 TB/s (9% of 3.7 TB/s); prep 5.4 us; combine 10.4 us.
 #include "common.cuh"
 
 #define D 256

@@ -11,6 +11,8 @@
 // Conv state is double-buffered by position parity: q/k channels are shared by Hv/Hk value heads,
 // so every block reads the old buffer and exactly one block writes each channel of the new one.
 // Bytes: state 64 KB read + 64 KB written per head (4.2 MB per layer), the dominant cost.
+// Measured (H200, commit e06983b, launched alone with events): 10.1 us per layer for 4.2 MB of
+// state traffic = 0.42 TB/s (11% of 3.7 TB/s); latency of its short dependent phases dominates.
 #include "common.cuh"
 
 #define DK 128

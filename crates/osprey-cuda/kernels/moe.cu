@@ -12,6 +12,8 @@
 //   once per block. Reads (k+1)*H*I/2 bytes (4.7 MB).
 // Loops over 16-byte chunks stay rolled: these kernels are short, and heavily unrolled variants
 // measured slower (instruction-cache misses and lower occupancy).
+// Measured (H200, commit e06983b, launched alone with events): gate/up 8.4 MB in 12.0 us
+// = 0.70 TB/s (19% of 3.7 TB/s); down 4.7 MB in 17.7 us = 0.27 TB/s (7%).
 #include "common.cuh"
 
 #define MAX_K_H 4096

@@ -3,6 +3,8 @@
 // so a captured decode step replays with no host round trip.
 //   embed      — dequantises one row of the 4-bit embedding (H values). Grid 1 block.
 //   argmax_partial / argmax_final — two-pass argmax over the valid vocabulary (ties: lower id).
+// Measured (H200, commit e06983b): embed 19 us (one block, latency-bound), argmax 24 us over the
+// 1 MB of logits (two passes).
 #include "common.cuh"
 
 struct EmbedArgs {
