@@ -13,6 +13,7 @@ use tracing::info;
 
 use crate::commands::load_engine;
 use crate::ModelArgs;
+use osprey_engine::sampler::argmax;
 
 #[derive(Subcommand)]
 pub enum BenchKind {
@@ -139,16 +140,6 @@ fn random_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
     (0..n).map(|_| rng.random_range(0..vocab as u32)).collect()
 }
 
-fn argmax(v: &[f32]) -> u32 {
-    v.iter()
-        .enumerate()
-        .fold(
-            (0, f32::NEG_INFINITY),
-            |m, (i, &x)| if x > m.1 { (i, x) } else { m },
-        )
-        .0 as u32
-}
-
 pub fn run(kind: BenchKind) -> Result<()> {
     let command = std::env::args().collect::<Vec<_>>().join(" ");
     let (kind_name, model, lengths, rounds, out) = match &kind {
@@ -204,13 +195,13 @@ pub fn run(kind: BenchKind) -> Result<()> {
                 let mut s = engine.new_session();
                 let (first, _) = engine.prefill(&mut s, &tokens)?;
                 let snapshot = s.snapshot();
-                engine.decode(&mut s, argmax(&first))?; // warm-up
+                engine.decode(&mut s, argmax(&first) as u32)?; // warm-up
                 for _ in 0..rounds {
                     s.restore(&snapshot);
-                    let mut next = argmax(&first);
+                    let mut next = argmax(&first) as u32;
                     let start = Instant::now();
                     for _ in 0..*steps {
-                        next = argmax(&engine.decode(&mut s, next)?);
+                        next = argmax(&engine.decode(&mut s, next)?) as u32;
                     }
                     per_round.push(*steps as f64 / start.elapsed().as_secs_f64());
                 }

@@ -5,6 +5,7 @@ use std::path::Path;
 
 use anyhow::{bail, Result};
 use osprey_cuda::CudaDecoder;
+use osprey_engine::sampler::argmax;
 use osprey_engine::{CpuBackend, Engine};
 use osprey_model::ModelWeights;
 use serde_json::json;
@@ -14,16 +15,6 @@ use crate::bench::{cpu_name, git_commit, utc_now};
 
 /// Ids the real tokenizer can produce; the embedding's tail rows are padding.
 const TOKENIZER_VOCAB: usize = 248_077;
-
-fn argmax(v: &[f32]) -> usize {
-    v.iter()
-        .enumerate()
-        .fold(
-            (0, f32::NEG_INFINITY),
-            |m, (i, &x)| if x > m.1 { (i, x) } else { m },
-        )
-        .0
-}
 
 /// Gap between the two largest values (how close the top choice is to a tie).
 fn top2_gap(v: &[f32]) -> f32 {

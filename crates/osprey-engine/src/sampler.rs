@@ -77,6 +77,20 @@ impl SamplingParams {
     }
 }
 
+/// Index of the largest value (the first one on ties), the greedy choice.
+pub fn argmax(v: &[f32]) -> usize {
+    v.iter()
+        .enumerate()
+        .fold((0usize, f32::NEG_INFINITY), |best, (i, &x)| {
+            if x > best.1 {
+                (i, x)
+            } else {
+                best
+            }
+        })
+        .0
+}
+
 pub struct Sampler {
     params: SamplingParams,
     rng: ChaCha8Rng,
@@ -139,18 +153,7 @@ impl Sampler {
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let p = self.params.clone();
         let l = self.adjusted(logits);
-        let greedy = || {
-            l.iter()
-                .enumerate()
-                .fold((0usize, f32::NEG_INFINITY), |best, (i, &x)| {
-                    if x > best.1 {
-                        (i, x)
-                    } else {
-                        best
-                    }
-                })
-                .0 as u32
-        };
+        let greedy = || argmax(&l) as u32;
         if p.temperature == 0.0 || p.top_k == 1 {
             return greedy();
         }

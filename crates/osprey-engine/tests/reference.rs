@@ -71,12 +71,7 @@ fn rms(a: &[f32], b: &[f32]) -> f32 {
 }
 
 fn argmax_agreement(a: &[f32], b: &[f32], vocab: usize) -> f32 {
-    let am = |r: &[f32]| {
-        r.iter()
-            .enumerate()
-            .fold((0, f32::MIN), |m, (i, &x)| if x > m.1 { (i, x) } else { m })
-            .0
-    };
+    let am = osprey_engine::sampler::argmax;
     let rows = a.len() / vocab;
     (0..rows)
         .filter(|&r| am(&a[r * vocab..][..vocab]) == am(&b[r * vocab..][..vocab]))

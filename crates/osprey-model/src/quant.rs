@@ -1,6 +1,7 @@
 //! MLX affine quantisation, exactly as `mlx/ops.cpp` computes it (model-spec §5.5).
 
-/// Unpacks `words` (one row, or a slice of one) and writes `scale(g) * q + bias(g)` per element.
+/// Unpacks `words` (one row, or a slice of one) and writes `scale(g) * q + bias(g)` per element;
+/// the inner loops are specialised for 4 and 8 bits so they vectorise (the CPU backend's hot path).
 pub fn dequantize_words(
     bits: u32,
     words: &[u32],
@@ -10,13 +11,25 @@ pub fn dequantize_words(
     out: &mut [f32],
 ) {
     let per_word = (32 / bits) as usize;
-    let mask = (1u32 << bits) - 1;
-    for (g, chunk) in out.chunks_mut(group).enumerate() {
+    let words_per_group = group / per_word;
+    for (g, (ws, o)) in words
+        .chunks(words_per_group)
+        .zip(out.chunks_mut(group))
+        .enumerate()
+    {
         let (s, b) = (scale(g), bias(g));
-        for (i, o) in chunk.iter_mut().enumerate() {
-            let j = g * group + i;
-            let q = (words[j / per_word] >> ((j % per_word) as u32 * bits)) & mask;
-            *o = s * q as f32 + b;
+        if bits == 4 {
+            for (w, o8) in ws.iter().zip(o.chunks_exact_mut(8)) {
+                for (n, v) in o8.iter_mut().enumerate() {
+                    *v = s * ((w >> (4 * n)) & 0xF) as f32 + b;
+                }
+            }
+        } else {
+            for (w, o4) in ws.iter().zip(o.chunks_exact_mut(4)) {
+                for (n, v) in o4.iter_mut().enumerate() {
+                    *v = s * ((w >> (8 * n)) & 0xFF) as f32 + b;
+                }
+            }
         }
     }
 }

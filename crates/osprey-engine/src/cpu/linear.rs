@@ -33,47 +33,6 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     s + acc.iter().sum::<f32>()
 }
 
-/// Dequantises row `r` of `lin` into `out`; a hot loop specialised for 4 and 8 bits.
-fn load_row(lin: &Linear, r: usize, out: &mut [f32]) {
-    let m = &lin.matrix;
-    let row = lin.row0 + r;
-    match &m.data {
-        MatrixData::Quantized {
-            bits,
-            group,
-            codes,
-            scales,
-            biases,
-        } => {
-            let wpr = m.words_per_row();
-            let words = &codes.as_slice()[row * wpr..(row + 1) * wpr];
-            let groups = m.cols / group;
-            let per_word = (32 / bits) as usize;
-            let words_per_group = group / per_word;
-            for g in 0..groups {
-                let s = scales.get(row * groups + g);
-                let b = biases.get(row * groups + g);
-                let ws = &words[g * words_per_group..(g + 1) * words_per_group];
-                let o = &mut out[g * group..(g + 1) * group];
-                if *bits == 4 {
-                    for (w, o8) in ws.iter().zip(o.chunks_exact_mut(8)) {
-                        for (n, v) in o8.iter_mut().enumerate() {
-                            *v = s * ((w >> (4 * n)) & 0xF) as f32 + b;
-                        }
-                    }
-                } else {
-                    for (w, o4) in ws.iter().zip(o.chunks_exact_mut(4)) {
-                        for (n, v) in o4.iter_mut().enumerate() {
-                            *v = s * ((w >> (8 * n)) & 0xFF) as f32 + b;
-                        }
-                    }
-                }
-            }
-        }
-        MatrixData::Dense(d) => d.read_into(row * m.cols, out),
-    }
-}
-
 /// Up to this many tokens, quantised rows are dotted straight from their codes (decode);
 /// above it, each row is dequantised once and reused for every token (prefill).
 const DIRECT_MAX_TOKENS: usize = 4;
@@ -162,7 +121,7 @@ pub fn matmul(lin: &Linear, x: &[f32], tokens: usize) -> Vec<f32> {
                 .for_each(|(bi, out)| {
                     let mut w = vec![0.0f32; cols];
                     for (i, o) in out.chunks_mut(tokens).enumerate() {
-                        load_row(lin, bi * block + i, &mut w);
+                        lin.dequantize_row(bi * block + i, &mut w);
                         for (t, y) in o.iter_mut().enumerate() {
                             *y = dot(&w, &x[t * cols..(t + 1) * cols]);
                         }
@@ -185,7 +144,7 @@ pub fn matmul(lin: &Linear, x: &[f32], tokens: usize) -> Vec<f32> {
 /// One row of `lin` as f32 (embedding lookup).
 pub fn row(lin: &Linear, r: usize) -> Vec<f32> {
     let mut v = vec![0.0; lin.cols()];
-    load_row(lin, r, &mut v);
+    lin.dequantize_row(r, &mut v);
     v
 }
 

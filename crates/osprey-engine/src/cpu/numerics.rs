@@ -6,6 +6,7 @@
 use anyhow::Result;
 
 use super::forward::{CpuModel, GdnForm, LogitsFor};
+use crate::sampler::argmax;
 use crate::session::SessionState;
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -26,16 +27,6 @@ fn relative(a: &[f32], b: &[f32]) -> f32 {
     let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
     let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
     (num / den.max(1e-30)).sqrt() as f32
-}
-
-fn argmax(v: &[f32]) -> usize {
-    v.iter()
-        .enumerate()
-        .fold(
-            (0, f32::NEG_INFINITY),
-            |m, (i, &x)| if x > m.1 { (i, x) } else { m },
-        )
-        .0
 }
 
 pub fn bf16_divergence(model: &mut CpuModel, tokens: &[u32]) -> Result<Divergence> {
