@@ -80,29 +80,49 @@ pub fn model_dir(args: &ModelArgs) -> Result<PathBuf> {
     }
 }
 
-/// Why generation cannot run on CUDA in this build.
-fn cuda_status() -> &'static str {
-    if cfg!(feature = "cuda") {
-        "the CUDA backend runs `osprey check` and `osprey bench decode`; generation and serving on it are not wired up yet"
-    } else {
-        "this build has no CUDA backend (rebuild with --features cuda)"
-    }
+/// The CUDA backend for `dir`, or why it cannot be had.
+#[cfg(feature = "cuda")]
+fn cuda_backend(dir: &Path, args: &ModelArgs) -> Result<Box<dyn osprey_engine::Backend>> {
+    let weights = ModelWeights::load(dir)?;
+    let max_context = args
+        .max_context
+        .unwrap_or(weights.config.max_position_embeddings.min(131_072));
+    let valid = weights.config.vocab_size.min(248_077);
+    let b = osprey_cuda::CudaBackend::new(&weights, max_context, valid)?;
+    let mem: Vec<String> = b
+        .memory_report()
+        .iter()
+        .map(|(k, v)| format!("{k} {:.2} GiB", *v as f64 / (1u64 << 30) as f64))
+        .collect();
+    info!("GPU {}: {}", b.device_name(), mem.join(", "));
+    Ok(Box::new(b))
 }
 
-/// Loads the model on the requested backend.
+#[cfg(not(feature = "cuda"))]
+fn cuda_backend(_dir: &Path, _args: &ModelArgs) -> Result<Box<dyn osprey_engine::Backend>> {
+    bail!("this build has no CUDA backend (rebuild with --features cuda)")
+}
+
+/// Loads the model on the requested backend; `auto` takes the GPU when there is one.
 pub fn load_engine(args: &ModelArgs) -> Result<(Engine, PathBuf)> {
     let dir = model_dir(args)?;
-    match args.backend.as_str() {
-        "cpu" => {}
-        "auto" => info!("backend auto: {}; running on the CPU", cuda_status()),
-        "cuda" => bail!("--backend cuda: {}; use --backend cpu", cuda_status()),
-        other => bail!("--backend {other}: expected cpu, cuda or auto"),
-    }
-    let started = std::time::Instant::now();
-    let mut engine = Engine::load_cpu(&dir)?;
     if args.prefill_chunk == 0 {
         bail!("--prefill-chunk must be at least 1");
     }
+    let started = std::time::Instant::now();
+    let backend: Box<dyn osprey_engine::Backend> = match args.backend.as_str() {
+        "cpu" => Box::new(osprey_engine::CpuBackend::new(ModelWeights::load(&dir)?)),
+        "cuda" => cuda_backend(&dir, args).context("--backend cuda")?,
+        "auto" => match cuda_backend(&dir, args) {
+            Ok(b) => b,
+            Err(e) => {
+                info!("backend auto: CUDA unavailable ({e:#}); running on the CPU");
+                Box::new(osprey_engine::CpuBackend::new(ModelWeights::load(&dir)?))
+            }
+        },
+        other => bail!("--backend {other}: expected cpu, cuda or auto"),
+    };
+    let mut engine = Engine::new(backend);
     engine.prefill_chunk = args.prefill_chunk;
     info!(
         "loaded {} on {} in {:.2} s",
@@ -387,9 +407,9 @@ pub fn serve(args: &ModelArgs, s: &ServeArgs) -> Result<()> {
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| "osprey".into())
     });
-    let max_context = s
+    let max_context = args
         .max_context
-        .unwrap_or(engine.config().max_position_embeddings);
+        .unwrap_or(engine.config().max_position_embeddings.min(131_072));
     if max_context < 2 {
         bail!("--max-context must be at least 2");
     }

@@ -31,6 +31,10 @@ pub struct ModelArgs {
     /// Prompt tokens processed per forward call (bounds scratch memory).
     #[arg(long, default_value_t = osprey_engine::DEFAULT_PREFILL_CHUNK)]
     pub prefill_chunk: usize,
+    /// Longest prompt + reply in tokens (default: the model's max_position_embeddings; on the GPU
+    /// at most 131072 unless set). Sizes the GPU's KV cache.
+    #[arg(long)]
+    pub max_context: Option<usize>,
 }
 
 /// Sampling settings; unset values come from the model's generation_config.json.
@@ -65,9 +69,6 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on /v1 routes.
     #[arg(long)]
     pub api_key: Option<String>,
-    /// Longest prompt + reply in tokens (default: the model's max_position_embeddings).
-    #[arg(long)]
-    pub max_context: Option<usize>,
     /// Requests allowed to wait for the engine; more get 429.
     #[arg(long, default_value_t = 16)]
     pub max_queue: usize,

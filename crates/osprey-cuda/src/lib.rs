@@ -5,8 +5,10 @@
 //! and ceiling in a header comment.
 
 mod args;
+mod backend;
 mod decoder;
 
+pub use backend::CudaBackend;
 pub use decoder::{CudaDecoder, KernelTime};
 
 #[cfg(osprey_kernels)]

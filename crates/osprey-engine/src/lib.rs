@@ -22,10 +22,15 @@ pub use session::{Session, SessionState};
 pub trait Backend: Send + Sync {
     fn name(&self) -> &'static str;
     fn config(&self) -> &ModelConfig;
-    /// Processes `tokens` at the state's position; logits `[positions, vocab]` for `want`.
+    /// An empty per-session state in this backend's shape.
+    fn new_state(&self) -> SessionState;
+    /// Processes `tokens` after the `history` that produced `state`; logits `[positions, vocab]`
+    /// for `want`. (A backend that keeps session state on a device uses `history` to tell whether
+    /// the device holds this session's state, and rebuilds it when not.)
     fn forward(
         &self,
         state: &mut SessionState,
+        history: &[u32],
         tokens: &[u32],
         want: LogitsFor,
     ) -> Result<Vec<f32>>;
@@ -60,9 +65,13 @@ impl Backend for CpuBackend {
     fn config(&self) -> &ModelConfig {
         self.model.config()
     }
+    fn new_state(&self) -> SessionState {
+        SessionState::new(self.model.config())
+    }
     fn forward(
         &self,
         state: &mut SessionState,
+        _history: &[u32],
         tokens: &[u32],
         want: LogitsFor,
     ) -> Result<Vec<f32>> {
@@ -115,7 +124,10 @@ impl Engine {
     }
 
     pub fn new_session(&self) -> Session {
-        Session::new(self.config())
+        Session {
+            state: self.backend.new_state(),
+            tokens: Vec::new(),
+        }
     }
 
     /// Prefills `tokens` into the session in chunks of `prefill_chunk`; returns the last
@@ -130,7 +142,7 @@ impl Engine {
             } else {
                 LogitsFor::None
             };
-            logits = self.backend.forward(&mut s.state, chunk, want)?;
+            logits = self.backend.forward(&mut s.state, &s.tokens, chunk, want)?;
             s.tokens.extend_from_slice(chunk);
         }
         Ok((
@@ -146,7 +158,7 @@ impl Engine {
     pub fn decode(&self, s: &mut Session, token: u32) -> Result<Vec<f32>> {
         let logits = self
             .backend
-            .forward(&mut s.state, &[token], LogitsFor::Last)?;
+            .forward(&mut s.state, &s.tokens, &[token], LogitsFor::Last)?;
         s.tokens.push(token);
         Ok(logits)
     }
@@ -156,7 +168,11 @@ impl Engine {
         let mut s = self.new_session();
         let mut out = Vec::with_capacity(tokens.len() * self.config().vocab_size);
         for chunk in tokens.chunks(self.prefill_chunk.max(1)) {
-            out.extend(self.backend.forward(&mut s.state, chunk, LogitsFor::All)?);
+            out.extend(
+                self.backend
+                    .forward(&mut s.state, &s.tokens, chunk, LogitsFor::All)?,
+            );
+            s.tokens.extend_from_slice(chunk);
         }
         Ok(out)
     }

@@ -160,8 +160,8 @@ fn chunked_gdn_equals_recurrent_gdn() {
     let (a, b) = (backend(GdnForm::Chunked), backend(GdnForm::Recurrent));
     let mut sa = SessionState::new(a.config());
     let mut sb = SessionState::new(b.config());
-    let la = a.forward(&mut sa, &tokens, LogitsFor::All).unwrap();
-    let lb = b.forward(&mut sb, &tokens, LogitsFor::All).unwrap();
+    let la = a.forward(&mut sa, &[], &tokens, LogitsFor::All).unwrap();
+    let lb = b.forward(&mut sb, &[], &tokens, LogitsFor::All).unwrap();
     let err = max_abs(&la, &lb);
     assert!(err <= 1e-3, "chunked vs recurrent: {err}");
 }
@@ -171,11 +171,15 @@ fn prefill_of_n_equals_n_single_steps() {
     let tokens = &Reference::load().tokens()[..40];
     let b = backend(GdnForm::Auto);
     let mut whole = SessionState::new(b.config());
-    let all = b.forward(&mut whole, tokens, LogitsFor::All).unwrap();
+    let all = b.forward(&mut whole, &[], tokens, LogitsFor::All).unwrap();
     let mut step = SessionState::new(b.config());
     let mut one_by_one = Vec::new();
     for &t in tokens {
-        one_by_one.extend(b.forward(&mut step, &[t], LogitsFor::Last).unwrap());
+        let history: Vec<u32> = tokens[..step.position].to_vec();
+        one_by_one.extend(
+            b.forward(&mut step, &history, &[t], LogitsFor::Last)
+                .unwrap(),
+        );
     }
     let err = max_abs(&all, &one_by_one);
     assert!(err <= 1e-3, "prefill vs steps: {err}");

@@ -65,9 +65,13 @@ impl Backend for Scripted {
     fn config(&self) -> &ModelConfig {
         &self.config
     }
+    fn new_state(&self) -> SessionState {
+        SessionState::new(&self.config)
+    }
     fn forward(
         &self,
         state: &mut SessionState,
+        _history: &[u32],
         tokens: &[u32],
         want: LogitsFor,
     ) -> anyhow::Result<Vec<f32>> {
