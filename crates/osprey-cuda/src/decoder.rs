@@ -195,6 +195,8 @@ pub struct CudaDecoder {
     memory: Vec<(&'static str, usize)>,
     /// Multiprocessors of the device (sizes persistent-style grids).
     sms: usize,
+    /// Page-locked host copy of the logits (pageable downloads were slow on the H200 host).
+    logits_host: cudarc::driver::PinnedHostSlice<f32>,
 }
 
 fn upload_f32(stream: &Arc<CudaStream>, v: &[f32]) -> Result<CudaSlice<f32>> {
@@ -450,6 +452,8 @@ impl CudaDecoder {
                 + c.vocab_size
                 + max_context);
         stream.synchronize()?;
+        // SAFETY: filled by a device copy before it is read
+        let logits_host = unsafe { ctx.alloc_pinned_with_flags::<f32>(c.vocab_size, 0)? };
         let sms = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
             as usize;
@@ -474,6 +478,7 @@ impl CudaDecoder {
             valid_vocab: valid_vocab.min(w.config.vocab_size),
             memory,
             sms,
+            logits_host,
         })
     }
 
@@ -909,9 +914,12 @@ impl CudaDecoder {
         Ok(())
     }
 
-    /// Logits of the last step (synchronises).
-    pub fn logits(&self) -> Result<Vec<f32>> {
-        Ok(self.stream.clone_dtoh(&self.s.logits)?)
+    /// Logits of the last step (synchronises), through a page-locked buffer.
+    pub fn logits(&mut self) -> Result<Vec<f32>> {
+        self.stream
+            .memcpy_dtoh(&self.s.logits, &mut self.logits_host)?;
+        self.stream.synchronize()?;
+        Ok(self.logits_host.as_slice()?.to_vec())
     }
 
     /// The token the last step chose (synchronises).
