@@ -164,10 +164,13 @@ impl Sampler {
         if idx.is_empty() {
             return greedy();
         }
-        idx.sort_unstable_by(|&a, &b| l[b as usize].total_cmp(&l[a as usize]).then(a.cmp(&b)));
+        let by_logit = |a: &u32, b: &u32| l[*b as usize].total_cmp(&l[*a as usize]).then(a.cmp(b));
+        // top-k first (a partial selection), so only k candidates are sorted
         if p.top_k > 0 && idx.len() > p.top_k {
+            idx.select_nth_unstable_by(p.top_k - 1, by_logit);
             idx.truncate(p.top_k);
         }
+        idx.sort_unstable_by(by_logit);
         let max = l[idx[0] as usize];
         let mut probs: Vec<f32> = idx
             .iter()
