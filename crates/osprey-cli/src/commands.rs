@@ -314,7 +314,8 @@ pub fn inspect(args: &ModelArgs, list_tensors: bool) -> Result<()> {
     Ok(())
 }
 
-pub fn score(args: &ModelArgs, tokens: &Path, out: &Path) -> Result<()> {
+/// A JSON array of token ids from a file.
+fn read_token_file(tokens: &Path) -> Result<Vec<u32>> {
     let text = std::fs::read_to_string(tokens)
         .with_context(|| format!("cannot read {}", tokens.display()))?;
     let ids: Vec<u32> = serde_json::from_str(&text).with_context(|| {
@@ -326,6 +327,11 @@ pub fn score(args: &ModelArgs, tokens: &Path, out: &Path) -> Result<()> {
     if ids.is_empty() {
         bail!("{} holds no tokens", tokens.display());
     }
+    Ok(ids)
+}
+
+pub fn score(args: &ModelArgs, tokens: &Path, out: &Path) -> Result<()> {
+    let ids = read_token_file(tokens)?;
     let (engine, _) = load_engine(args)?;
     let vocab = engine.config().vocab_size;
     let started = std::time::Instant::now();
@@ -454,4 +460,79 @@ pub fn check(
         let _ = (dir, out);
         bail!("this build has no CUDA backend (rebuild with --features cuda)")
     }
+}
+
+pub fn eval(
+    args: &ModelArgs,
+    tokens: &Path,
+    reference: &Path,
+    tensor: &str,
+    out: Option<&Path>,
+) -> Result<()> {
+    let ids = read_token_file(tokens)?;
+    let bytes =
+        std::fs::read(reference).with_context(|| format!("cannot read {}", reference.display()))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| {
+        anyhow::anyhow!(
+            "{} is not a valid safetensors file: {e}",
+            reference.display()
+        )
+    })?;
+    let t = st
+        .tensor(tensor)
+        .map_err(|_| anyhow::anyhow!("{} has no tensor \"{tensor}\"", reference.display()))?;
+    if t.dtype() != safetensors::Dtype::F32 || t.shape().len() != 2 || t.shape()[0] != ids.len() {
+        bail!(
+            "reference tensor \"{tensor}\" must be f32 [{}, vocab], found {:?} {:?}",
+            ids.len(),
+            t.dtype(),
+            t.shape()
+        );
+    }
+    let reference_logits: Vec<f32> = t
+        .data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    let (engine, dir) = load_engine(args)?;
+    let vocab = engine.config().vocab_size;
+    if t.shape()[1] != vocab {
+        bail!(
+            "reference has {} logits per position, the model {vocab}",
+            t.shape()[1]
+        );
+    }
+    let logits = engine.score(&ids)?;
+    let f = osprey_engine::fidelity::compare(
+        &ids,
+        &logits,
+        &reference_logits,
+        vocab,
+        vocab.min(248_077),
+    )?;
+    println!(
+        "{} positions: perplexity {:.4} vs reference {:.4} ({:+.3}%), top-1 agreement {:.2}%, logit error max {:.3e} mean {:.3e}",
+        f.positions,
+        f.perplexity,
+        f.reference_perplexity,
+        f.perplexity_difference_percent,
+        100.0 * f.top1_agreement,
+        f.max_abs_logit_error,
+        f.mean_abs_logit_error
+    );
+    if let Some(path) = out {
+        let report = serde_json::json!({
+            "kind": "fidelity",
+            "backend": engine.backend.name(),
+            "device": crate::bench::cpu_name(),
+            "commit": crate::bench::git_commit(),
+            "date": crate::bench::utc_now(),
+            "command": std::env::args().collect::<Vec<_>>().join(" "),
+            "model": dir.display().to_string(),
+            "reference": reference.display().to_string(),
+            "fidelity": f,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")?;
+    }
+    Ok(())
 }

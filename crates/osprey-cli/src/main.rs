@@ -161,6 +161,24 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Teacher-forced fidelity against reference logits of the same tokens (e.g. from transformers,
+    /// MLX-LM or `osprey score` on another backend): perplexity, top-1 agreement, logit error.
+    Eval {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// JSON array of token ids.
+        #[arg(long)]
+        tokens: PathBuf,
+        /// safetensors file holding the reference logits, f32 [T, vocab].
+        #[arg(long)]
+        reference: PathBuf,
+        /// Name of the reference tensor.
+        #[arg(long, default_value = "logits")]
+        tensor: String,
+        /// Also write the result as JSON.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// Check a GPU backend against the CPU reference, logits step by step (teacher-forced).
     Check {
         #[command(flatten)]
@@ -229,6 +247,13 @@ fn main() -> ExitCode {
         } => chat::run(&model, max_tokens, &sampling),
         Command::Inspect { model, tensors } => commands::inspect(&model, tensors),
         Command::Score { model, tokens, out } => commands::score(&model, &tokens, &out),
+        Command::Eval {
+            model,
+            tokens,
+            reference,
+            tensor,
+            out,
+        } => commands::eval(&model, &tokens, &reference, &tensor, out.as_deref()),
         Command::Check {
             model,
             prompt_tokens,

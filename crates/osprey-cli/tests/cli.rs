@@ -263,3 +263,80 @@ fn terminal_chat_holds_a_conversation() {
     // the reasoning of the first (thinking) turn is shown dimmed
     assert!(stdout.contains("\x1b[2m"), "{stdout}");
 }
+
+#[test]
+fn eval_against_reference_logits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tmp.path().join("m");
+    synth(&m);
+    let ms = m.to_str().unwrap();
+    let ids = tmp.path().join("ids.json");
+    std::fs::write(
+        &ids,
+        "[248045, 846, 198, 12675, 248046, 198, 248045, 74455]",
+    )
+    .unwrap();
+    let reference = tmp.path().join("ref.safetensors");
+    ok(&[
+        "score",
+        "--model",
+        ms,
+        "--tokens",
+        ids.to_str().unwrap(),
+        "--out",
+        reference.to_str().unwrap(),
+    ]);
+    let json = tmp.path().join("eval.json");
+    let (out, _) = ok(&[
+        "eval",
+        "--model",
+        ms,
+        "--tokens",
+        ids.to_str().unwrap(),
+        "--reference",
+        reference.to_str().unwrap(),
+        "--out",
+        json.to_str().unwrap(),
+    ]);
+    assert!(out.contains("top-1 agreement 100.00%"), "{out}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v["fidelity"]["positions"], 7);
+    assert_eq!(v["fidelity"]["max_abs_logit_error"], 0.0);
+    // another model's logits differ: agreement drops, perplexities differ
+    let other = tmp.path().join("other");
+    ok(&[
+        "synth",
+        "--preset",
+        "tiny",
+        "--seed",
+        "99",
+        "--out",
+        other.to_str().unwrap(),
+    ]);
+    let (out, _) = ok(&[
+        "eval",
+        "--model",
+        other.to_str().unwrap(),
+        "--tokens",
+        ids.to_str().unwrap(),
+        "--reference",
+        reference.to_str().unwrap(),
+    ]);
+    assert!(
+        !out.contains("top-1 agreement 100.00%") || !out.contains("(+0.000%)"),
+        "{out}"
+    );
+    let err = fails(&[
+        "eval",
+        "--model",
+        ms,
+        "--tokens",
+        ids.to_str().unwrap(),
+        "--reference",
+        reference.to_str().unwrap(),
+        "--tensor",
+        "nope",
+    ]);
+    assert!(err.contains("no tensor \"nope\""), "{err}");
+}

@@ -3,6 +3,7 @@
 //! session"; the CPU backend here is the exact reference, GPU backends specialise the whole step.
 
 pub mod cpu;
+pub mod fidelity;
 pub mod generate;
 pub mod sampler;
 pub mod session;

@@ -257,3 +257,24 @@ fn synthetic_model_is_well_conditioned_under_bf16() {
     assert!(d.top1_agreement >= 0.85, "{d:?}");
     assert!(d.logits_std > 1.0, "logits must not be degenerate: {d:?}");
 }
+
+#[test]
+fn teacher_forced_fidelity_against_transformers() {
+    use osprey_engine::fidelity::compare;
+    let r = Reference::load();
+    let tokens = r.tokens();
+    let e = engine("qwen35_q4g64");
+    let vocab = e.config().vocab_size;
+    let ours = e.score(&tokens).unwrap();
+    // against the f32 reference: the same model, so the same predictions
+    let (f32ref, _) = r.get("qwen35_q4g64.f32_prefill");
+    let f = compare(&tokens, &ours, &f32ref, vocab, vocab).unwrap();
+    assert_eq!(f.top1_agreement, 1.0, "{f:?}");
+    assert!(f.perplexity_difference_percent.abs() < 1e-3, "{f:?}");
+    assert!(f.max_abs_logit_error < 1e-4, "{f:?}");
+    // against transformers in bf16: close, not equal (bf16 rounding on their side)
+    let (bf, _) = r.get("qwen35_q4g64.bf16_prefill");
+    let f = compare(&tokens, &ours, &bf, vocab, vocab).unwrap();
+    assert!(f.top1_agreement >= 0.9, "{f:?}");
+    assert!(f.perplexity_difference_percent.abs() < 2.0, "{f:?}");
+}
