@@ -1,6 +1,7 @@
 //! `osprey`: run Qwen3.5/3.6-35B-A3B checkpoints. See README.md.
 
 mod bench;
+mod chart;
 mod chat;
 mod commands;
 #[cfg(feature = "cuda")]
@@ -204,6 +205,19 @@ enum Command {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+    /// Draw benchmark results (JSON files) as an SVG chart of tokens/s against length.
+    Chart {
+        /// Benchmark JSON files, one line each.
+        #[arg(long, required = true)]
+        input: Vec<PathBuf>,
+        /// Line labels, in the order of --input (default: kind, backend and device).
+        #[arg(long)]
+        label: Vec<String>,
+        #[arg(long, default_value = "Osprey throughput")]
+        title: String,
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Measure prefill or decode throughput over a list of lengths; writes JSON.
     Bench {
         #[command(subcommand)]
@@ -263,6 +277,12 @@ fn main() -> ExitCode {
         Command::Numerics { model, tokens, out } => {
             commands::numerics(&model, tokens, out.as_deref())
         }
+        Command::Chart {
+            input,
+            label,
+            title,
+            out,
+        } => chart::write_chart(&input, &label, &title, &out),
         Command::Bench { kind } => bench::run(kind),
     };
     match result {
