@@ -190,51 +190,147 @@ __device__ __forceinline__ float row_dot(const Segment& s, const RowLoads& L, in
     return warp_sum(acc);
 }
 
-__device__ __forceinline__ int find_segment(const GemvArgs& a, int r, int& local) {
-    int si = 0;
-    local = r;
-    while (local >= a.seg[si].rows) { local -= a.seg[si].rows; ++si; }
-    return si;
+// ---- 4-bit, group-64 rows on the tensor cores -------------------------------------------------
+// A warp owns a tile of 16 rows. Per 64-element group, each of its 4 column-threads (lane % 4 = q)
+// loads one 8-byte pair of code words per row (words 2q, 2q+1); the codes become bf16 A fragments
+// with one shift and one LOP3 per two weights (128 + q exactly: 0x4300 | q), and mma.sync
+// m16n8k16 multiplies them by x, carried as bf16 hi + lo parts (x = hi + lo to ~2^-17, so the
+// product keeps f32-level accuracy) in column 0 of B. The logical k order inside a group is a
+// permutation chosen so each thread's nibbles are cheap to extract; x is permuted the same way
+// once per block. Per group, 128·Σx is subtracted and scale and bias applied in f32.
+
+__device__ __forceinline__ void mma_bf16(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// The grid is sized to the resident blocks (the prologue is paid once per block), and each warp
-// walks its rows with the next row's loads issued before the current row's arithmetic.
-// The grid is sized to the resident blocks (the prologue is paid once per block), and each warp
-// walks its rows with the next row's loads issued before the current row's arithmetic.
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// B fragments of x for every (k-tile, q): {hi b0, hi b1, lo b0, lo b1}.
+__device__ __forceinline__ void build_x_fragments(const float* xs, int K, uint4* xb) {
+    for (int idx = threadIdx.x; idx < K / 16 * 4; idx += blockDim.x) {
+        const int tile = idx >> 2, q = idx & 3, grp = tile >> 2, t = tile & 3;
+        const int e0 = grp * 64 + (2 * q + (t >> 1)) * 8, sh = (t & 1) * 2;
+        const float v[4] = {xs[pad_idx(e0 + sh)], xs[pad_idx(e0 + sh + 4)], xs[pad_idx(e0 + sh + 1)], xs[pad_idx(e0 + sh + 5)]};
+        float hi[4], lo[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            hi[i] = __bfloat162float(__float2bfloat16_rn(v[i]));
+            lo[i] = v[i] - hi[i];
+        }
+        xb[idx] = make_uint4(pack_bf16(hi[0], hi[1]), pack_bf16(hi[2], hi[3]), pack_bf16(lo[0], lo[1]), pack_bf16(lo[2], lo[3]));
+    }
+}
+
+// Partial dot products of rows row0+g and row0+g+8 over groups [g0, g1) (valid in lanes q == 0).
+__device__ __forceinline__ void tile_mma(const Segment& s, int row0, int K, int g0, int g1, const uint4* xb,
+                                         const float* chunk_sum, float& outA, float& outB) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int wpr = K / 8, gpr = K / 64;
+    const int rA = row0 + g, rB = row0 + g + 8;
+    const size_t la = (size_t)min(rA, s.rows - 1), lb = (size_t)min(rB, s.rows - 1);
+    const uint2* ca = reinterpret_cast<const uint2*>(s.codes + la * wpr) + q;
+    const uint2* cb = reinterpret_cast<const uint2*>(s.codes + lb * wpr) + q;
+    float yA = 0.f, yB = 0.f;
+    uint2 wa = __ldcs(ca + 4 * g0), wb = __ldcs(cb + 4 * g0);
+    for (int G = g0; G < g1; ++G) {
+        // next group's codes in flight while this one is multiplied
+        uint2 na = wa, nb = wb;
+        if (G + 1 < g1) { na = __ldcs(ca + 4 * (G + 1)); nb = __ldcs(cb + 4 * (G + 1)); }
+        float sA = 0.f, bA = 0.f, sB = 0.f, bB = 0.f;
+        if (q == 0) {
+            sA = bf16_to_f32(s.scales[la * gpr + G]); bA = bf16_to_f32(s.biases[la * gpr + G]);
+            sB = bf16_to_f32(s.scales[lb * gpr + G]); bB = bf16_to_f32(s.biases[lb * gpr + G]);
+        }
+        float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            const uint32_t wA = (t >> 1) ? wa.y : wa.x, wB = (t >> 1) ? wb.y : wb.x;
+            const int sh = (t & 1) * 2;
+            const uint32_t a0 = ((wA >> (4 * sh)) & 0x000F000Fu) | 0x43004300u;
+            const uint32_t a1 = ((wB >> (4 * sh)) & 0x000F000Fu) | 0x43004300u;
+            const uint32_t a2 = ((wA >> (4 * sh + 4)) & 0x000F000Fu) | 0x43004300u;
+            const uint32_t a3 = ((wB >> (4 * sh + 4)) & 0x000F000Fu) | 0x43004300u;
+            uint4 xf = make_uint4(0, 0, 0, 0);
+            if (g == 0) xf = xb[(G * 4 + t) * 4 + q];
+            mma_bf16(d, a0, a1, a2, a3, xf.x, xf.y);
+            mma_bf16(d, a0, a1, a2, a3, xf.z, xf.w);
+        }
+        if (q == 0) {
+            const float xsum = (chunk_sum[4 * G] + chunk_sum[4 * G + 1]) + (chunk_sum[4 * G + 2] + chunk_sum[4 * G + 3]);
+            yA = fmaf(sA, d[0] - 128.f * xsum, fmaf(bA, xsum, yA));
+            yB = fmaf(sB, d[2] - 128.f * xsum, fmaf(bB, xsum, yB));
+        }
+        wa = na;
+        wb = nb;
+    }
+    outA = yA;
+    outB = yB;
+}
+
+// Work units: 16-row tiles for 4-bit group-64 segments, single rows otherwise.
+__device__ __forceinline__ bool tiled(const Segment& s, int group) { return s.bits == 4 && group == 64; }
+__device__ __forceinline__ int seg_units(const Segment& s, int group) { return tiled(s, group) ? (s.rows + 15) / 16 : s.rows; }
+
+// The grid is sized to the resident blocks (the prologue is paid once per block); each warp walks
+// work units: 16-row tensor-core tiles (4-bit, group 64) or single rows (8-bit, other groups).
+// The grid is sized to the resident blocks (the prologue is paid once per block); each warp walks
+// work units: 16-row tensor-core tiles (4-bit, group 64) or single rows (8-bit, other groups).
 extern "C" __global__ void __launch_bounds__(256, 3) gemv_q(GemvArgs a) {
     __shared__ __align__(16) float xs[MAX_K + MAX_K / 8];
     __shared__ float chunk_sum[MAX_K / 16];
+    __shared__ uint4 xb[MAX_K / 16 * 4];
     __shared__ float scratch[32];
     __shared__ int last_block;
     load_input(a, xs, chunk_sum, scratch);
+    build_x_fragments(xs, a.K, xb);
+    __syncthreads();
 
     int total = 0;
-    for (int i = 0; i < a.nseg; ++i) total += a.seg[i].rows;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int stride = gridDim.x * 8;
-    int r = blockIdx.x * 8 + warp;
-    if (r < total) {
-        int local, si = find_segment(a, r, local);
-        RowLoads cur, next;
-        load_row(a.seg[si], local, a.K, a.group, cur);
-        while (true) {
-            const int rn = r + stride;
-            int local_n = 0, si_n = 0;
-            if (rn < total) {
-                si_n = find_segment(a, rn, local_n);
-                load_row(a.seg[si_n], local_n, a.K, a.group, next);
+    for (int i = 0; i < a.nseg; ++i) total += seg_units(a.seg[i], a.group);
+    // a block takes 2 units at a time; the 4 warps of a unit split its K range (tiles) and their
+    // partial sums meet in shared memory
+    __shared__ float part[2][4][16];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, slot = warp >> 2, kpart = warp & 3;
+    const int gpr = a.K / 64;
+    for (int base = blockIdx.x * 2; base < total; base += gridDim.x * 2) {
+        const int u = base + slot;
+        int si = 0, local = u;
+        bool is_tile = false;
+        if (u < total) {
+            while (local >= seg_units(a.seg[si], a.group)) { local -= seg_units(a.seg[si], a.group); ++si; }
+            is_tile = tiled(a.seg[si], a.group);
+        }
+        const Segment& s = a.seg[si];
+        if (u < total && is_tile) {
+            float yA, yB;
+            tile_mma(s, local * 16, a.K, kpart * gpr / 4, (kpart + 1) * gpr / 4, xb, chunk_sum, yA, yB);
+            if ((lane & 3) == 0) {
+                part[slot][kpart][lane >> 2] = yA;
+                part[slot][kpart][(lane >> 2) + 8] = yB;
             }
-            const Segment& s = a.seg[si];
-            const float y = row_dot(s, cur, a.K, xs, chunk_sum);
+        } else if (u < total && kpart == 0) {
+            RowLoads L;
+            load_row(s, local, a.K, a.group, L);
+            const float y = row_dot(s, L, a.K, xs, chunk_sum);
             if (lane == 0) {
                 if (s.accumulate) s.out[local] += y; else s.out[local] = y;
             }
-            if (rn >= total) break;
-            r = rn;
-            si = si_n;
-            local = local_n;
-            cur = next;
         }
+        __syncthreads();
+        if (u < total && is_tile && kpart == 0 && lane < 16) {
+            const int row = local * 16 + lane;
+            if (row < s.rows) {
+                const float y = (part[slot][0][lane] + part[slot][1][lane]) + (part[slot][2][lane] + part[slot][3][lane]);
+                if (s.accumulate) s.out[row] += y; else s.out[row] = y;
+            }
+        }
+        __syncthreads();
     }
     if (a.topk == nullptr) return;
     // last block done: every block's writes are visible after its fence and the counter

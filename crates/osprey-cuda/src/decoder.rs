@@ -535,10 +535,19 @@ impl CudaDecoder {
             a.renorm = c.norm_topk_prob as i32;
         }
         a.seg[..segs.len()].copy_from_slice(segs);
-        // 8 warps per block; the grid is what stays resident (3 blocks per SM at the kernel's
-        // register budget), so the prologue runs once per block and warps stream their rows
-        let rows: usize = segs.iter().map(|s| s.rows as usize).sum();
-        let blocks = rows.div_ceil(8).min(self.sms * 3) as u32;
+        // work units: 16-row tensor-core tiles (4-bit, group 64) or single rows; a block takes two
+        // at a time, and the grid is what stays resident (3 blocks per SM)
+        let units: usize = segs
+            .iter()
+            .map(|s| {
+                if s.bits == 4 && group == 64 {
+                    (s.rows as usize).div_ceil(16)
+                } else {
+                    s.rows as usize
+                }
+            })
+            .sum();
+        let blocks = units.div_ceil(2).min(self.sms * 3) as u32;
         unsafe {
             self.stream
                 .launch_builder(&self.f.gemv)
