@@ -49,6 +49,8 @@ struct GemvArgs {
     int* done_counter;
     int k;
     int renorm;
+    int tiles;  // 1: 4-bit group-64 segments run as tensor-core tiles (the host sets it for big launches)
+    int _pad2;
 };
 
 // Thread t owns the E consecutive elements [E·t, E·t + E) of the input, E = max(K/256, 4) (so
@@ -274,8 +276,8 @@ __device__ __forceinline__ void tile_mma(const Segment& s, int row0, int K, int 
 }
 
 // Work units: 16-row tiles for 4-bit group-64 segments, single rows otherwise.
-__device__ __forceinline__ bool tiled(const Segment& s, int group) { return s.bits == 4 && group == 64; }
-__device__ __forceinline__ int seg_units(const Segment& s, int group) { return tiled(s, group) ? (s.rows + 15) / 16 : s.rows; }
+__device__ __forceinline__ bool tiled(const GemvArgs& a, const Segment& s) { return a.tiles && s.bits == 4 && a.group == 64; }
+__device__ __forceinline__ int seg_units(const GemvArgs& a, const Segment& s) { return tiled(a, s) ? (s.rows + 15) / 16 : s.rows; }
 
 // The grid is sized to the resident blocks (the prologue is paid once per block); each warp walks
 // work units: 16-row tensor-core tiles (4-bit, group 64) or single rows (8-bit, other groups).
@@ -292,7 +294,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) gemv_q(GemvArgs a) {
     __syncthreads();
 
     int total = 0;
-    for (int i = 0; i < a.nseg; ++i) total += seg_units(a.seg[i], a.group);
+    for (int i = 0; i < a.nseg; ++i) total += seg_units(a, a.seg[i]);
     // a block takes 2 units at a time; the 4 warps of a unit split its K range (tiles) and their
     // partial sums meet in shared memory
     __shared__ float part[2][4][16];
@@ -303,8 +305,8 @@ extern "C" __global__ void __launch_bounds__(256, 3) gemv_q(GemvArgs a) {
         int si = 0, local = u;
         bool is_tile = false;
         if (u < total) {
-            while (local >= seg_units(a.seg[si], a.group)) { local -= seg_units(a.seg[si], a.group); ++si; }
-            is_tile = tiled(a.seg[si], a.group);
+            while (local >= seg_units(a, a.seg[si])) { local -= seg_units(a, a.seg[si]); ++si; }
+            is_tile = tiled(a, a.seg[si]);
         }
         const Segment& s = a.seg[si];
         if (u < total && is_tile) {

@@ -36,6 +36,8 @@ pub struct GemvArgs {
     pub done_counter: u64,
     pub k_top: i32,
     pub renorm: i32,
+    pub tiles: i32,
+    pub pad2: i32,
 }
 
 #[repr(C)]
@@ -186,7 +188,7 @@ mod tests {
     fn layouts_match_the_kernel_structs() {
         // sizes computed from the C declarations in kernels/*.cu (x86-64 / CUDA ABI)
         assert_eq!(std::mem::size_of::<Segment>(), 48);
-        assert_eq!(std::mem::size_of::<GemvArgs>(), 272);
+        assert_eq!(std::mem::size_of::<GemvArgs>(), 280);
         assert_eq!(std::mem::size_of::<GateUpArgs>(), 104);
         assert_eq!(std::mem::size_of::<DownArgs>(), 48 + 48 + 12 + 4);
         assert_eq!(std::mem::size_of::<GdnArgs>(), 11 * 8 + 16);

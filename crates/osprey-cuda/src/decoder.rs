@@ -535,12 +535,19 @@ impl CudaDecoder {
             a.renorm = c.norm_topk_prob as i32;
         }
         a.seg[..segs.len()].copy_from_slice(segs);
-        // work units: 16-row tensor-core tiles (4-bit, group 64) or single rows; a block takes two
-        // at a time, and the grid is what stays resident (3 blocks per SM)
+        // work units: 16-row tensor-core tiles (4-bit, group 64) when the launch has enough of
+        // them to fill the GPU (measured: small launches are faster one row per warp), else rows;
+        // a block takes two units at a time, the grid is what stays resident (3 blocks per SM)
+        let tiles: usize = segs
+            .iter()
+            .filter(|s| s.bits == 4 && group == 64)
+            .map(|s| (s.rows as usize).div_ceil(16))
+            .sum();
+        a.tiles = i32::from(tiles >= 2 * self.sms);
         let units: usize = segs
             .iter()
             .map(|s| {
-                if s.bits == 4 && group == 64 {
+                if a.tiles == 1 && s.bits == 4 && group == 64 {
                     (s.rows as usize).div_ceil(16)
                 } else {
                     s.rows as usize
