@@ -290,8 +290,10 @@ extern "C" __global__ void __launch_bounds__(256, 3) gemv_q(GemvArgs a) {
     __shared__ float scratch[32];
     __shared__ int last_block;
     load_input(a, xs, chunk_sum, scratch);
-    build_x_fragments(xs, a.K, xb);
-    __syncthreads();
+    if (a.tiles) {
+        build_x_fragments(xs, a.K, xb);
+        __syncthreads();
+    }
 
     int total = 0;
     for (int i = 0; i < a.nseg; ++i) total += seg_units(a, a.seg[i]);
@@ -300,7 +302,21 @@ extern "C" __global__ void __launch_bounds__(256, 3) gemv_q(GemvArgs a) {
     __shared__ float part[2][4][16];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, slot = warp >> 2, kpart = warp & 3;
     const int gpr = a.K / 64;
-    for (int base = blockIdx.x * 2; base < total; base += gridDim.x * 2) {
+    if (!a.tiles) {
+        // one row per warp
+        for (int u = blockIdx.x * 8 + warp; u < total; u += gridDim.x * 8) {
+            int si = 0, local = u;
+            while (local >= a.seg[si].rows) { local -= a.seg[si].rows; ++si; }
+            const Segment& s = a.seg[si];
+            RowLoads L;
+            load_row(s, local, a.K, a.group, L);
+            const float y = row_dot(s, L, a.K, xs, chunk_sum);
+            if (lane == 0) {
+                if (s.accumulate) s.out[local] += y; else s.out[local] = y;
+            }
+        }
+    }
+    for (int base = blockIdx.x * 2; a.tiles && base < total; base += gridDim.x * 2) {
         const int u = base + slot;
         int si = 0, local = u;
         bool is_tile = false;

@@ -554,7 +554,8 @@ impl CudaDecoder {
                 }
             })
             .sum();
-        let blocks = units.div_ceil(2).min(self.sms * 3) as u32;
+        let per_block = if a.tiles == 1 { 2 } else { 8 };
+        let blocks = units.div_ceil(per_block).min(self.sms * 3) as u32;
         unsafe {
             self.stream
                 .launch_builder(&self.f.gemv)
