@@ -12,9 +12,9 @@
 // so the affine bias costs one FMA per chunk: y = Σ s·(q·x) + b·Σx.
 // Epilogue: write, or add into the output (residual add fused).
 // Ceiling: bytes of codes + scales + biases / ~3.7 TB/s streaming read (budget.md).
-// Measured (H200, commit e06983b, launched alone with events, full-size model): GDN in_proj
-// 14.2 MB in 18.8 us = 0.75 TB/s (20% of 3.7 TB/s); lm_head 286 MB in 226 us = 1.27 TB/s (34%).
-// Bound by instruction issue (~4.3 per weight) and short-kernel latency, not bandwidth.
+// Measured (H200, commit 6b35d2c, launched alone with events, full-size model): GDN in_proj
+// 14.2 MB in 17.4 us = 0.82 TB/s (22% of 3.7 TB/s); lm_head 286 MB in 194 us = 1.47 TB/s (40%).
+// Row path: ~4.3 instructions per weight; tile path: ~1; both limited by short-kernel latency.
 #include "common.cuh"
 
 #define MAX_SEGS 4
