@@ -54,10 +54,12 @@ pub fn check(dir: &Path, prompt_len: usize, steps: usize, out: Option<&Path>) ->
     let mut session = cpu.new_session();
     let (mut cpu_logits, _) = cpu.prefill(&mut session, &prompt)?;
     let mut rows = Vec::new();
+    let mut gpu_choices = Vec::with_capacity(steps);
     let (mut worst_rel, mut worst_abs, mut disagree) = (0f32, 0f32, 0usize);
     for step in 0..steps {
         let gpu_logits = gpu.logits()?;
         let gpu_choice = gpu.last_token()? as usize;
+        gpu_choices.push(gpu_choice as u32);
         let c = &cpu_logits[..valid];
         let g = &gpu_logits[..valid];
         let diff2: f64 = c.iter().zip(g).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
@@ -83,9 +85,13 @@ pub fn check(dir: &Path, prompt_len: usize, steps: usize, out: Option<&Path>) ->
         gpu.step()?;
         cpu_logits = cpu.decode(&mut session, cpu_choice as u32)?;
     }
-    let pass = worst_rel <= MAX_RELATIVE_RMS && disagree == 0;
+    // the device also records every step's choice (what an asynchronous reader consumes)
+    let recorded = gpu.history(prompt_len + steps)?;
+    let record_ok = recorded[prompt_len - 1..prompt_len - 1 + steps] == gpu_choices[..];
+    let pass = worst_rel <= MAX_RELATIVE_RMS && disagree == 0 && record_ok;
     println!(
-        "cuda vs cpu over {steps} decode steps after a {prompt_len}-token prompt: worst relative RMS {worst_rel:.2e} (limit {MAX_RELATIVE_RMS:.0e}), worst max |Δ| {worst_abs:.3e}, greedy disagreements {disagree} -> {}",
+        "cuda vs cpu over {steps} decode steps after a {prompt_len}-token prompt: worst relative RMS {worst_rel:.2e} (limit {MAX_RELATIVE_RMS:.0e}), worst max |Δ| {worst_abs:.3e}, greedy disagreements {disagree}, device token record {} -> {}",
+        if record_ok { "consistent" } else { "INCONSISTENT" },
         if pass { "PASS" } else { "FAIL" }
     );
     if let Some(path) = out {
@@ -93,7 +99,7 @@ pub fn check(dir: &Path, prompt_len: usize, steps: usize, out: Option<&Path>) ->
             "kind": "check", "backend": "cuda", "device": gpu.device_name(), "commit": git_commit(), "date": utc_now(),
             "command": std::env::args().collect::<Vec<_>>().join(" "), "model": dir.display().to_string(),
             "prompt_tokens": prompt_len, "steps": steps, "worst_relative_rms": worst_rel, "worst_max_abs": worst_abs,
-            "limit_relative_rms": MAX_RELATIVE_RMS, "greedy_disagreements": disagree, "pass": pass, "per_step": rows,
+            "limit_relative_rms": MAX_RELATIVE_RMS, "greedy_disagreements": disagree, "device_token_record_consistent": record_ok, "pass": pass, "per_step": rows,
         });
         std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")?;
     }

@@ -135,14 +135,6 @@ impl PrefixCache {
             self.entries.remove(oldest);
         }
     }
-
-    pub fn len(&self) -> usize {
-        self.entries.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
-    }
 }
 
 pub struct Worker {
