@@ -66,8 +66,10 @@ pub fn run(args: &ModelArgs, max_tokens: usize, sampling: &SamplingArgs) -> Resu
             },
         )?;
         let prompt = format.encode(&text)?;
+        // chat prompts always grow, so a hit is a proper prefix (never a whole-prompt hit)
         let mut session = cache
             .lookup(&prompt)
+            .map(|(s, _)| s)
             .unwrap_or_else(|| engine.new_session());
         if let Some(b) = prompt
             .windows(header.len())
@@ -77,7 +79,7 @@ pub fn run(args: &ModelArgs, max_tokens: usize, sampling: &SamplingArgs) -> Resu
             if b > session.tokens.len() && b < prompt.len() {
                 let from = session.tokens.len();
                 engine.prefill(&mut session, &prompt[from..b])?;
-                cache.insert(&session);
+                cache.insert(&session, None);
             }
         }
         let opts = GenerateOptions {

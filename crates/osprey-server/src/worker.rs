@@ -75,9 +75,18 @@ pub enum Event {
     },
 }
 
+/// A cached session state; `logits` are those of its last token when they were kept (a prompt
+/// equal to `session.tokens` then needs no prefill at all).
+struct Entry {
+    session: Session,
+    logits: Option<Vec<f32>>,
+    bytes: usize,
+    used: u64,
+}
+
 /// Session snapshots keyed by the tokens that produced them, bounded by count and bytes (LRU).
 pub struct PrefixCache {
-    entries: Vec<(Session, usize, u64)>,
+    entries: Vec<Entry>,
     max_entries: usize,
     max_bytes: usize,
     clock: u64,
@@ -93,43 +102,67 @@ impl PrefixCache {
         }
     }
 
-    /// The longest cached state whose tokens are a proper prefix of `prompt`.
-    pub fn lookup(&mut self, prompt: &[u32]) -> Option<Session> {
+    /// The longest cached state usable for `prompt`: a proper prefix of it, or the whole prompt
+    /// when that entry kept its last logits (returned with it).
+    pub fn lookup(&mut self, prompt: &[u32]) -> Option<(Session, Option<Vec<f32>>)> {
         self.clock += 1;
         let clock = self.clock;
         let best = self
             .entries
             .iter_mut()
-            .filter(|(s, _, _)| s.tokens.len() < prompt.len() && prompt.starts_with(&s.tokens))
-            .max_by_key(|(s, _, _)| s.tokens.len())?;
-        best.2 = clock;
-        Some(best.0.clone())
+            .filter(|e| {
+                let n = e.session.tokens.len();
+                prompt.starts_with(&e.session.tokens)
+                    && (n < prompt.len() || (n == prompt.len() && e.logits.is_some()))
+            })
+            .max_by_key(|e| e.session.tokens.len())?;
+        best.used = clock;
+        let logits = if best.session.tokens.len() == prompt.len() {
+            best.logits.clone()
+        } else {
+            None
+        };
+        Some((best.session.clone(), logits))
     }
 
-    pub fn insert(&mut self, session: &Session) {
-        if self.max_entries == 0
-            || session.tokens.is_empty()
-            || self
-                .entries
-                .iter()
-                .any(|(s, _, _)| s.tokens == session.tokens)
-        {
+    /// Keeps a copy of `session` (and, if given, the logits of its last token).
+    pub fn insert(&mut self, session: &Session, logits: Option<&[f32]>) {
+        if self.max_entries == 0 || session.tokens.is_empty() {
             return;
         }
-        let bytes = session.state.bytes() + 4 * session.tokens.len();
+        if let Some(e) = self
+            .entries
+            .iter_mut()
+            .find(|e| e.session.tokens == session.tokens)
+        {
+            if e.logits.is_none() {
+                if let Some(l) = logits {
+                    e.logits = Some(l.to_vec());
+                    e.bytes += 4 * l.len();
+                }
+            }
+            return;
+        }
+        let bytes =
+            session.state.bytes() + 4 * session.tokens.len() + 4 * logits.map_or(0, |l| l.len());
         if bytes > self.max_bytes {
             return;
         }
         self.clock += 1;
-        self.entries.push((session.clone(), bytes, self.clock));
+        self.entries.push(Entry {
+            session: session.clone(),
+            logits: logits.map(|l| l.to_vec()),
+            bytes,
+            used: self.clock,
+        });
         while self.entries.len() > self.max_entries
-            || self.entries.iter().map(|e| e.1).sum::<usize>() > self.max_bytes
+            || self.entries.iter().map(|e| e.bytes).sum::<usize>() > self.max_bytes
         {
             let oldest = self
                 .entries
                 .iter()
                 .enumerate()
-                .min_by_key(|(_, e)| e.2)
+                .min_by_key(|(_, e)| e.used)
                 .map(|(i, _)| i)
                 .unwrap_or(0);
             self.entries.remove(oldest);
@@ -205,29 +238,38 @@ impl Worker {
         let valid_vocab = format.vocab_size.min(engine.config().vocab_size);
         let prompt = &job.prompt;
 
-        // longest cached prefix, then prefill up to the branch point (snapshot) and the rest
-        let (mut session, cached) = match self.cache.lookup(prompt) {
-            Some(s) => {
+        // longest cached prefix, then prefill up to the branch point (snapshot) and the rest; a
+        // cached copy of the whole prompt with its logits needs no prefill
+        let (mut session, cached, ready) = match self.cache.lookup(prompt) {
+            Some((s, logits)) => {
                 self.metrics.cache_hits.fetch_add(1, Ordering::Relaxed);
                 let n = s.tokens.len();
-                (s, n)
+                (s, n, logits)
             }
             None => {
                 self.metrics.cache_misses.fetch_add(1, Ordering::Relaxed);
-                (engine.new_session(), 0)
+                (engine.new_session(), 0, None)
             }
         };
         let started = Instant::now();
-        if let Some(b) = job.branch.filter(|&b| b > cached && b < prompt.len()) {
-            engine.prefill(&mut session, &prompt[cached..b])?;
-            self.cache.insert(&session);
-        }
-        let from = session.tokens.len();
-        let (mut logits, _) = engine.prefill(&mut session, &prompt[from..])?;
-        let prefill_s = started.elapsed().as_secs_f64();
-        self.metrics
-            .record_prefill(prompt.len() - cached, cached, prefill_s);
-        self.cache.insert(&session);
+        let mut logits = match ready {
+            Some(l) => l,
+            None => {
+                if let Some(b) = job.branch.filter(|&b| b > cached && b < prompt.len()) {
+                    engine.prefill(&mut session, &prompt[cached..b])?;
+                    self.cache.insert(&session, None);
+                }
+                let from = session.tokens.len();
+                let (l, _) = engine.prefill(&mut session, &prompt[from..])?;
+                self.cache.insert(&session, Some(&l));
+                l
+            }
+        };
+        self.metrics.record_prefill(
+            prompt.len() - cached,
+            cached,
+            started.elapsed().as_secs_f64(),
+        );
 
         let mut sampler = Sampler::new(job.gen.sampling.clone(), valid_vocab, prompt);
         let mut detok = format.incremental();
@@ -292,7 +334,7 @@ impl Worker {
                 }
                 // run the end-of-turn token so the cached state ends where the next turn resumes
                 engine.decode(&mut session, token)?;
-                self.cache.insert(&session);
+                self.cache.insert(&session, None);
                 break;
             }
             let (piece, hit) = stops.push(&detok.push(token));

@@ -2,8 +2,7 @@
 //! scripted backend (fixed replies through the real tokenizer) for exact streaming and parsing.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use futures_util::StreamExt;
@@ -49,13 +48,11 @@ fn config() -> ServerConfig {
     }
 }
 
-/// Replies with a fixed token script: prefill answers script[0], each decode step the next one.
+/// Replies with a fixed token script after any prompt.
 struct Scripted {
     config: ModelConfig,
     script: Vec<u32>,
-    step: Mutex<usize>,
     delay: Duration,
-    calls: AtomicUsize,
 }
 
 impl Backend for Scripted {
@@ -71,16 +68,20 @@ impl Backend for Scripted {
     fn forward(
         &self,
         state: &mut SessionState,
-        _history: &[u32],
+        history: &[u32],
         tokens: &[u32],
         want: LogitsFor,
     ) -> anyhow::Result<Vec<f32>> {
         std::thread::sleep(self.delay);
-        self.calls.fetch_add(1, Ordering::SeqCst);
         state.position += tokens.len();
-        let mut step = self.step.lock().unwrap();
-        *step = if tokens.len() > 1 { 0 } else { *step + 1 };
-        let next = self.script[(*step).min(self.script.len() - 1)];
+        // a pure function of the sequence: continue the script from however much of it the
+        // sequence already ends with (so cached and replayed states behave like a real model)
+        let seq: Vec<u32> = history.iter().chain(tokens).copied().collect();
+        let done = (0..=self.script.len())
+            .rev()
+            .find(|&k| seq.ends_with(&self.script[..k]))
+            .unwrap_or(0);
+        let next = self.script[done.min(self.script.len() - 1)];
         let mut logits = vec![0.0; self.config.vocab_size];
         logits[next as usize] = 100.0;
         Ok(if want == LogitsFor::None {
@@ -126,9 +127,7 @@ impl Server {
         let backend = Scripted {
             config: ModelConfig::from_dir(tiny_dir()).unwrap(),
             script,
-            step: Mutex::new(0),
             delay,
-            calls: AtomicUsize::new(0),
         };
         Server::start(Engine::new(Box::new(backend)), cfg).await
     }
@@ -655,4 +654,23 @@ async fn slow_request_times_out_with_504() {
         )
         .await;
     assert_eq!(st, 200);
+}
+
+#[tokio::test]
+async fn repeated_prompt_is_served_without_prefill() {
+    let s = Server::tiny(config()).await;
+    let body = json!({"messages": user("Same question again"), "max_tokens": 6, "temperature": 0});
+    let (_, first) = s.post("/v1/chat/completions", body.clone()).await;
+    let (_, second) = s.post("/v1/chat/completions", body).await;
+    let prompt = second["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(
+        second["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap(),
+        prompt
+    );
+    assert_eq!(
+        first["choices"][0]["message"],
+        second["choices"][0]["message"]
+    );
 }
