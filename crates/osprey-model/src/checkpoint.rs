@@ -158,3 +158,84 @@ fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
     }
     Ok(files)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::synth::{write_checkpoint, Preset, SynthOptions};
+    use crate::weights::ModelWeights;
+
+    /// Rewrites a single-file checkpoint as two shards plus model.safetensors.index.json.
+    fn shard(dir: &Path) {
+        let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let mut names: Vec<String> = st.names().into_iter().map(String::from).collect();
+        names.sort();
+        let (a, b) = names.split_at(names.len() / 2);
+        let mut weight_map = serde_json::Map::new();
+        for (i, part) in [a, b].iter().enumerate() {
+            let file = format!("model-{:05}-of-00002.safetensors", i + 1);
+            let views: Vec<(String, safetensors::tensor::TensorView)> = part
+                .iter()
+                .map(|n| (n.clone(), st.tensor(n).unwrap()))
+                .collect();
+            safetensors::serialize_to_file(views, None, &dir.join(&file)).unwrap();
+            for n in part.iter() {
+                weight_map.insert(n.clone(), file.clone().into());
+            }
+        }
+        let index =
+            serde_json::json!({"metadata": {"total_size": bytes.len()}, "weight_map": weight_map});
+        std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+        std::fs::remove_file(dir.join("model.safetensors")).unwrap();
+    }
+
+    #[test]
+    fn sharded_checkpoint_loads_like_the_single_file() {
+        let single = tempfile::tempdir().unwrap();
+        let sharded = tempfile::tempdir().unwrap();
+        let opts = SynthOptions {
+            preset: Preset::Tiny,
+            layers: Some(4),
+            seed: 4,
+            show_progress: false,
+        };
+        write_checkpoint(single.path(), &opts).unwrap();
+        write_checkpoint(sharded.path(), &opts).unwrap();
+        shard(sharded.path());
+        let ck = Checkpoint::open(sharded.path()).unwrap();
+        assert_eq!(ck.files.len(), 2);
+        let (a, b) = (
+            ModelWeights::load(single.path()).unwrap(),
+            ModelWeights::load(sharded.path()).unwrap(),
+        );
+        let (mut ra, mut rb) = (
+            vec![0.0; a.config.hidden_size],
+            vec![0.0; b.config.hidden_size],
+        );
+        for r in [0usize, 17, 248_000] {
+            a.embed_tokens.dequantize_row(r, &mut ra);
+            b.embed_tokens.dequantize_row(r, &mut rb);
+            assert_eq!(ra, rb);
+        }
+        a.layers[3].moe.experts[5].down.dequantize_row(7, &mut ra);
+        b.layers[3].moe.experts[5].down.dequantize_row(7, &mut rb);
+        assert_eq!(ra, rb);
+    }
+
+    #[test]
+    fn missing_shard_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let opts = SynthOptions {
+            preset: Preset::Tiny,
+            layers: Some(1),
+            seed: 4,
+            show_progress: false,
+        };
+        write_checkpoint(dir.path(), &opts).unwrap();
+        shard(dir.path());
+        std::fs::remove_file(dir.path().join("model-00002-of-00002.safetensors")).unwrap();
+        let err = Checkpoint::open(dir.path()).err().unwrap().to_string();
+        assert!(err.contains("model-00002-of-00002.safetensors"), "{err}");
+    }
+}
