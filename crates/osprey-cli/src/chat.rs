@@ -20,7 +20,6 @@ const RESET: &str = "\x1b[0m";
 pub fn run(args: &ModelArgs, max_tokens: usize, sampling: &SamplingArgs) -> Result<()> {
     let (engine, dir) = load_engine(args)?;
     let format = PromptFormat::from_dir(&dir)?;
-    let header = format.encode("<|im_start|>assistant\n")?;
     let mut cache = PrefixCache::new(8, 8 << 30);
     let mut history: Vec<Value> = Vec::new();
     let mut thinking = true;
@@ -71,11 +70,7 @@ pub fn run(args: &ModelArgs, max_tokens: usize, sampling: &SamplingArgs) -> Resu
             .lookup(&prompt)
             .map(|(s, _)| s)
             .unwrap_or_else(|| engine.new_session());
-        if let Some(b) = prompt
-            .windows(header.len())
-            .rposition(|w| w == header.as_slice())
-            .map(|i| i + header.len())
-        {
+        if let Some(b) = format.assistant_turn_start(&prompt) {
             if b > session.tokens.len() && b < prompt.len() {
                 let from = session.tokens.len();
                 engine.prefill(&mut session, &prompt[from..b])?;

@@ -40,6 +40,8 @@ pub struct PromptFormat {
     pub defaults: GenerationDefaults,
     /// Ids the tokenizer can produce; higher rows of the embedding are padding.
     pub vocab_size: usize,
+    /// Tokens of `<|im_start|>assistant\n`, the opening of an assistant turn.
+    assistant_header: Vec<u32>,
 }
 
 impl PromptFormat {
@@ -83,12 +85,18 @@ impl PromptFormat {
                 }
             }
         }
+        let assistant_header = tokenizer
+            .encode("<|im_start|>assistant\n", false)
+            .map_err(|e| anyhow::anyhow!("tokenizer: {e}"))?
+            .get_ids()
+            .to_vec();
         Ok(PromptFormat {
             tokenizer,
             template,
             stop_ids,
             defaults,
             vocab_size,
+            assistant_header,
         })
     }
 
@@ -119,6 +127,16 @@ impl PromptFormat {
     /// Renders and encodes a conversation.
     pub fn encode_chat(&self, messages: &Value, opts: &ChatOptions) -> Result<Vec<u32>> {
         self.encode(&self.render(messages, opts)?)
+    }
+
+    /// Position just after the last `<|im_start|>assistant\n` in `ids`: where the rendering of the
+    /// next turn stops matching this one (earlier turns' reasoning is dropped from history), so
+    /// the place to snapshot the session state for reuse.
+    pub fn assistant_turn_start(&self, ids: &[u32]) -> Option<usize> {
+        let h = &self.assistant_header;
+        ids.windows(h.len())
+            .rposition(|w| w == h.as_slice())
+            .map(|i| i + h.len())
     }
 
     pub fn incremental(&self) -> IncrementalDecoder<'_> {

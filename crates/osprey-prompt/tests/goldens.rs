@@ -128,3 +128,23 @@ fn incremental_decoding_equals_full_decoding() {
     out += &dec.flush();
     assert_eq!(out, text);
 }
+
+#[test]
+fn assistant_turn_start_is_after_the_last_assistant_header() {
+    let f = format();
+    let msgs = serde_json::json!([{"role": "user", "content": "Hi"}]);
+    let ids = f
+        .encode_chat(
+            &msgs,
+            &ChatOptions {
+                add_generation_prompt: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    // ... <|im_start|> assistant \n | <think> \n
+    let at = f.assistant_turn_start(&ids).unwrap();
+    assert_eq!(&ids[at - 3..at], &[248045, 74455, 198]);
+    assert_eq!(ids[at], 248068);
+    assert_eq!(f.assistant_turn_start(&[1, 2, 3]), None);
+}

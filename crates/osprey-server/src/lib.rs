@@ -55,8 +55,6 @@ struct AppState {
     queued: Arc<AtomicUsize>,
     metrics: Arc<Metrics>,
     vocab_size: usize,
-    /// Tokens of `<|im_start|>assistant\n`: the next turn of a conversation branches after them.
-    assistant_header: Vec<u32>,
     ids: AtomicU64,
 }
 
@@ -77,7 +75,6 @@ pub fn app(engine: Engine, format: PromptFormat, cfg: ServerConfig) -> anyhow::R
     std::thread::Builder::new()
         .name("osprey-engine".into())
         .spawn(move || worker.run(rx))?;
-    let assistant_header = format.encode("<|im_start|>assistant\n")?;
     let max_body = cfg.max_body_bytes;
     let state = Arc::new(AppState {
         cfg,
@@ -86,7 +83,6 @@ pub fn app(engine: Engine, format: PromptFormat, cfg: ServerConfig) -> anyhow::R
         queued,
         metrics,
         vocab_size,
-        assistant_header,
         ids: AtomicU64::new(0),
     });
     let v1 = Router::new()
@@ -381,11 +377,7 @@ fn prepare_chat(
         .encode(&text)
         .map_err(|e| ApiError::bad_request(format!("{e:#}"), Some("messages")))?;
     let max_tokens = st.max_tokens(prompt.len(), &gen)?;
-    let h = &st.assistant_header;
-    let branch = prompt
-        .windows(h.len())
-        .rposition(|w| w == h.as_slice())
-        .map(|i| i + h.len());
+    let branch = st.format.assistant_turn_start(&prompt);
     let schemas = tools.as_ref().map(ToolSchemas::from_tools);
     let force = match &choice {
         ToolChoice::Required => Some("<tool_call>\n<function=".to_string()),
