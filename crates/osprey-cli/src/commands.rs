@@ -80,15 +80,17 @@ pub fn model_dir(args: &ModelArgs) -> Result<PathBuf> {
     }
 }
 
-/// The CUDA backend for `dir`, or why it cannot be had.
+/// The CUDA backend for these weights, or why it cannot be had.
 #[cfg(feature = "cuda")]
-fn cuda_backend(dir: &Path, args: &ModelArgs) -> Result<Box<dyn osprey_engine::Backend>> {
-    let weights = ModelWeights::load(dir)?;
+fn cuda_backend(
+    weights: &ModelWeights,
+    args: &ModelArgs,
+) -> Result<Box<dyn osprey_engine::Backend>> {
     let max_context = args
         .max_context
         .unwrap_or(weights.config.max_position_embeddings.min(131_072));
     let valid = weights.config.vocab_size.min(248_077);
-    let b = osprey_cuda::CudaBackend::new(&weights, max_context, valid)?;
+    let b = osprey_cuda::CudaBackend::new(weights, max_context, valid)?;
     let mem: Vec<String> = b
         .memory_report()
         .iter()
@@ -99,7 +101,10 @@ fn cuda_backend(dir: &Path, args: &ModelArgs) -> Result<Box<dyn osprey_engine::B
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_backend(_dir: &Path, _args: &ModelArgs) -> Result<Box<dyn osprey_engine::Backend>> {
+fn cuda_backend(
+    _weights: &ModelWeights,
+    _args: &ModelArgs,
+) -> Result<Box<dyn osprey_engine::Backend>> {
     bail!("this build has no CUDA backend (rebuild with --features cuda)")
 }
 
@@ -110,17 +115,20 @@ pub fn load_engine(args: &ModelArgs) -> Result<(Engine, PathBuf)> {
         bail!("--prefill-chunk must be at least 1");
     }
     let started = std::time::Instant::now();
+    if !matches!(args.backend.as_str(), "cpu" | "cuda" | "auto") {
+        bail!("--backend {}: expected cpu, cuda or auto", args.backend);
+    }
+    let weights = ModelWeights::load(&dir)?;
     let backend: Box<dyn osprey_engine::Backend> = match args.backend.as_str() {
-        "cpu" => Box::new(osprey_engine::CpuBackend::new(ModelWeights::load(&dir)?)),
-        "cuda" => cuda_backend(&dir, args).context("--backend cuda")?,
-        "auto" => match cuda_backend(&dir, args) {
+        "cpu" => Box::new(osprey_engine::CpuBackend::new(weights)),
+        "cuda" => cuda_backend(&weights, args).context("--backend cuda")?,
+        _ => match cuda_backend(&weights, args) {
             Ok(b) => b,
             Err(e) => {
                 info!("backend auto: CUDA unavailable ({e:#}); running on the CPU");
-                Box::new(osprey_engine::CpuBackend::new(ModelWeights::load(&dir)?))
+                Box::new(osprey_engine::CpuBackend::new(weights))
             }
         },
-        other => bail!("--backend {other}: expected cpu, cuda or auto"),
     };
     let mut engine = Engine::new(backend);
     engine.prefill_chunk = args.prefill_chunk;
