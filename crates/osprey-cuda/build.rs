@@ -6,7 +6,18 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const KERNELS: [&str; 5] = ["gemv", "moe", "gdn", "attention", "sample"];
+const KERNELS: [&str; 10] = [
+    "gemv",
+    "moe",
+    "gdn",
+    "attention",
+    "sample",
+    "gemm",
+    "route",
+    "act",
+    "gdn_prefill",
+    "attention_prefill",
+];
 
 fn find_nvcc(workspace: &Path) -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("NVCC") {

@@ -165,9 +165,7 @@ pub fn run(kind: BenchKind) -> Result<()> {
             BenchKind::Decode { steps, .. } => {
                 cuda_decode(model, &lengths, *steps, rounds, out.as_deref())
             }
-            BenchKind::Prefill { .. } => {
-                bail!("CUDA prefill is not implemented yet: bench prefill runs on --backend cpu")
-            }
+            BenchKind::Prefill { .. } => cuda_prefill(model, &lengths, rounds, out.as_deref()),
         };
     }
     let (engine, dir) = load_engine(model)?;
@@ -266,6 +264,27 @@ fn cuda_decode(
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (dir, contexts, steps, rounds, out);
+        bail!("this build has no CUDA backend (rebuild with --features cuda)")
+    }
+}
+
+fn cuda_prefill(
+    model: &ModelArgs,
+    lengths: &[usize],
+    rounds: usize,
+    out: Option<&std::path::Path>,
+) -> Result<()> {
+    let dir = crate::commands::model_dir(model)?;
+    #[cfg(feature = "cuda")]
+    {
+        let chunk = model
+            .prefill_chunk
+            .unwrap_or(osprey_cuda::DEFAULT_CUDA_PREFILL_CHUNK);
+        crate::gpu::bench_prefill(&dir, lengths, rounds, chunk, out)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (dir, lengths, rounds, out);
         bail!("this build has no CUDA backend (rebuild with --features cuda)")
     }
 }

@@ -80,6 +80,14 @@ pub fn model_dir(args: &ModelArgs) -> Result<PathBuf> {
     }
 }
 
+/// Default prefill chunk of the CUDA backend (only reached when it loaded).
+fn osprey_cuda_chunk() -> usize {
+    #[cfg(feature = "cuda")]
+    return osprey_cuda::DEFAULT_CUDA_PREFILL_CHUNK;
+    #[cfg(not(feature = "cuda"))]
+    osprey_engine::DEFAULT_PREFILL_CHUNK
+}
+
 /// The CUDA backend for these weights, or why it cannot be had.
 #[cfg(feature = "cuda")]
 fn cuda_backend(
@@ -90,7 +98,10 @@ fn cuda_backend(
         .max_context
         .unwrap_or(weights.config.max_position_embeddings.min(131_072));
     let valid = weights.config.vocab_size.min(248_077);
-    let b = osprey_cuda::CudaBackend::new(weights, max_context, valid)?;
+    let chunk = args
+        .prefill_chunk
+        .unwrap_or(osprey_cuda::DEFAULT_CUDA_PREFILL_CHUNK);
+    let b = osprey_cuda::CudaBackend::new(weights, max_context, valid, chunk)?;
     let mem: Vec<String> = b
         .memory_report()
         .iter()
@@ -111,7 +122,7 @@ fn cuda_backend(
 /// Loads the model on the requested backend; `auto` takes the GPU when there is one.
 pub fn load_engine(args: &ModelArgs) -> Result<(Engine, PathBuf)> {
     let dir = model_dir(args)?;
-    if args.prefill_chunk == 0 {
+    if args.prefill_chunk == Some(0) {
         bail!("--prefill-chunk must be at least 1");
     }
     let started = std::time::Instant::now();
@@ -131,7 +142,10 @@ pub fn load_engine(args: &ModelArgs) -> Result<(Engine, PathBuf)> {
         },
     };
     let mut engine = Engine::new(backend);
-    engine.prefill_chunk = args.prefill_chunk;
+    engine.prefill_chunk = args.prefill_chunk.unwrap_or(match engine.backend.name() {
+        "cuda" => osprey_cuda_chunk(),
+        _ => osprey_engine::DEFAULT_PREFILL_CHUNK,
+    });
     info!(
         "loaded {} on {} in {:.2} s",
         dir.display(),
@@ -450,22 +464,24 @@ pub fn check(
     args: &ModelArgs,
     prompt_tokens: usize,
     steps: usize,
+    prefill_tokens: usize,
     out: Option<&Path>,
 ) -> Result<()> {
     if args.backend != "cuda" {
         bail!("osprey check compares a GPU backend with the CPU reference: pass --backend cuda");
     }
-    if steps == 0 || prompt_tokens == 0 {
-        bail!("--steps and --prompt-tokens must be at least 1");
+    if steps == 0 || prompt_tokens == 0 || prefill_tokens < 2 {
+        bail!("--steps and --prompt-tokens must be at least 1, --prefill-tokens at least 2");
     }
+    let chunk = args.prefill_chunk.unwrap_or(128);
     let dir = model_dir(args)?;
     #[cfg(feature = "cuda")]
     {
-        crate::gpu::check(&dir, prompt_tokens, steps, out)
+        crate::gpu::check(&dir, prompt_tokens, steps, prefill_tokens, chunk, out)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (dir, out);
+        let _ = (dir, out, chunk);
         bail!("this build has no CUDA backend (rebuild with --features cuda)")
     }
 }

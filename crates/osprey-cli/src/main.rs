@@ -29,9 +29,10 @@ pub struct ModelArgs {
     /// Backend: cpu, cuda or auto (the best available).
     #[arg(long, default_value = "auto")]
     pub backend: String,
-    /// Prompt tokens processed per forward call (bounds scratch memory).
-    #[arg(long, default_value_t = osprey_engine::DEFAULT_PREFILL_CHUNK)]
-    pub prefill_chunk: usize,
+    /// Prompt tokens processed per forward call (bounds scratch memory). Default: 512 on the
+    /// CPU, 4096 on the GPU.
+    #[arg(long)]
+    pub prefill_chunk: Option<usize>,
     /// Longest prompt + reply in tokens (default: the model's max_position_embeddings; on the GPU
     /// at most 131072 unless set). Sizes the GPU's KV cache.
     #[arg(long)]
@@ -190,6 +191,10 @@ enum Command {
         /// Decode steps compared.
         #[arg(long, default_value_t = 64)]
         steps: usize,
+        /// Prompt length of the prefill comparison (run in chunks of --prefill-chunk, default
+        /// 128 here, and unchunked).
+        #[arg(long, default_value_t = 300)]
+        prefill_tokens: usize,
         /// Also write the per-step comparison as JSON.
         #[arg(long)]
         out: Option<PathBuf>,
@@ -272,8 +277,9 @@ fn main() -> ExitCode {
             model,
             prompt_tokens,
             steps,
+            prefill_tokens,
             out,
-        } => commands::check(&model, prompt_tokens, steps, out.as_deref()),
+        } => commands::check(&model, prompt_tokens, steps, prefill_tokens, out.as_deref()),
         Command::Numerics { model, tokens, out } => {
             commands::numerics(&model, tokens, out.as_deref())
         }

@@ -46,6 +46,31 @@ __device__ __forceinline__ float byte_code(uint32_t w, int n) {
 // reading consecutive 32-element chunks with float4 loads hit distinct banks.
 __device__ __forceinline__ int pad_idx(int i) { return i + ((i >> 5) << 2); }
 
+// ---- tensor cores ----
+// D += A·B for one m16n8k16 tile: A 16x16 bf16 (row-major fragments), B 16x8 bf16, f32 accumulate.
+__device__ __forceinline__ void mma_bf16(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Storage order of bf16 activations feeding the prefill GEMM (gemm.cu): inside every 64-element
+// group, logical element k = 8w + r (w the 4-bit code word, r its nibble) is stored at
+// (4q + t)·4 + j with q = w/2, t = 2·(w%2) + (r/2)%2, j = 2·(r%2) + r/4. Thread q of an mma quad
+// then finds the B fragments of all four k-tiles of a group in 32 contiguous bytes, in exactly the
+// order its A fragments come out of the code words (see gemm.cu).
+__device__ __forceinline__ int perm64(int k) {
+    const int w = (k >> 3) & 7, r = k & 7;
+    const int q = w >> 1, t = ((w & 1) << 1) | ((r >> 1) & 1), j = ((r & 1) << 1) | ((r >> 2) & 1);
+    return (k & ~63) | (((q << 2) | t) << 2) | j;
+}
+
 // ---- routing: the router GEMV's last block writes the selected experts here ----
 #define MAX_TOPK 16
 #define MAX_E 512

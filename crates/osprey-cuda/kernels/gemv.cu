@@ -201,18 +201,6 @@ __device__ __forceinline__ float row_dot(const Segment& s, const RowLoads& L, in
 // permutation chosen so each thread's nibbles are cheap to extract; x is permuted the same way
 // once per block. Per group, 128·Σx is subtracted and scale and bias applied in f32.
 
-__device__ __forceinline__ void mma_bf16(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-}
-
 // B fragments of x for every (k-tile, q): {hi b0, hi b1, lo b0, lo b1}.
 __device__ __forceinline__ void build_x_fragments(const float* xs, int K, uint4* xb) {
     for (int idx = threadIdx.x; idx < K / 16 * 4; idx += blockDim.x) {

@@ -169,6 +169,151 @@ pub struct ArgmaxArgs {
     pub n: i32,
 }
 
+/// gemm.cu `GemmArgs`: the prefill GEMM, dense or grouped by expert.
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct GemmArgs {
+    pub a: u64,
+    pub a_rows: u64,
+    pub codes: [u64; 2],
+    pub scales: [u64; 2],
+    pub biases: [u64; 2],
+    pub expert_rows: i64,
+    pub tiles: u64,
+    pub tile_count: u64,
+    pub out: u64,
+    pub out_h: u64,
+    pub row_scale: u64,
+    pub m: i32,
+    pub n: i32,
+    pub k: i32,
+    pub group: i32,
+    pub ldo: i32,
+    pub epilogue: i32,
+}
+
+pub const EPI_STORE: i32 = 0;
+pub const EPI_ADD: i32 = 1;
+pub const EPI_SWIGLU: i32 = 2;
+pub const EPI_SCALED: i32 = 3;
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct RouteArgs {
+    pub logits: u64,
+    pub ids: u64,
+    pub weights: u64,
+    pub counts: u64,
+    pub fill: u64,
+    pub offsets: u64,
+    pub tiles: u64,
+    pub tile_count: u64,
+    pub a_rows: u64,
+    pub row_weight: u64,
+    pub slot_pos: u64,
+    pub t: i32,
+    pub e: i32,
+    pub k: i32,
+    pub renorm: i32,
+    pub bm: i32,
+    pub max_tiles: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct CombineMoeArgs {
+    pub x: u64,
+    pub y: u64,
+    pub slot_pos: u64,
+    pub shared: u64,
+    pub shared_gate: u64,
+    pub t: i32,
+    pub h: i32,
+    pub k: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct EmbedRowsArgs {
+    pub codes: u64,
+    pub scales: u64,
+    pub biases: u64,
+    pub tokens: u64,
+    pub x: u64,
+    pub hidden: i32,
+    pub group: i32,
+    pub bits: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct NormArgs {
+    pub x: u64,
+    pub weight: u64,
+    pub z: u64,
+    pub out: u64,
+    pub eps: f32,
+    pub k: i32,
+    pub ldx: i32,
+    pub head_dim: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct GdnPrefillArgs {
+    pub qkv: u64,
+    pub conv_out: u64,
+    pub conv_w: u64,
+    pub state_in: u64,
+    pub state_out: u64,
+    pub b: u64,
+    pub a: u64,
+    pub a_log: u64,
+    pub dt_bias: u64,
+    pub gates: u64,
+    pub state: u64,
+    pub o: u64,
+    pub t: i32,
+    pub conv_dim: i32,
+    pub kernel: i32,
+    pub hk: i32,
+    pub hv: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct AttnPrepRowsArgs {
+    pub qg: u64,
+    pub k: u64,
+    pub v: u64,
+    pub q_norm: u64,
+    pub k_norm: u64,
+    pub q_out: u64,
+    pub k_cache: u64,
+    pub v_cache: u64,
+    pub eps: f32,
+    pub theta: f32,
+    pub start: i32,
+    pub hq: i32,
+    pub hkv: i32,
+    pub rotary: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct AttnPrefillArgs {
+    pub q: u64,
+    pub k_cache: u64,
+    pub v_cache: u64,
+    pub qg: u64,
+    pub out: u64,
+    pub scale_log2: f32,
+    pub t: i32,
+    pub start: i32,
+    pub hq: i32,
+    pub hkv: i32,
+}
+
 // SAFETY: plain-old-data with the C layout of the matching kernel structs.
 unsafe impl DeviceRepr for GemvArgs {}
 unsafe impl DeviceRepr for GateUpArgs {}
@@ -179,6 +324,14 @@ unsafe impl DeviceRepr for DecodeArgs {}
 unsafe impl DeviceRepr for CombineArgs {}
 unsafe impl DeviceRepr for EmbedArgs {}
 unsafe impl DeviceRepr for ArgmaxArgs {}
+unsafe impl DeviceRepr for GemmArgs {}
+unsafe impl DeviceRepr for RouteArgs {}
+unsafe impl DeviceRepr for CombineMoeArgs {}
+unsafe impl DeviceRepr for EmbedRowsArgs {}
+unsafe impl DeviceRepr for NormArgs {}
+unsafe impl DeviceRepr for GdnPrefillArgs {}
+unsafe impl DeviceRepr for AttnPrepRowsArgs {}
+unsafe impl DeviceRepr for AttnPrefillArgs {}
 
 #[cfg(test)]
 mod tests {
@@ -194,5 +347,13 @@ mod tests {
         assert_eq!(std::mem::size_of::<GdnArgs>(), 11 * 8 + 16);
         assert_eq!(std::mem::size_of::<PrepArgs>(), 9 * 8 + 20 + 4);
         assert_eq!(std::mem::size_of::<ArgmaxArgs>(), 7 * 8 + 8);
+        assert_eq!(std::mem::size_of::<GemmArgs>(), 14 * 8 + 6 * 4);
+        assert_eq!(std::mem::size_of::<RouteArgs>(), 11 * 8 + 6 * 4);
+        assert_eq!(std::mem::size_of::<CombineMoeArgs>(), 5 * 8 + 3 * 4 + 4);
+        assert_eq!(std::mem::size_of::<EmbedRowsArgs>(), 5 * 8 + 3 * 4 + 4);
+        assert_eq!(std::mem::size_of::<NormArgs>(), 4 * 8 + 4 * 4);
+        assert_eq!(std::mem::size_of::<GdnPrefillArgs>(), 12 * 8 + 5 * 4 + 4);
+        assert_eq!(std::mem::size_of::<AttnPrepRowsArgs>(), 8 * 8 + 6 * 4);
+        assert_eq!(std::mem::size_of::<AttnPrefillArgs>(), 5 * 8 + 5 * 4 + 4);
     }
 }

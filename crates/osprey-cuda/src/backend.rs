@@ -1,7 +1,9 @@
 //! The CUDA backend behind the engine's `Backend` interface: `osprey generate`, `chat` and `serve`
 //! run on it. The device holds one session's state at a time; a forward call for another session
-//! (or after a snapshot was restored) rebuilds the device state by replaying that session's tokens.
-//! Each token runs the captured decode step; logits come back to the host for sampling.
+//! (or after a snapshot was restored) rebuilds the device state by prefilling that session's
+//! tokens (only the missing suffix when the device already holds a prefix of them). Several tokens
+//! run through the batched prefill path, a single token through the captured decode step; logits
+//! come back to the host for sampling.
 
 use std::sync::Mutex;
 
@@ -18,11 +20,16 @@ struct Device {
     tokens: Vec<u32>,
 }
 
+/// Tokens per prefill chunk unless the caller asks otherwise: long enough to keep the tensor
+/// cores busy, small enough that the chunk's activations stay near 1 GB.
+pub const DEFAULT_CUDA_PREFILL_CHUNK: usize = 4096;
+
 pub struct CudaBackend {
     device: Mutex<Device>,
     config: ModelConfig,
     device_name: String,
     memory: Vec<(&'static str, usize)>,
+    prefill_chunk: usize,
 }
 
 // SAFETY: the decoder's CUDA handles are only used while the mutex is held, and every cudarc
@@ -30,10 +37,20 @@ pub struct CudaBackend {
 unsafe impl Send for Device {}
 
 impl CudaBackend {
-    /// Uploads the weights and allocates state for `max_context` positions.
-    pub fn new(weights: &ModelWeights, max_context: usize, valid_vocab: usize) -> Result<Self> {
+    /// Uploads the weights and allocates state for `max_context` positions; prompts run in chunks
+    /// of `prefill_chunk` tokens.
+    pub fn new(
+        weights: &ModelWeights,
+        max_context: usize,
+        valid_vocab: usize,
+        prefill_chunk: usize,
+    ) -> Result<Self> {
+        if prefill_chunk == 0 {
+            bail!("the prefill chunk must be at least 1 token");
+        }
         let decoder = CudaDecoder::new(weights, max_context, valid_vocab)?;
         Ok(CudaBackend {
+            prefill_chunk,
             device_name: decoder.device_name(),
             memory: decoder.memory_report().to_vec(),
             config: weights.config.clone(),
@@ -89,20 +106,24 @@ impl Backend for CudaBackend {
         if needed > d.decoder.max_context {
             bail!("the context is full: {needed} tokens, {} allocated on the GPU (raise --max-context)", d.decoder.max_context);
         }
-        if d.tokens != history {
+        if !history.starts_with(&d.tokens) {
             d.decoder.reset()?;
             d.tokens.clear();
-            for &t in history {
-                d.decoder.set_token(t)?;
-                d.decoder.step()?;
-                d.tokens.push(t);
-            }
         }
-        for &t in tokens {
-            d.decoder.set_token(t)?;
-            d.decoder.step()?;
-            d.tokens.push(t);
+        let held = d.tokens.len();
+        let mut todo = history[held..].to_vec();
+        todo.extend_from_slice(tokens);
+        let ran = match todo.len() {
+            0 => Ok(()),
+            1 => d.decoder.set_token(todo[0]).and_then(|_| d.decoder.step()),
+            _ => d.decoder.prefill(held, &todo, self.prefill_chunk),
+        };
+        if let Err(e) = ran {
+            // the device state is now unknown: the next call rebuilds it from scratch
+            d.tokens.clear();
+            return Err(e);
         }
+        d.tokens.extend_from_slice(&todo);
         state.position = d.tokens.len();
         match want {
             LogitsFor::None => Ok(Vec::new()),

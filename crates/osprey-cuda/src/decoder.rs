@@ -11,8 +11,8 @@ use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Context, Result};
 use cudarc::driver::{
-    sys, CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
-    PushKernelArg,
+    sys, CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr,
+    LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 use osprey_model::config::ModelConfig;
@@ -20,6 +20,8 @@ use osprey_model::tensor::{FloatBuf, Linear, Matrix, MatrixData};
 use osprey_model::weights::{GdnProjections, Mixer, ModelWeights};
 
 use crate::args::*;
+
+mod prefill;
 
 /// Attention splits over the context (flash-decoding); fixed so the graph never changes.
 const SPLITS: usize = 64;
@@ -197,6 +199,9 @@ pub struct CudaDecoder {
     sms: usize,
     /// Page-locked host copy of the logits (pageable downloads were slow on the H200 host).
     logits_host: cudarc::driver::PinnedHostSlice<f32>,
+    pk: prefill::PrefillKernels,
+    /// Prefill activations, allocated for the chunk size of the first prefill.
+    prefill: Option<prefill::PrefillScratch>,
 }
 
 fn upload_f32(stream: &Arc<CudaStream>, v: &[f32]) -> Result<CudaSlice<f32>> {
@@ -318,6 +323,7 @@ impl CudaDecoder {
             argmax_partial: func("sample", "argmax_partial")?,
             argmax_final: func("sample", "argmax_final")?,
         };
+        let pk = prefill::PrefillKernels::load(&func)?;
 
         let mut up = Uploader {
             stream: &stream,
@@ -479,6 +485,8 @@ impl CudaDecoder {
             memory,
             sms,
             logits_host,
+            pk,
+            prefill: None,
         })
     }
 
@@ -980,22 +988,7 @@ impl CudaDecoder {
         let mut events = Vec::new();
         self.issue_step(Some(&mut events))?;
         self.synchronize()?;
-        let mut by: Vec<KernelTime> = Vec::new();
-        for (name, a, b) in &events {
-            let us = a.elapsed_ms(b)? as f64 * 1e3;
-            match by.iter_mut().find(|k| k.kernel == *name) {
-                Some(k) => {
-                    k.launches += 1;
-                    k.micros += us;
-                }
-                None => by.push(KernelTime {
-                    kernel: name,
-                    launches: 1,
-                    micros: us,
-                }),
-            }
-        }
-        Ok(by)
+        sum_events(&events)
     }
 
     /// Bytes one step must read at `context` positions: weights touched (projections, router,
@@ -1038,6 +1031,26 @@ impl CudaDecoder {
         }
         total
     }
+}
+
+/// Time per kernel family from (name, start, end) event triples.
+fn sum_events(events: &[(&'static str, CudaEvent, CudaEvent)]) -> Result<Vec<KernelTime>> {
+    let mut by: Vec<KernelTime> = Vec::new();
+    for (name, a, b) in events {
+        let us = a.elapsed_ms(b)? as f64 * 1e3;
+        match by.iter_mut().find(|k| k.kernel == *name) {
+            Some(k) => {
+                k.launches += 1;
+                k.micros += us;
+            }
+            None => by.push(KernelTime {
+                kernel: name,
+                launches: 1,
+                micros: us,
+            }),
+        }
+    }
+    Ok(by)
 }
 
 fn check_shapes(c: &ModelConfig) -> Result<()> {

@@ -8,7 +8,7 @@ mod args;
 mod backend;
 mod decoder;
 
-pub use backend::CudaBackend;
+pub use backend::{CudaBackend, DEFAULT_CUDA_PREFILL_CHUNK};
 pub use decoder::{CudaDecoder, KernelTime};
 
 #[cfg(osprey_kernels)]
@@ -32,6 +32,26 @@ pub(crate) const CUBINS: &[(&str, &[u8])] = &[
     (
         "sample",
         include_bytes!(concat!(env!("OUT_DIR"), "/sample.cubin")),
+    ),
+    (
+        "gemm",
+        include_bytes!(concat!(env!("OUT_DIR"), "/gemm.cubin")),
+    ),
+    (
+        "route",
+        include_bytes!(concat!(env!("OUT_DIR"), "/route.cubin")),
+    ),
+    (
+        "act",
+        include_bytes!(concat!(env!("OUT_DIR"), "/act.cubin")),
+    ),
+    (
+        "gdn_prefill",
+        include_bytes!(concat!(env!("OUT_DIR"), "/gdn_prefill.cubin")),
+    ),
+    (
+        "attention_prefill",
+        include_bytes!(concat!(env!("OUT_DIR"), "/attention_prefill.cubin")),
     ),
 ];
 

@@ -1,0 +1,154 @@
+// MoE routing for prefill, all on the GPU (no host sync inside a layer):
+//   route_topk    — per token: softmax over the router logits, top-k (ties: lower expert id),
+//                   renormalised when the config says so; counts rows per expert. One warp per token.
+//   route_plan    — one block: exclusive scan of the counts into each expert's first position, and
+//                   the GEMM tile plan (expert, first position, end) per tile of BM positions.
+//   route_scatter — gives every (token, slot) its position in the expert-grouped order: the A row
+//                   (token) of the position, its routing weight, and where the token finds it.
+//   moe_combine   — x[t] += Σ_slots y[position] (already weighted) + sigmoid(shared gate) · shared.
+// Positions inside one expert's range come in whatever order the atomics give, but each result
+// depends only on its own row, and the combine sums a token's slots in slot order: deterministic.
+#include "common.cuh"
+
+struct RouteArgs {
+    const float* logits;   // [T, E]
+    int* ids;              // [T, k]
+    float* weights;        // [T, k]
+    int* counts;           // [E] (zeroed before route_topk)
+    int* fill;             // [E] (zeroed by route_plan)
+    int* offsets;          // [E]
+    int4* tiles;           // [max tiles]
+    int* tile_count;
+    int* a_rows;           // [T·k] token of each position
+    float* row_weight;     // [T·k] routing weight of each position
+    int* slot_pos;         // [T·k] position of (token, slot)
+    int T, E, k, renorm, bm, max_tiles;
+};
+
+#define MAX_E_PER_LANE (MAX_E / 32)
+
+extern "C" __global__ void route_topk(RouteArgs a) {
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+    if (warp >= a.T) return;
+    const float* l = a.logits + (size_t)warp * a.E;
+    float v[MAX_E_PER_LANE];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < MAX_E_PER_LANE; ++i) {
+        const int e = lane + 32 * i;
+        v[i] = e < a.E ? l[e] : -INFINITY;
+        mx = fmaxf(mx, v[i]);
+    }
+    mx = warp_max(mx);
+    float all = 0.f;
+#pragma unroll
+    for (int i = 0; i < MAX_E_PER_LANE; ++i) all += lane + 32 * i < a.E ? __expf(v[i] - mx) : 0.f;
+    all = warp_sum(all);
+    int sel[MAX_TOPK];
+    float selp[MAX_TOPK], chosen = 0.f;
+    for (int r = 0; r < a.k; ++r) {
+        // this lane's best remaining (lowest id on ties), then the warp's
+        float best = -INFINITY;
+        int bid = 0x7fffffff;
+#pragma unroll
+        for (int i = 0; i < MAX_E_PER_LANE; ++i) {
+            const int e = lane + 32 * i;
+            if (e < a.E && (v[i] > best || (v[i] == best && e < bid))) {
+                best = v[i];
+                bid = e;
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ob = __shfl_xor_sync(FULL_MASK, best, o);
+            const int oi = __shfl_xor_sync(FULL_MASK, bid, o);
+            if (ob > best || (ob == best && oi < bid)) {
+                best = ob;
+                bid = oi;
+            }
+        }
+        sel[r] = bid;
+        selp[r] = __expf(best - mx);
+        chosen += selp[r];
+#pragma unroll
+        for (int i = 0; i < MAX_E_PER_LANE; ++i)
+            if (lane + 32 * i == bid) v[i] = -INFINITY;
+    }
+    if (lane == 0) {
+        const float denom = a.renorm ? chosen : all;
+        for (int r = 0; r < a.k; ++r) {
+            a.ids[warp * a.k + r] = sel[r];
+            a.weights[warp * a.k + r] = selp[r] / denom;
+            atomicAdd(a.counts + sel[r], 1);
+        }
+    }
+}
+
+// One block of 512 threads (E <= 512): scans of the counts and of the tiles per expert.
+extern "C" __global__ void __launch_bounds__(512) route_plan(RouteArgs a) {
+    __shared__ int scan_pos[MAX_E], scan_tiles[MAX_E];
+    const int e = threadIdx.x;
+    const int c = e < a.E ? a.counts[e] : 0;
+    const int nt = (c + a.bm - 1) / a.bm;
+    scan_pos[e] = c;
+    scan_tiles[e] = nt;
+    __syncthreads();
+    // Hillis-Steele inclusive scans
+    for (int o = 1; o < MAX_E; o <<= 1) {
+        const int p = e >= o ? scan_pos[e - o] : 0, t = e >= o ? scan_tiles[e - o] : 0;
+        __syncthreads();
+        scan_pos[e] += p;
+        scan_tiles[e] += t;
+        __syncthreads();
+    }
+    if (e < a.E) {
+        const int first = scan_pos[e] - c, tile0 = scan_tiles[e] - nt;
+        a.offsets[e] = first;
+        a.fill[e] = 0;
+        for (int i = 0; i < nt && tile0 + i < a.max_tiles; ++i)
+            a.tiles[tile0 + i] = make_int4(e, first + i * a.bm, first + c, 0);
+    }
+    if (e == MAX_E - 1) *a.tile_count = min(scan_tiles[MAX_E - 1], a.max_tiles);
+}
+
+extern "C" __global__ void route_scatter(RouteArgs a) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= a.T * a.k) return;
+    const int e = a.ids[i];
+    const int pos = a.offsets[e] + atomicAdd(a.fill + e, 1);
+    a.a_rows[pos] = i / a.k;
+    a.row_weight[pos] = a.weights[i];
+    a.slot_pos[i] = pos;
+}
+
+struct CombineMoeArgs {
+    float* x;                  // [T, H] residual stream
+    const float* y;            // [T·k, H] weighted expert outputs, expert-grouped order
+    const int* slot_pos;       // [T, k]
+    const float* shared;       // [T, H] shared expert output
+    const float* shared_gate;  // [T] shared expert gate logit
+    int T, H, k;
+};
+
+// Grid T blocks of 256 threads; float4 over the hidden dimension.
+extern "C" __global__ void moe_combine(CombineMoeArgs a) {
+    const int t = blockIdx.x;
+    __shared__ int pos[MAX_TOPK];
+    if (threadIdx.x < a.k) pos[threadIdx.x] = a.slot_pos[t * a.k + threadIdx.x];
+    __syncthreads();
+    const float gate = sigmoidf(a.shared_gate[t]);
+    for (int i = threadIdx.x * 4; i < a.H; i += blockDim.x * 4) {
+        float4 acc = *reinterpret_cast<const float4*>(a.x + (size_t)t * a.H + i);
+        const float4 s = *reinterpret_cast<const float4*>(a.shared + (size_t)t * a.H + i);
+        float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int j = 0; j < a.k; ++j) {
+            const float4 v = *reinterpret_cast<const float4*>(a.y + (size_t)pos[j] * a.H + i);
+            r.x += v.x; r.y += v.y; r.z += v.z; r.w += v.w;
+        }
+        acc.x += r.x + gate * s.x;
+        acc.y += r.y + gate * s.y;
+        acc.z += r.z + gate * s.z;
+        acc.w += r.w + gate * s.w;
+        *reinterpret_cast<float4*>(a.x + (size_t)t * a.H + i) = acc;
+    }
+}

@@ -1,0 +1,758 @@
+//! Prefill on the GPU: a prompt runs in chunks of up to `chunk` tokens, each chunk through every
+//! layer as a handful of batched kernels (tensor-core GEMMs on the stored 4/8-bit weights, the
+//! GDN conv + register-resident scan, causal flash attention over the cache, routing grouped on
+//! the GPU), continuing the same device state (KV cache, conv and recurrent state) that the
+//! decode step uses. Only the last position's logits are computed. Scratch memory is bounded by
+//! the chunk size, whatever the prompt length.
+
+use anyhow::{bail, Result};
+use cudarc::driver::{sys, CudaEvent, CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::{launch_cfg, CudaDecoder, DevLinear, DevMatrix, LayerDev, Prologue};
+use crate::args::*;
+
+/// Flash-attention tiles: shared memory Q 64x264 + K 64x264 + Vᵀ 256x72 bf16.
+const ATTN_SMEM_BYTES: usize = (64 * 264 * 2 + 256 * 72) * 2;
+const ATTN_QUERY_TILE: usize = 64;
+
+pub(super) struct PrefillKernels {
+    gemm4: [CudaFunction; 3],
+    gemm8: [CudaFunction; 2],
+    embed_rows: CudaFunction,
+    norm_bf16: CudaFunction,
+    gated_norm_bf16: CudaFunction,
+    route_topk: CudaFunction,
+    route_plan: CudaFunction,
+    route_scatter: CudaFunction,
+    moe_combine: CudaFunction,
+    gdn_conv: CudaFunction,
+    gdn_conv_state: CudaFunction,
+    gdn_qk_gates: CudaFunction,
+    gdn_scan: CudaFunction,
+    attn_prep_rows: CudaFunction,
+    attn_prefill: CudaFunction,
+}
+
+impl PrefillKernels {
+    pub(super) fn load(func: &dyn Fn(&str, &str) -> Result<CudaFunction>) -> Result<Self> {
+        let attn_prefill = func("attention_prefill", "attn_prefill")?;
+        attn_prefill.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            ATTN_SMEM_BYTES as i32,
+        )?;
+        Ok(PrefillKernels {
+            gemm4: [
+                func("gemm", "gemm_q4_m2")?,
+                func("gemm", "gemm_q4_m4")?,
+                func("gemm", "gemm_q4_m8")?,
+            ],
+            gemm8: [func("gemm", "gemm_q8_m2")?, func("gemm", "gemm_q8_m8")?],
+            embed_rows: func("act", "embed_rows")?,
+            norm_bf16: func("act", "norm_bf16")?,
+            gated_norm_bf16: func("act", "gated_norm_bf16")?,
+            route_topk: func("route", "route_topk")?,
+            route_plan: func("route", "route_plan")?,
+            route_scatter: func("route", "route_scatter")?,
+            moe_combine: func("route", "moe_combine")?,
+            gdn_conv: func("gdn_prefill", "gdn_conv")?,
+            gdn_conv_state: func("gdn_prefill", "gdn_conv_state")?,
+            gdn_qk_gates: func("gdn_prefill", "gdn_qk_gates")?,
+            gdn_scan: func("gdn_prefill", "gdn_scan")?,
+            attn_prep_rows: func("attention_prefill", "attn_prep_rows")?,
+            attn_prefill,
+        })
+    }
+}
+
+/// Activations of one chunk (sizes for `chunk` tokens).
+pub(super) struct PrefillScratch {
+    chunk: usize,
+    max_tiles: usize,
+    tokens: CudaSlice<i32>,
+    x: CudaSlice<f32>,
+    act: CudaSlice<u16>,
+    /// GDN qkv projections, or the attention q|gate projections.
+    proj: CudaSlice<f32>,
+    /// GDN conv output, or the attention output.
+    mixed: CudaSlice<f32>,
+    z: CudaSlice<f32>,
+    b: CudaSlice<f32>,
+    a: CudaSlice<f32>,
+    gates: CudaSlice<f32>,
+    y: CudaSlice<f32>,
+    k: CudaSlice<f32>,
+    v: CudaSlice<f32>,
+    q_bf16: CudaSlice<u16>,
+    router: CudaSlice<f32>,
+    shared_gate: CudaSlice<f32>,
+    ids: CudaSlice<i32>,
+    weights: CudaSlice<f32>,
+    counts: CudaSlice<i32>,
+    fill: CudaSlice<i32>,
+    offsets: CudaSlice<i32>,
+    tiles: CudaSlice<i32>,
+    tile_count: CudaSlice<i32>,
+    a_rows: CudaSlice<i32>,
+    row_weight: CudaSlice<f32>,
+    slot_pos: CudaSlice<i32>,
+    expert_h: CudaSlice<u16>,
+    expert_y: CudaSlice<f32>,
+    shared_h: CudaSlice<u16>,
+    shared_y: CudaSlice<f32>,
+    pub(super) bytes: usize,
+}
+
+/// Position-tile height (8·MT rows) of the GEMM for about `rows` rows per weight matrix.
+fn m_tiles(rows: usize) -> usize {
+    if rows >= 48 {
+        8
+    } else if rows >= 20 {
+        4
+    } else {
+        2
+    }
+}
+
+type Events<'a> = Option<&'a mut Vec<(&'static str, CudaEvent, CudaEvent)>>;
+
+impl CudaDecoder {
+    /// Makes sure the scratch holds chunks of `chunk` tokens (grown, never shrunk).
+    fn prefill_scratch(&mut self, chunk: usize) -> Result<()> {
+        if self.prefill.as_ref().is_some_and(|s| s.chunk >= chunk) {
+            return Ok(());
+        }
+        self.prefill = None;
+        let c = &self.cfg;
+        let st = &self.stream;
+        let (h, d) = (c.hidden_size, c.head_dim);
+        let (hq, hkv) = (c.num_attention_heads, c.num_key_value_heads);
+        let vdim = c.linear_value_dim();
+        let k = c.num_experts_per_tok;
+        let max_k = h.max(vdim).max(hq * d);
+        let max_tiles = (chunk * k).div_ceil(16) + c.num_experts;
+        let f32s = [
+            ("x", chunk * h),
+            ("proj", chunk * c.conv_dim().max(2 * hq * d)),
+            ("mixed", chunk * c.conv_dim().max(hq * d)),
+            ("z", chunk * vdim),
+            ("b", chunk * c.linear_num_value_heads),
+            ("a", chunk * c.linear_num_value_heads),
+            ("gates", chunk * c.linear_num_value_heads * 2),
+            ("y", chunk * vdim),
+            ("k", chunk * hkv * d),
+            ("v", chunk * hkv * d),
+            ("router", chunk * c.num_experts),
+            ("shared_gate", chunk),
+            ("weights", chunk * k),
+            ("row_weight", chunk * k),
+            ("expert_y", chunk * k * h),
+            ("shared_y", chunk * h),
+        ];
+        let bytes = 4 * f32s.iter().map(|(_, n)| n).sum::<usize>()
+            + 2 * (chunk * max_k
+                + chunk * hq * d
+                + chunk * k * c.moe_intermediate_size
+                + chunk * c.shared_expert_intermediate_size)
+            + 4 * (chunk + 4 * chunk * k + 3 * c.num_experts + 4 * max_tiles + 1);
+        let f = |n: usize| -> Result<CudaSlice<f32>> { Ok(st.alloc_zeros::<f32>(n)?) };
+        let i = |n: usize| -> Result<CudaSlice<i32>> { Ok(st.alloc_zeros::<i32>(n)?) };
+        let hb = |n: usize| -> Result<CudaSlice<u16>> { Ok(st.alloc_zeros::<u16>(n)?) };
+        self.prefill = Some(PrefillScratch {
+            chunk,
+            max_tiles,
+            tokens: i(chunk)?,
+            x: f(f32s[0].1)?,
+            act: hb(chunk * max_k)?,
+            proj: f(f32s[1].1)?,
+            mixed: f(f32s[2].1)?,
+            z: f(f32s[3].1)?,
+            b: f(f32s[4].1)?,
+            a: f(f32s[5].1)?,
+            gates: f(f32s[6].1)?,
+            y: f(f32s[7].1)?,
+            k: f(f32s[8].1)?,
+            v: f(f32s[9].1)?,
+            q_bf16: hb(chunk * hq * d)?,
+            router: f(f32s[10].1)?,
+            shared_gate: f(f32s[11].1)?,
+            ids: i(chunk * k)?,
+            weights: f(f32s[12].1)?,
+            counts: i(c.num_experts)?,
+            fill: i(c.num_experts)?,
+            offsets: i(c.num_experts)?,
+            tiles: i(4 * max_tiles)?,
+            tile_count: i(1)?,
+            a_rows: i(chunk * k)?,
+            row_weight: f(f32s[13].1)?,
+            slot_pos: i(chunk * k)?,
+            expert_h: hb(chunk * k * c.moe_intermediate_size)?,
+            expert_y: f(f32s[14].1)?,
+            shared_h: hb(chunk * c.shared_expert_intermediate_size)?,
+            shared_y: f(f32s[15].1)?,
+            bytes,
+        });
+        Ok(())
+    }
+
+    /// Scratch bytes the prefill holds (after the first prefill; bounded by the chunk size).
+    pub fn prefill_scratch_bytes(&self) -> Option<usize> {
+        self.prefill.as_ref().map(|s| s.bytes)
+    }
+
+    /// Runs `tokens` at positions `start..` through the model in chunks of at most `chunk`
+    /// tokens, leaving the device state at position `start + tokens.len()` and the last token's
+    /// logits in the logits buffer (read them with `logits`). The caller keeps `start` equal to
+    /// the number of tokens the device state holds.
+    pub fn prefill(&mut self, start: usize, tokens: &[u32], chunk: usize) -> Result<()> {
+        self.prefill_profiled(start, tokens, chunk, None)
+    }
+
+    /// `prefill` with each launch bracketed by events (time per kernel family).
+    pub fn profile_prefill(
+        &mut self,
+        start: usize,
+        tokens: &[u32],
+        chunk: usize,
+    ) -> Result<Vec<super::KernelTime>> {
+        let mut events = Vec::new();
+        self.prefill_profiled(start, tokens, chunk, Some(&mut events))?;
+        self.synchronize()?;
+        super::sum_events(&events)
+    }
+
+    fn prefill_profiled(
+        &mut self,
+        start: usize,
+        tokens: &[u32],
+        chunk: usize,
+        mut events: Events,
+    ) -> Result<()> {
+        if tokens.is_empty() {
+            bail!("prefill needs at least one token");
+        }
+        if chunk == 0 {
+            bail!("the prefill chunk size must be at least 1");
+        }
+        let end = start + tokens.len();
+        if end > self.max_context {
+            bail!(
+                "the context is full: {end} tokens, {} allocated on the GPU (raise --max-context)",
+                self.max_context
+            );
+        }
+        let chunk = chunk.min(tokens.len());
+        self.prefill_scratch(chunk)?;
+        let vocab = self.cfg.vocab_size;
+        for (n, part) in tokens.chunks(chunk).enumerate() {
+            if let Some(&bad) = part.iter().find(|&&t| t as usize >= vocab) {
+                bail!("token id {bad} is outside the vocabulary ({vocab})");
+            }
+            let ids: Vec<i32> = part.iter().map(|&t| t as i32).collect();
+            let scratch = self.prefill.as_mut().expect("allocated above");
+            self.stream.memcpy_htod(&ids, &mut scratch.tokens)?;
+            self.issue_chunk(start + n * chunk, part.len(), &mut events)?;
+        }
+        // logits of the last token: final norm + lm_head on its row of the residual stream
+        let s = self.prefill.as_ref().expect("allocated above");
+        let last = (tokens.len() - 1) % chunk;
+        let x_last = self.p(&s.x) + (last * self.cfg.hidden_size * 4) as u64;
+        let lm = self
+            .lm_head
+            .segment(self.p(&self.s.logits), false, &self.stream);
+        let group = self.lm_head.m.group;
+        timed(self, &mut events, "lm_head (last position)", |d| {
+            d.gemv(
+                &[lm],
+                x_last,
+                Prologue::RmsNorm(d.p(&d.final_norm)),
+                d.cfg.hidden_size,
+                group,
+                false,
+            )
+        })?;
+        self.set_position(end.min(self.max_context - 1))?;
+        Ok(())
+    }
+
+    /// One GEMM launch: `a` (bf16 perm64, K wide) times the rows of `w` (or of each routed
+    /// expert with `grouped`), with the given epilogue.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        w: &[&DevLinear],
+        a: u64,
+        positions: usize,
+        epilogue: i32,
+        out: u64,
+        ldo: usize,
+        grouped: Option<(usize, usize, u64, u64)>,
+    ) -> Result<()> {
+        let m = &w[0].m;
+        let at = |l: &DevLinear| l.m.at(l.row0, &self.stream);
+        let w1 = w.get(1).copied().unwrap_or(w[0]);
+        let (s0, s1) = (at(w[0]), at(w1));
+        let mut g = GemmArgs {
+            a,
+            codes: [s0.codes, s1.codes],
+            scales: [s0.scales, s1.scales],
+            biases: [s0.biases, s1.biases],
+            m: positions as i32,
+            n: w[0].rows as i32,
+            k: m.cols as i32,
+            group: m.group as i32,
+            ldo: ldo as i32,
+            epilogue,
+            ..Default::default()
+        };
+        if epilogue == EPI_SWIGLU {
+            g.out_h = out;
+        } else {
+            g.out = out;
+        }
+        let s = self.prefill.as_ref().expect("prefill scratch");
+        // 8-bit kernels come in tile heights 16 and 64 only
+        let fit = |mt: usize| if m.bits == 8 && mt == 4 { 2 } else { mt };
+        let (mt, blocks_y) = match grouped {
+            None => {
+                let mt = fit(m_tiles(positions));
+                (mt, positions.div_ceil(8 * mt))
+            }
+            Some((mt, expert_rows, a_rows, row_scale)) => {
+                if fit(mt) != mt {
+                    bail!(
+                        "grouped GEMM: the plan's tile height has no {}-bit kernel",
+                        m.bits
+                    );
+                }
+                g.expert_rows = expert_rows as i64;
+                g.tiles = self.p(&s.tiles);
+                g.tile_count = self.p(&s.tile_count);
+                g.a_rows = a_rows;
+                g.row_scale = row_scale;
+                (mt, s.max_tiles)
+            }
+        };
+        let func = match (m.bits, mt) {
+            (4, 2) => &self.pk.gemm4[0],
+            (4, 4) => &self.pk.gemm4[1],
+            (4, _) => &self.pk.gemm4[2],
+            (8, 2) => &self.pk.gemm8[0],
+            (8, _) => &self.pk.gemm8[1],
+            (b, _) => bail!("{b}-bit weights are not supported by the prefill GEMM"),
+        };
+        let rows_per_block = if epilogue == EPI_SWIGLU { 128 } else { 256 };
+        let blocks_x = w[0].rows.div_ceil(rows_per_block);
+        unsafe {
+            self.stream
+                .launch_builder(func)
+                .arg(&g)
+                .launch(LaunchConfig {
+                    grid_dim: (blocks_x as u32, blocks_y as u32, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                })?
+        };
+        Ok(())
+    }
+
+    fn norm_to_bf16(
+        &self,
+        x: u64,
+        weight: u64,
+        k: usize,
+        ldx: usize,
+        rows: usize,
+        out: u64,
+    ) -> Result<()> {
+        let na = NormArgs {
+            x,
+            weight,
+            out,
+            eps: self.cfg.rms_norm_eps,
+            k: k as i32,
+            ldx: ldx as i32,
+            ..Default::default()
+        };
+        unsafe {
+            self.stream
+                .launch_builder(&self.pk.norm_bf16)
+                .arg(&na)
+                .launch(launch_cfg((rows as u32, 1), 256))?
+        };
+        Ok(())
+    }
+
+    /// Every kernel of one chunk of `t` tokens at positions `start..start + t`.
+    fn issue_chunk(&self, start: usize, t: usize, events: &mut Events) -> Result<()> {
+        let c = &self.cfg;
+        let s = self.prefill.as_ref().expect("prefill scratch");
+        let st = &self.stream;
+        let (h, d) = (c.hidden_size, c.head_dim);
+        let (hq, hkv) = (c.num_attention_heads, c.num_key_value_heads);
+        let (hv, vdim) = (c.linear_num_value_heads, c.linear_value_dim());
+        let x = self.p(&s.x);
+        let act = self.p(&s.act);
+
+        let emb = self.embed.at(0, st);
+        let ea = EmbedRowsArgs {
+            codes: emb.codes,
+            scales: emb.scales,
+            biases: emb.biases,
+            tokens: self.p(&s.tokens),
+            x,
+            hidden: h as i32,
+            group: self.embed.group as i32,
+            bits: self.embed.bits as i32,
+        };
+        timed(self, events, "embed", |dd| {
+            unsafe {
+                st.launch_builder(&dd.pk.embed_rows)
+                    .arg(&ea)
+                    .launch(launch_cfg((t as u32, 1), 256))?
+            };
+            Ok(())
+        })?;
+
+        for l in &self.layers {
+            timed(self, events, "rmsnorm -> bf16", |dd| {
+                dd.norm_to_bf16(x, dd.p(&l.input_norm), h, h, t, act)
+            })?;
+            match &l.mixer {
+                LayerDev::Gdn {
+                    qkv,
+                    z,
+                    b,
+                    a,
+                    out,
+                    conv_w,
+                    conv,
+                    state,
+                    a_log,
+                    dt_bias,
+                    norm,
+                } => {
+                    let conv_dim = c.conv_dim();
+                    timed(self, events, "gemm gdn in_proj (qkv, z, b, a)", |dd| {
+                        dd.gemm(&[qkv], act, t, EPI_STORE, dd.p(&s.proj), conv_dim, None)?;
+                        dd.gemm(&[z], act, t, EPI_STORE, dd.p(&s.z), vdim, None)?;
+                        dd.gemm(&[b], act, t, EPI_STORE, dd.p(&s.b), hv, None)?;
+                        dd.gemm(&[a], act, t, EPI_STORE, dd.p(&s.a), hv, None)
+                    })?;
+                    let ga = GdnPrefillArgs {
+                        qkv: self.p(&s.proj),
+                        conv_out: self.p(&s.mixed),
+                        conv_w: self.p(conv_w),
+                        state_in: self.p(&conv[start & 1]),
+                        state_out: self.p(&conv[(start + t) & 1]),
+                        b: self.p(&s.b),
+                        a: self.p(&s.a),
+                        a_log: self.p(a_log),
+                        dt_bias: self.p(dt_bias),
+                        gates: self.p(&s.gates),
+                        state: self.p(state),
+                        o: self.p(&s.y),
+                        t: t as i32,
+                        conv_dim: conv_dim as i32,
+                        kernel: c.conv_kernel as i32,
+                        hk: c.linear_num_key_heads as i32,
+                        hv: hv as i32,
+                    };
+                    let ch_blocks = conv_dim.div_ceil(256) as u32;
+                    timed(self, events, "gdn conv + state, qk norm, gates", |dd| {
+                        let p = &dd.pk;
+                        unsafe {
+                            st.launch_builder(&p.gdn_conv)
+                                .arg(&ga)
+                                .launch(launch_cfg((t as u32, ch_blocks), 256))?;
+                            st.launch_builder(&p.gdn_conv_state)
+                                .arg(&ga)
+                                .launch(launch_cfg((ch_blocks, 1), 256))?;
+                            st.launch_builder(&p.gdn_qk_gates)
+                                .arg(&ga)
+                                .launch(launch_cfg((t as u32, 1), 256))?;
+                        }
+                        Ok(())
+                    })?;
+                    timed(self, events, "gdn scan (delta rule)", |dd| {
+                        unsafe {
+                            st.launch_builder(&dd.pk.gdn_scan)
+                                .arg(&ga)
+                                .launch(launch_cfg(
+                                    (hv as u32, (c.linear_value_head_dim / 16) as u32),
+                                    128,
+                                ))?
+                        };
+                        Ok(())
+                    })?;
+                    let na = NormArgs {
+                        x: self.p(&s.y),
+                        weight: self.p(norm),
+                        z: self.p(&s.z),
+                        out: act,
+                        eps: c.rms_norm_eps,
+                        k: vdim as i32,
+                        ldx: vdim as i32,
+                        head_dim: c.linear_value_head_dim as i32,
+                    };
+                    timed(self, events, "gdn gated norm -> bf16", |dd| {
+                        unsafe {
+                            st.launch_builder(&dd.pk.gated_norm_bf16)
+                                .arg(&na)
+                                .launch(launch_cfg((t as u32, 1), 256))?
+                        };
+                        Ok(())
+                    })?;
+                    timed(self, events, "gemm gdn out_proj + residual", |dd| {
+                        dd.gemm(&[out], act, t, EPI_ADD, x, h, None)
+                    })?;
+                }
+                LayerDev::Attention {
+                    q,
+                    k: kp,
+                    v,
+                    o,
+                    q_norm,
+                    k_norm,
+                    k_cache,
+                    v_cache,
+                } => {
+                    timed(self, events, "gemm attn q|k|v", |dd| {
+                        dd.gemm(&[q], act, t, EPI_STORE, dd.p(&s.proj), 2 * hq * d, None)?;
+                        dd.gemm(&[kp], act, t, EPI_STORE, dd.p(&s.k), hkv * d, None)?;
+                        dd.gemm(&[v], act, t, EPI_STORE, dd.p(&s.v), hkv * d, None)
+                    })?;
+                    let pa = AttnPrepRowsArgs {
+                        qg: self.p(&s.proj),
+                        k: self.p(&s.k),
+                        v: self.p(&s.v),
+                        q_norm: self.p(q_norm),
+                        k_norm: self.p(k_norm),
+                        q_out: self.p(&s.q_bf16),
+                        k_cache: self.p(k_cache),
+                        v_cache: self.p(v_cache),
+                        eps: c.rms_norm_eps,
+                        theta: c.rope_theta as f32,
+                        start: start as i32,
+                        hq: hq as i32,
+                        hkv: hkv as i32,
+                        rotary: c.rotary_dim as i32,
+                    };
+                    timed(self, events, "attn q/k norm + rope + kv append", |dd| {
+                        unsafe {
+                            st.launch_builder(&dd.pk.attn_prep_rows)
+                                .arg(&pa)
+                                .launch(launch_cfg((t as u32, (hq + hkv) as u32), d as u32))?
+                        };
+                        Ok(())
+                    })?;
+                    let fa = AttnPrefillArgs {
+                        q: self.p(&s.q_bf16),
+                        k_cache: self.p(k_cache),
+                        v_cache: self.p(v_cache),
+                        qg: self.p(&s.proj),
+                        out: self.p(&s.mixed),
+                        scale_log2: std::f32::consts::LOG2_E / (d as f32).sqrt(),
+                        t: t as i32,
+                        start: start as i32,
+                        hq: hq as i32,
+                        hkv: hkv as i32,
+                    };
+                    timed(self, events, "attn flash prefill + gate", |dd| {
+                        unsafe {
+                            st.launch_builder(&dd.pk.attn_prefill).arg(&fa).launch(
+                                LaunchConfig {
+                                    grid_dim: (t.div_ceil(ATTN_QUERY_TILE) as u32, hq as u32, 1),
+                                    block_dim: (128, 1, 1),
+                                    shared_mem_bytes: ATTN_SMEM_BYTES as u32,
+                                },
+                            )?
+                        };
+                        Ok(())
+                    })?;
+                    timed(self, events, "gemm attn o_proj + residual", |dd| {
+                        dd.norm_to_bf16(dd.p(&s.mixed), 0, hq * d, hq * d, t, act)?;
+                        dd.gemm(&[o], act, t, EPI_ADD, x, h, None)
+                    })?;
+                }
+            }
+            self.issue_moe(l, s, t, events)?;
+        }
+        Ok(())
+    }
+
+    fn issue_moe(
+        &self,
+        l: &super::LayerWeights,
+        s: &PrefillScratch,
+        t: usize,
+        events: &mut Events,
+    ) -> Result<()> {
+        let c = &self.cfg;
+        let st = &self.stream;
+        let h = c.hidden_size;
+        let k = c.num_experts_per_tok;
+        let (x, act) = (self.p(&s.x), self.p(&s.act));
+        let m = &l.moe;
+        timed(self, events, "rmsnorm -> bf16", |dd| {
+            dd.norm_to_bf16(x, dd.p(&l.post_norm), h, h, t, act)
+        })?;
+        timed(self, events, "gemm router + shared gate (8-bit)", |dd| {
+            dd.gemm(
+                &[&m.router],
+                act,
+                t,
+                EPI_STORE,
+                dd.p(&s.router),
+                c.num_experts,
+                None,
+            )?;
+            dd.gemm(
+                &[&m.shared_gate_logit],
+                act,
+                t,
+                EPI_STORE,
+                dd.p(&s.shared_gate),
+                1,
+                None,
+            )
+        })?;
+        let is = c.shared_expert_intermediate_size;
+        timed(self, events, "gemm shared expert", |dd| {
+            dd.gemm(
+                &[&m.shared_gate, &m.shared_up],
+                act,
+                t,
+                EPI_SWIGLU,
+                dd.p(&s.shared_h),
+                is,
+                None,
+            )?;
+            dd.gemm(
+                &[&m.shared_down],
+                dd.p(&s.shared_h),
+                t,
+                EPI_STORE,
+                dd.p(&s.shared_y),
+                h,
+                None,
+            )
+        })?;
+        let mt = m_tiles(t * k / c.num_experts);
+        let ra = RouteArgs {
+            logits: self.p(&s.router),
+            ids: self.p(&s.ids),
+            weights: self.p(&s.weights),
+            counts: self.p(&s.counts),
+            fill: self.p(&s.fill),
+            offsets: self.p(&s.offsets),
+            tiles: self.p(&s.tiles),
+            tile_count: self.p(&s.tile_count),
+            a_rows: self.p(&s.a_rows),
+            row_weight: self.p(&s.row_weight),
+            slot_pos: self.p(&s.slot_pos),
+            t: t as i32,
+            e: c.num_experts as i32,
+            k: k as i32,
+            renorm: c.norm_topk_prob as i32,
+            bm: (8 * mt) as i32,
+            max_tiles: s.max_tiles as i32,
+        };
+        timed(self, events, "routing (top-k, plan, scatter)", |dd| {
+            let p = &dd.pk;
+            unsafe {
+                cudarc::driver::result::memset_d8_async(
+                    dd.p(&s.counts),
+                    0,
+                    4 * c.num_experts,
+                    st.cu_stream(),
+                )?;
+                st.launch_builder(&p.route_topk)
+                    .arg(&ra)
+                    .launch(launch_cfg((t.div_ceil(8) as u32, 1), 256))?;
+                st.launch_builder(&p.route_plan)
+                    .arg(&ra)
+                    .launch(launch_cfg((1, 1), 512))?;
+                st.launch_builder(&p.route_scatter)
+                    .arg(&ra)
+                    .launch(launch_cfg(((t * k).div_ceil(256) as u32, 1), 256))?;
+            }
+            Ok(())
+        })?;
+        let inter = c.moe_intermediate_size;
+        let whole = |mat: &std::sync::Arc<DevMatrix>, rows: usize| DevLinear {
+            m: mat.clone(),
+            row0: 0,
+            rows,
+        };
+        let (gate, up, down) = (
+            whole(&m.gate, inter),
+            whole(&m.up, inter),
+            whole(&m.down, h),
+        );
+        timed(
+            self,
+            events,
+            "gemm experts gate/up + swiglu (grouped)",
+            |dd| {
+                dd.gemm(
+                    &[&gate, &up],
+                    act,
+                    t * k,
+                    EPI_SWIGLU,
+                    dd.p(&s.expert_h),
+                    inter,
+                    Some((mt, inter, dd.p(&s.a_rows), 0)),
+                )
+            },
+        )?;
+        timed(self, events, "gemm experts down x weight (grouped)", |dd| {
+            dd.gemm(
+                &[&down],
+                dd.p(&s.expert_h),
+                t * k,
+                EPI_SCALED,
+                dd.p(&s.expert_y),
+                h,
+                Some((mt, h, 0, dd.p(&s.row_weight))),
+            )
+        })?;
+        let ca = CombineMoeArgs {
+            x,
+            y: self.p(&s.expert_y),
+            slot_pos: self.p(&s.slot_pos),
+            shared: self.p(&s.shared_y),
+            shared_gate: self.p(&s.shared_gate),
+            t: t as i32,
+            h: h as i32,
+            k: k as i32,
+        };
+        timed(self, events, "moe combine + residual", |dd| {
+            unsafe {
+                st.launch_builder(&dd.pk.moe_combine)
+                    .arg(&ca)
+                    .launch(launch_cfg((t as u32, 1), 256))?
+            };
+            Ok(())
+        })
+    }
+}
+
+/// Runs `body`, bracketed by events when profiling.
+fn timed(
+    d: &CudaDecoder,
+    events: &mut Events,
+    name: &'static str,
+    body: impl FnOnce(&CudaDecoder) -> Result<()>,
+) -> Result<()> {
+    let Some(list) = events.as_deref_mut() else {
+        return body(d);
+    };
+    let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let start = d.ctx.new_event(flags)?;
+    start.record(&d.stream)?;
+    body(d)?;
+    let end = d.ctx.new_event(flags)?;
+    end.record(&d.stream)?;
+    list.push((name, start, end));
+    Ok(())
+}
