@@ -1,24 +1,26 @@
 // Gated full attention, prefill of a chunk of T tokens at positions P..P+T-1 (model-spec §3.5):
 //   attn_prep_rows — per token and head: q/k RMSNorm, partial RoPE, q to bf16 [T, Hq, D]; K and V
 //                    appended to the bf16 cache. Grid (T, Hq + Hkv), D threads.
-//   attn_prefill   — causal flash attention on the tensor cores. A block owns 64 queries of one
-//                    query head (4 warps x 16 rows) and walks the keys 0..P+T-1 of its KV head
-//                    (GQA: Hq/Hkv query heads share a KV head; earlier chunks' keys come from the
-//                    cache) in tiles of 64: S = Q·Kᵀ with mma.sync m16n8k16 (bf16, fp32
-//                    accumulate), online softmax in fp32 registers (exp2, scaled log2 e), P kept
-//                    in registers as the A operand of O += P·V (V transposed in shared memory so
-//                    its B fragments are 32-bit reads). The epilogue divides by the row sums and
-//                    applies the sigmoid output gate, writing f32 [T, Hq·D].
-// Shapes: D = 256, 64x64 tiles; shared memory Q 64x264, K 64x264, Vᵀ 256x72 bf16 (~104 KB,
-// dynamic, opted in by the host). Registers: O is 16x256 fp32 per warp (128 per thread).
-// Ceiling: bf16 mma ~790 TFLOP/s (gpu.md); causal work is 2·T·(P + T/2)·D·2 FLOP per head.
+//   attn_prefill   — causal flash attention on the tensor cores. A block owns 128 queries of one
+//                    query head (8 warps x 16 rows) and walks the keys 0..P+T-1 of its KV head
+//                    (GQA: Hq/Hkv query heads share a KV head, whose tiles then come from L2;
+//                    earlier chunks' keys come from the cache) in tiles of 64, double-buffered
+//                    with cp.async: S = Q·Kᵀ with mma.sync m16n8k16 (bf16, fp32 accumulate),
+//                    online softmax in fp32 registers (exp2, scaled by log2 e), P kept in
+//                    registers as the A operand of O += P·V. Fragments come from shared memory by
+//                    ldmatrix (V through its transposing form, so V stays row-major). The
+//                    epilogue divides by the row sums and applies the sigmoid output gate,
+//                    writing f32 [T, Hq·D]. Query tiles run last-first (the causal tail is the
+//                    longest).
+// Shapes: D = 256; shared memory Q 128x264 + 2 x (K 64x264 + V 64x264) bf16 (~198 KB, dynamic,
+// opted in by the host). Registers: O is 16x256 fp32 per warp (128 per thread).
+// Ceiling: bf16 mma ~790 TFLOP/s (gpu.md); causal work is 4·T·(P + T/2)·D FLOP per head.
 #include "common.cuh"
 
 #define D 256
-#define QT 64
+#define QT 128
 #define KT 64
 #define QK_STRIDE (D + 8)
-#define VT_STRIDE (KT + 8)
 
 struct AttnPrepRowsArgs {
     const float* qg;          // [T, Hq, 2D]: per head D query then D gate values
@@ -70,48 +72,69 @@ struct AttnPrefillArgs {
     int T, start, hq, hkv;
 };
 
-__device__ __forceinline__ uint32_t ld32(const __nv_bfloat16* p) { return *reinterpret_cast<const uint32_t*>(p); }
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
+}
 
-extern "C" __global__ void __launch_bounds__(128, 1) attn_prefill(AttnPrefillArgs a) {
+#define AWARPS 8
+
+extern "C" __global__ void __launch_bounds__(AWARPS * 32, 1) attn_prefill(AttnPrefillArgs a) {
     extern __shared__ __align__(16) unsigned char smem[];
     __nv_bfloat16* Qs = reinterpret_cast<__nv_bfloat16*>(smem);
-    __nv_bfloat16* Ks = Qs + QT * QK_STRIDE;
-    __nv_bfloat16* Vt = Ks + KT * QK_STRIDE;
+    __nv_bfloat16* Ks = Qs + QT * QK_STRIDE;       // [2][KT][QK_STRIDE]
+    __nv_bfloat16* Vs = Ks + 2 * KT * QK_STRIDE;   // [2][KT][QK_STRIDE]
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
-    const int m0 = blockIdx.x * QT, h = blockIdx.y, kvh = h / (a.hq / a.hkv);
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * QT, h = blockIdx.y, kvh = h / (a.hq / a.hkv);
+    const int n_keys = min(a.start + m0 + QT, a.start + a.T);
 
-    // Q tile: 64 rows x 256 dims, 16-byte chunks
-    for (int c = tid; c < QT * D / 8; c += 128) {
+    for (int c = tid; c < QT * D / 8; c += AWARPS * 32) {
         const int r = c / (D / 8), col = (c % (D / 8)) * 8;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (m0 + r < a.T) v = *reinterpret_cast<const uint4*>(a.q + ((size_t)(m0 + r) * a.hq + h) * D + col);
-        *reinterpret_cast<uint4*>(Qs + r * QK_STRIDE + col) = v;
+        const bool ok = m0 + r < a.T;
+        cp_async16(Qs + r * QK_STRIDE + col, a.q + ((size_t)(ok ? m0 + r : 0) * a.hq + h) * D + col, ok);
     }
+    auto load_kv = [&](int k0, int buf) {
+        for (int c = tid; c < KT * D / 8; c += AWARPS * 32) {
+            const int r = c / (D / 8), col = (c % (D / 8)) * 8;
+            const bool ok = k0 + r < n_keys;
+            const size_t at = ((size_t)(ok ? k0 + r : 0) * a.hkv + kvh) * D + col;
+            cp_async16(Ks + (buf * KT + r) * QK_STRIDE + col, a.k_cache + at, ok);
+            cp_async16(Vs + (buf * KT + r) * QK_STRIDE + col, a.v_cache + at, ok);
+        }
+    };
+    load_kv(0, 0);
+    asm volatile("cp.async.commit_group;\n" ::);
 
     const int row_a = warp * 16 + g, row_b = row_a + 8;  // this thread's two query rows
     const int qpos_a = a.start + m0 + row_a, qpos_b = a.start + m0 + row_b;
-    const int n_keys = min(a.start + m0 + QT, a.start + a.T);
     float o[D / 8][4];
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
     float mx_a = -INFINITY, mx_b = -INFINITY, sum_a = 0.f, sum_b = 0.f;
+    // ldmatrix row addresses of this lane
+    const int q_row = warp * 16 + (lane & 15), q_col = (lane >> 4) * 8;
+    const int k_row = (lane & 7) + ((lane >> 4) << 3), k_col = ((lane >> 3) & 1) * 8;
+    const int v_row = lane & 15, v_col = (lane >> 4) * 8;
 
-    for (int k0 = 0; k0 < n_keys; k0 += KT) {
+    const int tiles = (n_keys + KT - 1) / KT;
+    for (int it = 0; it < tiles; ++it) {
+        const int k0 = it * KT, buf = it & 1;
+        if (it + 1 < tiles) load_kv(k0 + KT, buf ^ 1);
+        asm volatile("cp.async.commit_group;\n" ::);
+        asm volatile("cp.async.wait_group 1;\n" ::);
         __syncthreads();
-        for (int c = tid; c < KT * D / 8; c += 128) {
-            const int r = c / (D / 8), col = (c % (D / 8)) * 8;
-            uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-            if (k0 + r < n_keys) {
-                const size_t at = ((size_t)(k0 + r) * a.hkv + kvh) * D + col;
-                kv = *reinterpret_cast<const uint4*>(a.k_cache + at);
-                vv = *reinterpret_cast<const uint4*>(a.v_cache + at);
-            }
-            *reinterpret_cast<uint4*>(Ks + r * QK_STRIDE + col) = kv;
-            const __nv_bfloat16* ve = reinterpret_cast<const __nv_bfloat16*>(&vv);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) Vt[(col + i) * VT_STRIDE + r] = ve[i];
-        }
-        __syncthreads();
+        const __nv_bfloat16* Kb = Ks + buf * KT * QK_STRIDE;
+        const __nv_bfloat16* Vb = Vs + buf * KT * QK_STRIDE;
 
         // S = Q Kᵀ for this warp's 16 rows x 64 keys
         float s[KT / 8][4];
@@ -119,13 +142,14 @@ extern "C" __global__ void __launch_bounds__(128, 1) attn_prefill(AttnPrefillArg
         for (int n = 0; n < KT / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll 4
         for (int kk = 0; kk < D / 16; ++kk) {
-            const __nv_bfloat16* qa = Qs + row_a * QK_STRIDE + kk * 16 + 2 * q;
-            const __nv_bfloat16* qb = Qs + row_b * QK_STRIDE + kk * 16 + 2 * q;
-            const uint32_t a0 = ld32(qa), a1 = ld32(qb), a2 = ld32(qa + 8), a3 = ld32(qb + 8);
+            uint32_t qa[4];
+            ldsm_x4(qa, Qs + q_row * QK_STRIDE + kk * 16 + q_col);
 #pragma unroll
-            for (int n = 0; n < KT / 8; ++n) {
-                const __nv_bfloat16* kb = Ks + (n * 8 + g) * QK_STRIDE + kk * 16 + 2 * q;
-                mma_bf16(s[n], a0, a1, a2, a3, ld32(kb), ld32(kb + 8));
+            for (int n = 0; n < KT / 8; n += 2) {
+                uint32_t kb[4];
+                ldsm_x4(kb, Kb + (n * 8 + k_row) * QK_STRIDE + kk * 16 + k_col);
+                mma_bf16(s[n], qa[0], qa[1], qa[2], qa[3], kb[0], kb[1]);
+                mma_bf16(s[n + 1], qa[0], qa[1], qa[2], qa[3], kb[2], kb[3]);
             }
         }
         // mask, scale, online softmax (rows a: elements 0,1; rows b: 2,3)
@@ -173,11 +197,14 @@ extern "C" __global__ void __launch_bounds__(128, 1) attn_prefill(AttnPrefillArg
         for (int kk = 0; kk < KT / 16; ++kk) {
             const uint32_t a0 = pf[2 * kk][0], a1 = pf[2 * kk][1], a2 = pf[2 * kk + 1][0], a3 = pf[2 * kk + 1][1];
 #pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-                const __nv_bfloat16* vb = Vt + (n * 8 + g) * VT_STRIDE + kk * 16 + 2 * q;
-                mma_bf16(o[n], a0, a1, a2, a3, ld32(vb), ld32(vb + 8));
+            for (int n = 0; n < D / 8; n += 2) {
+                uint32_t vb[4];
+                ldsm_x4_trans(vb, Vb + (kk * 16 + v_row) * QK_STRIDE + n * 8 + v_col);
+                mma_bf16(o[n], a0, a1, a2, a3, vb[0], vb[1]);
+                mma_bf16(o[n + 1], a0, a1, a2, a3, vb[2], vb[3]);
             }
         }
+        __syncthreads();
     }
 #pragma unroll
     for (int off = 1; off < 4; off <<= 1) {

@@ -4,14 +4,19 @@
 //   gdn_conv_state — the last K-1 inputs become the conv state of position P+T (the decode step's
 //                    parity buffer). One thread per channel, rows in ascending order, so it is
 //                    safe when the state buffer read and the one written are the same.
-//   gdn_qk_gates   — L2 norm of q and k per key head (q also scaled by 1/sqrt(Dk)), in place;
-//                    β = sigmoid(b) and the decay exp(-exp(A_log)·softplus(a + dt_bias)) per
-//                    value head. Grid T, 8 warps.
+//   gdn_qk_gates   — L2 norm of q and k per key head (q also scaled by 1/sqrt(Dk)), in place,
+//                    and q·k; per value head β = sigmoid(b), the decay
+//                    exp(-exp(A_log)·softplus(a + dt_bias)) and its key head's q·k. Grid T, 8 warps.
 //   gdn_scan       — the gated delta rule, token by token, with the fp32 state in registers:
 //                    a warp owns 4 state columns (value dims) of one head; lane l holds rows
 //                    4l..4l+3 of them (16 floats), loaded once per chunk and stored once. Per
-//                    token: decay, k·S (warp sums), the delta update, S·q (warp sums); the next
-//                    token's q, k, v, β, decay are loaded while this one is computed.
+//                    token, with S the state before the token and g its decay:
+//                      m = g·Sᵀk, a = g·Sᵀq (one reduction round for both), d = β(v − m),
+//                      o = a + (q·k)·d, S ← g·S + k dᵀ
+//                    so the output needs no second reduction after the update. The 4-column
+//                    reductions transpose as they go (6 shuffles instead of 20; lane 8c ends with
+//                    column c), then d is broadcast. Inputs of the next 4 tokens are in flight
+//                    (global loads have ~1 us latency here; one token of work is far shorter).
 //                    Grid (Hv, Dv/16), 4 warps per block.
 // Shapes: Dk = Dv = 128, Hv value heads over Hk key heads (value head h reads key head h/(Hv/Hk)).
 // Ceiling: the scan is a dependent chain per token (two warp reductions); the state traffic is
@@ -31,7 +36,7 @@ struct GdnPrefillArgs {
     const float* a;        // [T, Hv]
     const float* a_log;    // [Hv]
     const float* dt_bias;  // [Hv]
-    float* gates;          // [T, Hv, 2]: β, decay
+    float* gates;          // [T, Hv, 4]: β, decay, q·k of the key head, unused
     float* state;          // [Hv, Dk, Dv] recurrent state
     float* o;              // [T, Hv·Dv]
     int T, conv_dim, kernel, hk, hv;
@@ -58,31 +63,38 @@ extern "C" __global__ void gdn_conv_state(GdnPrefillArgs p) {
 }
 
 extern "C" __global__ void __launch_bounds__(256) gdn_qk_gates(GdnPrefillArgs p) {
+    __shared__ float qk[64];
     const int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     float* row = p.conv_out + (size_t)t * p.conv_dim;
-    // vectors 0..Hk-1 are q heads, Hk..2Hk-1 k heads
-    for (int v = warp; v < 2 * p.hk; v += 8) {
-        float4* x = reinterpret_cast<float4*>(row + v * DK) + lane;
-        float4 val = *x;
-        float inv = rsqrtf(warp_sum(val.x * val.x + val.y * val.y + val.z * val.z + val.w * val.w) + 1e-6f);
-        if (v < p.hk) inv *= rsqrtf((float)DK);
-        val.x *= inv; val.y *= inv; val.z *= inv; val.w *= inv;
-        *x = val;
+    for (int kh = warp; kh < p.hk; kh += 8) {
+        float4* qp = reinterpret_cast<float4*>(row + kh * DK) + lane;
+        float4* kp = reinterpret_cast<float4*>(row + (p.hk + kh) * DK) + lane;
+        float4 q = *qp, k = *kp;
+        const float qi = rsqrtf(warp_sum(q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w) + 1e-6f) * rsqrtf((float)DK);
+        const float ki = rsqrtf(warp_sum(k.x * k.x + k.y * k.y + k.z * k.z + k.w * k.w) + 1e-6f);
+        q.x *= qi; q.y *= qi; q.z *= qi; q.w *= qi;
+        k.x *= ki; k.y *= ki; k.z *= ki; k.w *= ki;
+        *qp = q;
+        *kp = k;
+        const float dot = warp_sum(q.x * k.x + q.y * k.y + q.z * k.z + q.w * k.w);
+        if (lane == 0) qk[kh] = dot;
     }
+    __syncthreads();
+    const int rep = p.hv / p.hk;
     for (int h = threadIdx.x; h < p.hv; h += blockDim.x) {
         const float xa = p.a[(size_t)t * p.hv + h] + p.dt_bias[h];
         const float softplus = xa > 20.f ? xa : log1pf(__expf(xa));
-        p.gates[((size_t)t * p.hv + h) * 2] = sigmoidf(p.b[(size_t)t * p.hv + h]);
-        p.gates[((size_t)t * p.hv + h) * 2 + 1] = __expf(-__expf(p.a_log[h]) * softplus);
+        reinterpret_cast<float4*>(p.gates)[(size_t)t * p.hv + h] =
+            make_float4(sigmoidf(p.b[(size_t)t * p.hv + h]), __expf(-__expf(p.a_log[h]) * softplus), qk[h / rep], 0.f);
     }
 }
 
 #define SCAN_COLS 4
 #define SCAN_WARPS 4
+#define SCAN_AHEAD 4
 
 struct TokenInputs {
-    float4 q, k, v;
-    float2 gate;
+    float4 q, k, v, gate;  // gate: β, decay, q·k
 };
 
 __device__ __forceinline__ TokenInputs load_token(const GdnPrefillArgs& p, int t, int h, int kh, int j0, int lane) {
@@ -91,8 +103,52 @@ __device__ __forceinline__ TokenInputs load_token(const GdnPrefillArgs& p, int t
     in.q = reinterpret_cast<const float4*>(row + kh * DK)[lane];
     in.k = reinterpret_cast<const float4*>(row + (p.hk + kh) * DK)[lane];
     in.v = *reinterpret_cast<const float4*>(row + 2 * p.hk * DK + h * DV + j0);
-    in.gate = *reinterpret_cast<const float2*>(p.gates + ((size_t)t * p.hv + h) * 2);
+    in.gate = reinterpret_cast<const float4*>(p.gates)[(size_t)t * p.hv + h];
     return in;
+}
+
+// Sum of v[c] over the warp for 4 columns at once; lane L ends with column L >> 3.
+__device__ __forceinline__ float reduce4(const float (&v)[4], int lane) {
+    const bool hi16 = lane & 16, hi8 = lane & 8;
+    float keep0 = hi16 ? v[2] : v[0], keep1 = hi16 ? v[3] : v[1];
+    keep0 += __shfl_xor_sync(FULL_MASK, hi16 ? v[0] : v[2], 16);
+    keep1 += __shfl_xor_sync(FULL_MASK, hi16 ? v[1] : v[3], 16);
+    float keep = hi8 ? keep1 : keep0;
+    keep += __shfl_xor_sync(FULL_MASK, hi8 ? keep0 : keep1, 8);
+    keep += __shfl_xor_sync(FULL_MASK, keep, 4);
+    keep += __shfl_xor_sync(FULL_MASK, keep, 2);
+    keep += __shfl_xor_sync(FULL_MASK, keep, 1);
+    return keep;
+}
+
+__device__ __forceinline__ void scan_token(const GdnPrefillArgs& p, const TokenInputs& in, float (&s)[4][SCAN_COLS],
+                                           int t, int h, int j0, int lane) {
+    const float beta = in.gate.x, decay = in.gate.y, qk = in.gate.z;
+    const float kv[4] = {in.k.x, in.k.y, in.k.z, in.k.w};
+    const float qv[4] = {in.q.x, in.q.y, in.q.z, in.q.w};
+    float m[SCAN_COLS], a[SCAN_COLS];
+#pragma unroll
+    for (int c = 0; c < SCAN_COLS; ++c) {
+        m[c] = 0.f;
+        a[c] = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            m[c] = fmaf(s[i][c], kv[i], m[c]);
+            a[c] = fmaf(s[i][c], qv[i], a[c]);
+        }
+    }
+    const float mc = reduce4(m, lane) * decay, ac = reduce4(a, lane) * decay;
+    const int col = lane >> 3;
+    const float vc = col == 0 ? in.v.x : col == 1 ? in.v.y : col == 2 ? in.v.z : in.v.w;
+    const float d = beta * (vc - mc);
+    if ((lane & 7) == 0) p.o[(size_t)t * p.hv * DV + h * DV + j0 + col] = fmaf(qk, d, ac);
+    float dc[SCAN_COLS];
+#pragma unroll
+    for (int c = 0; c < SCAN_COLS; ++c) dc[c] = __shfl_sync(FULL_MASK, d, 8 * c);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int c = 0; c < SCAN_COLS; ++c) s[i][c] = fmaf(s[i][c], decay, kv[i] * dc[c]);
 }
 
 extern "C" __global__ void __launch_bounds__(SCAN_WARPS * 32) gdn_scan(GdnPrefillArgs p) {
@@ -106,46 +162,19 @@ extern "C" __global__ void __launch_bounds__(SCAN_WARPS * 32) gdn_scan(GdnPrefil
         const float4 r = *reinterpret_cast<const float4*>(S + (4 * lane + i) * DV + j0);
         s[i][0] = r.x; s[i][1] = r.y; s[i][2] = r.z; s[i][3] = r.w;
     }
-    TokenInputs cur = load_token(p, 0, h, kh, j0, lane);
-    for (int t = 0; t < p.T; ++t) {
-        TokenInputs nxt = cur;
-        if (t + 1 < p.T) nxt = load_token(p, t + 1, h, kh, j0, lane);
-        const float beta = cur.gate.x, decay = cur.gate.y;
-        const float kv[4] = {cur.k.x, cur.k.y, cur.k.z, cur.k.w};
-        const float qv[4] = {cur.q.x, cur.q.y, cur.q.z, cur.q.w};
-        const float vv[4] = {cur.v.x, cur.v.y, cur.v.z, cur.v.w};
-        float m[SCAN_COLS];
+    TokenInputs ring[SCAN_AHEAD];
 #pragma unroll
-        for (int c = 0; c < SCAN_COLS; ++c) {
-            m[c] = 0.f;
+    for (int i = 0; i < SCAN_AHEAD; ++i)
+        if (i < p.T) ring[i] = load_token(p, i, h, kh, j0, lane);
+    for (int t0 = 0; t0 < p.T; t0 += SCAN_AHEAD) {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                s[i][c] *= decay;
-                m[c] = fmaf(s[i][c], kv[i], m[c]);
-            }
+        for (int i = 0; i < SCAN_AHEAD; ++i) {
+            const int t = t0 + i;
+            if (t >= p.T) break;
+            const TokenInputs cur = ring[i];
+            if (t + SCAN_AHEAD < p.T) ring[i] = load_token(p, t + SCAN_AHEAD, h, kh, j0, lane);
+            scan_token(p, cur, s, t, h, j0, lane);
         }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-            for (int c = 0; c < SCAN_COLS; ++c) m[c] += __shfl_xor_sync(FULL_MASK, m[c], o);
-        float out[SCAN_COLS];
-#pragma unroll
-        for (int c = 0; c < SCAN_COLS; ++c) {
-            const float d = beta * (vv[c] - m[c]);
-            out[c] = 0.f;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                s[i][c] = fmaf(kv[i], d, s[i][c]);
-                out[c] = fmaf(s[i][c], qv[i], out[c]);
-            }
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-            for (int c = 0; c < SCAN_COLS; ++c) out[c] += __shfl_xor_sync(FULL_MASK, out[c], o);
-        if (lane == 0)
-            *reinterpret_cast<float4*>(p.o + (size_t)t * p.hv * DV + h * DV + j0) = make_float4(out[0], out[1], out[2], out[3]);
-        cur = nxt;
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i)

@@ -1061,6 +1061,17 @@ fn check_shapes(c: &ModelConfig) -> Result<()> {
             c.linear_key_head_dim, c.linear_value_head_dim
         ));
     }
+    if c.linear_num_key_heads > 64
+        || c.linear_num_key_heads == 0
+        || !c
+            .linear_num_value_heads
+            .is_multiple_of(c.linear_num_key_heads)
+    {
+        problems.push(format!(
+            "Gated DeltaNet heads {} value over {} key (at most 64 key heads, a whole multiple)",
+            c.linear_num_value_heads, c.linear_num_key_heads
+        ));
+    }
     if c.head_dim != 256 {
         problems.push(format!(
             "attention head_dim {} (the kernel is built for 256)",

@@ -11,9 +11,9 @@ use cudarc::driver::{sys, CudaEvent, CudaFunction, CudaSlice, LaunchConfig, Push
 use super::{launch_cfg, CudaDecoder, DevLinear, DevMatrix, LayerDev, Prologue};
 use crate::args::*;
 
-/// Flash-attention tiles: shared memory Q 64x264 + K 64x264 + Vᵀ 256x72 bf16.
-const ATTN_SMEM_BYTES: usize = (64 * 264 * 2 + 256 * 72) * 2;
-const ATTN_QUERY_TILE: usize = 64;
+/// Flash-attention tiles: shared memory Q 128x264 + 2 x (K 64x264 + V 64x264) bf16.
+const ATTN_SMEM_BYTES: usize = (128 + 4 * 64) * 264 * 2;
+const ATTN_QUERY_TILE: usize = 128;
 
 pub(super) struct PrefillKernels {
     gemm4: [CudaFunction; 3],
@@ -137,7 +137,7 @@ impl CudaDecoder {
             ("z", chunk * vdim),
             ("b", chunk * c.linear_num_value_heads),
             ("a", chunk * c.linear_num_value_heads),
-            ("gates", chunk * c.linear_num_value_heads * 2),
+            ("gates", chunk * c.linear_num_value_heads * 4),
             ("y", chunk * vdim),
             ("k", chunk * hkv * d),
             ("v", chunk * hkv * d),
@@ -562,7 +562,7 @@ impl CudaDecoder {
                             st.launch_builder(&dd.pk.attn_prefill).arg(&fa).launch(
                                 LaunchConfig {
                                     grid_dim: (t.div_ceil(ATTN_QUERY_TILE) as u32, hq as u32, 1),
-                                    block_dim: (128, 1, 1),
+                                    block_dim: (256, 1, 1),
                                     shared_mem_bytes: ATTN_SMEM_BYTES as u32,
                                 },
                             )?
