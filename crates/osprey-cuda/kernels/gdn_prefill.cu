@@ -15,9 +15,10 @@
 //                      o = a + (q·k)·d, S ← g·S + k dᵀ
 //                    so the output needs no second reduction after the update. The 4-column
 //                    reductions transpose as they go (6 shuffles instead of 20; lane 8c ends with
-//                    column c), then d is broadcast. Inputs of the next 4 tokens are in flight
-//                    (global loads have ~1 us latency here; one token of work is far shorter).
-//                    Grid (Hv, Dv/16), 4 warps per block.
+//                    column c), then d is broadcast. The block's inputs (q, k of its key head,
+//                    its 16 v columns, β/decay/q·k) stream through shared memory 16 tokens at a
+//                    time with cp.async, double-buffered: global latency (~1 us under load) is
+//                    far longer than one token of work. Grid (Hv, Dv/16), 4 warps per block.
 // Shapes: Dk = Dv = 128, Hv value heads over Hk key heads (value head h reads key head h/(Hv/Hk)).
 // Ceiling: the scan is a dependent chain per token (two warp reductions); the state traffic is
 // 64 KB per head per chunk, not per token.
@@ -91,20 +92,53 @@ extern "C" __global__ void __launch_bounds__(256) gdn_qk_gates(GdnPrefillArgs p)
 
 #define SCAN_COLS 4
 #define SCAN_WARPS 4
-#define SCAN_AHEAD 4
+
+#define SCAN_TOKENS 16
 
 struct TokenInputs {
     float4 q, k, v, gate;  // gate: β, decay, q·k
 };
 
-__device__ __forceinline__ TokenInputs load_token(const GdnPrefillArgs& p, int t, int h, int kh, int j0, int lane) {
-    const float* row = p.conv_out + (size_t)t * p.conv_dim;
-    TokenInputs in;
-    in.q = reinterpret_cast<const float4*>(row + kh * DK)[lane];
-    in.k = reinterpret_cast<const float4*>(row + (p.hk + kh) * DK)[lane];
-    in.v = *reinterpret_cast<const float4*>(row + 2 * p.hk * DK + h * DV + j0);
-    in.gate = reinterpret_cast<const float4*>(p.gates)[(size_t)t * p.hv + h];
-    return in;
+// One stage of the block's inputs: SCAN_TOKENS tokens.
+struct __align__(16) ScanStage {
+    float q[SCAN_TOKENS][DK];
+    float k[SCAN_TOKENS][DK];
+    float v[SCAN_TOKENS][SCAN_WARPS * SCAN_COLS];
+    float4 gate[SCAN_TOKENS];
+};
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void load_stage(const GdnPrefillArgs& p, ScanStage& st, int t0, int h, int kh, int jb) {
+    constexpr int QK_CHUNKS = SCAN_TOKENS * DK / 4, V_CHUNKS = SCAN_TOKENS * SCAN_WARPS * SCAN_COLS / 4;
+    for (int c = threadIdx.x; c < 2 * QK_CHUNKS + V_CHUNKS + SCAN_TOKENS; c += blockDim.x) {
+        int i, off;
+        float* dst;
+        const float* src;
+        if (c < 2 * QK_CHUNKS) {
+            const bool is_k = c >= QK_CHUNKS;
+            const int cc = c - (is_k ? QK_CHUNKS : 0);
+            i = cc / (DK / 4);
+            off = (cc % (DK / 4)) * 4;
+            dst = (is_k ? &st.k[i][0] : &st.q[i][0]) + off;
+            src = p.conv_out + (size_t)(t0 + i) * p.conv_dim + ((is_k ? p.hk : 0) + kh) * DK + off;
+        } else if (c < 2 * QK_CHUNKS + V_CHUNKS) {
+            const int cc = c - 2 * QK_CHUNKS;
+            i = cc / (SCAN_WARPS * SCAN_COLS / 4);
+            off = (cc % (SCAN_WARPS * SCAN_COLS / 4)) * 4;
+            dst = &st.v[i][off];
+            src = p.conv_out + (size_t)(t0 + i) * p.conv_dim + 2 * p.hk * DK + h * DV + jb + off;
+        } else {
+            i = c - 2 * QK_CHUNKS - V_CHUNKS;
+            dst = reinterpret_cast<float*>(&st.gate[i]);
+            src = p.gates + ((size_t)(t0 + i) * p.hv + h) * 4;
+        }
+        const bool ok = t0 + i < p.T;
+        cp_async16(dst, ok ? src : p.gates, ok);
+    }
 }
 
 // Sum of v[c] over the warp for 4 columns at once; lane L ends with column L >> 3.
@@ -152,9 +186,10 @@ __device__ __forceinline__ void scan_token(const GdnPrefillArgs& p, const TokenI
 }
 
 extern "C" __global__ void __launch_bounds__(SCAN_WARPS * 32) gdn_scan(GdnPrefillArgs p) {
+    __shared__ ScanStage stage[2];
     const int h = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int kh = h / (p.hv / p.hk);
-    const int j0 = (blockIdx.y * SCAN_WARPS + warp) * SCAN_COLS;
+    const int jb = blockIdx.y * SCAN_WARPS * SCAN_COLS, j0 = jb + warp * SCAN_COLS;
     float* S = p.state + (size_t)h * DK * DV;
     float s[4][SCAN_COLS];  // rows 4·lane + i, columns j0 + c
 #pragma unroll
@@ -162,19 +197,24 @@ extern "C" __global__ void __launch_bounds__(SCAN_WARPS * 32) gdn_scan(GdnPrefil
         const float4 r = *reinterpret_cast<const float4*>(S + (4 * lane + i) * DV + j0);
         s[i][0] = r.x; s[i][1] = r.y; s[i][2] = r.z; s[i][3] = r.w;
     }
-    TokenInputs ring[SCAN_AHEAD];
-#pragma unroll
-    for (int i = 0; i < SCAN_AHEAD; ++i)
-        if (i < p.T) ring[i] = load_token(p, i, h, kh, j0, lane);
-    for (int t0 = 0; t0 < p.T; t0 += SCAN_AHEAD) {
-#pragma unroll
-        for (int i = 0; i < SCAN_AHEAD; ++i) {
-            const int t = t0 + i;
-            if (t >= p.T) break;
-            const TokenInputs cur = ring[i];
-            if (t + SCAN_AHEAD < p.T) ring[i] = load_token(p, t + SCAN_AHEAD, h, kh, j0, lane);
-            scan_token(p, cur, s, t, h, j0, lane);
+    load_stage(p, stage[0], 0, h, kh, jb);
+    asm volatile("cp.async.commit_group;\n" ::);
+    for (int t0 = 0, n = 0; t0 < p.T; t0 += SCAN_TOKENS, ++n) {
+        if (t0 + SCAN_TOKENS < p.T) load_stage(p, stage[(n + 1) & 1], t0 + SCAN_TOKENS, h, kh, jb);
+        asm volatile("cp.async.commit_group;\n" ::);
+        asm volatile("cp.async.wait_group 1;\n" ::);
+        __syncthreads();
+        const ScanStage& st = stage[n & 1];
+        const int count = min(SCAN_TOKENS, p.T - t0);
+        for (int i = 0; i < count; ++i) {
+            TokenInputs in;
+            in.q = reinterpret_cast<const float4*>(st.q[i])[lane];
+            in.k = reinterpret_cast<const float4*>(st.k[i])[lane];
+            in.v = reinterpret_cast<const float4*>(st.v[i])[warp];
+            in.gate = st.gate[i];
+            scan_token(p, in, s, t0 + i, h, j0, lane);
         }
+        __syncthreads();
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i)
