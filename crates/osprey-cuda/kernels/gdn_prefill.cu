@@ -8,17 +8,19 @@
 //                    and q·k; per value head β = sigmoid(b), the decay
 //                    exp(-exp(A_log)·softplus(a + dt_bias)) and its key head's q·k. Grid T, 8 warps.
 //   gdn_scan       — the gated delta rule, token by token, with the fp32 state in registers:
-//                    a warp owns 4 state columns (value dims) of one head; lane l holds rows
-//                    4l..4l+3 of them (16 floats), loaded once per chunk and stored once. Per
+//                    a warp owns 2 state columns (value dims) of one head; lane l holds rows
+//                    4l..4l+3 of them (8 floats), loaded once per chunk and stored once. Per
 //                    token, with S the state before the token and g its decay:
 //                      m = g·Sᵀk, a = g·Sᵀq (one reduction round for both), d = β(v − m),
 //                      o = a + (q·k)·d, S ← g·S + k dᵀ
-//                    so the output needs no second reduction after the update. The 4-column
-//                    reductions transpose as they go (6 shuffles instead of 20; lane 8c ends with
-//                    column c), then d is broadcast. The block's inputs (q, k of its key head,
-//                    its 16 v columns, β/decay/q·k) stream through shared memory 16 tokens at a
-//                    time with cp.async, double-buffered: global latency (~1 us under load) is
-//                    far longer than one token of work. Grid (Hv, Dv/16), 4 warps per block.
+//                    so the output needs no second reduction after the update. The 2-column
+//                    reductions transpose as they go (5 shuffles instead of 10; lane 16c ends
+//                    with column c), then d is broadcast. The block's inputs (q, k of its key
+//                    head, its 16 v columns, β/decay/q·k) stream through shared memory 16 tokens
+//                    at a time with cp.async, double-buffered: global latency (~1 us under load)
+//                    is far longer than one token of work. Grid (Hv, Dv/16), 8 warps per block:
+//                    2048 warps in all, so each scheduler has several independent chains
+//                    (measured: 4 columns per warp, 1024 warps, issued only half the cycles).
 // Shapes: Dk = Dv = 128, Hv value heads over Hk key heads (value head h reads key head h/(Hv/Hk)).
 // Ceiling: the scan is a dependent chain per token (two warp reductions); the state traffic is
 // 64 KB per head per chunk, not per token.
@@ -90,8 +92,8 @@ extern "C" __global__ void __launch_bounds__(256) gdn_qk_gates(GdnPrefillArgs p)
     }
 }
 
-#define SCAN_COLS 4
-#define SCAN_WARPS 4
+#define SCAN_COLS 2
+#define SCAN_WARPS 8
 
 #define SCAN_TOKENS 16
 
@@ -141,17 +143,13 @@ __device__ __forceinline__ void load_stage(const GdnPrefillArgs& p, ScanStage& s
     }
 }
 
-// Sum of v[c] over the warp for 4 columns at once; lane L ends with column L >> 3.
-__device__ __forceinline__ float reduce4(const float (&v)[4], int lane) {
-    const bool hi16 = lane & 16, hi8 = lane & 8;
-    float keep0 = hi16 ? v[2] : v[0], keep1 = hi16 ? v[3] : v[1];
-    keep0 += __shfl_xor_sync(FULL_MASK, hi16 ? v[0] : v[2], 16);
-    keep1 += __shfl_xor_sync(FULL_MASK, hi16 ? v[1] : v[3], 16);
-    float keep = hi8 ? keep1 : keep0;
-    keep += __shfl_xor_sync(FULL_MASK, hi8 ? keep0 : keep1, 8);
-    keep += __shfl_xor_sync(FULL_MASK, keep, 4);
-    keep += __shfl_xor_sync(FULL_MASK, keep, 2);
-    keep += __shfl_xor_sync(FULL_MASK, keep, 1);
+// Sum of v[c] over the warp for 2 columns at once; lane L ends with column L >> 4.
+__device__ __forceinline__ float reduce2(const float (&v)[2], int lane) {
+    const bool hi16 = lane & 16;
+    float keep = hi16 ? v[1] : v[0];
+    keep += __shfl_xor_sync(FULL_MASK, hi16 ? v[0] : v[1], 16);
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) keep += __shfl_xor_sync(FULL_MASK, keep, o);
     return keep;
 }
 
@@ -171,14 +169,13 @@ __device__ __forceinline__ void scan_token(const GdnPrefillArgs& p, const TokenI
             a[c] = fmaf(s[i][c], qv[i], a[c]);
         }
     }
-    const float mc = reduce4(m, lane) * decay, ac = reduce4(a, lane) * decay;
-    const int col = lane >> 3;
-    const float vc = col == 0 ? in.v.x : col == 1 ? in.v.y : col == 2 ? in.v.z : in.v.w;
-    const float d = beta * (vc - mc);
-    if ((lane & 7) == 0) p.o[(size_t)t * p.hv * DV + h * DV + j0 + col] = fmaf(qk, d, ac);
+    const float mc = reduce2(m, lane) * decay, ac = reduce2(a, lane) * decay;
+    const int col = lane >> 4;
+    const float d = beta * ((col ? in.v.y : in.v.x) - mc);
+    if ((lane & 15) == 0) p.o[(size_t)t * p.hv * DV + h * DV + j0 + col] = fmaf(qk, d, ac);
     float dc[SCAN_COLS];
 #pragma unroll
-    for (int c = 0; c < SCAN_COLS; ++c) dc[c] = __shfl_sync(FULL_MASK, d, 8 * c);
+    for (int c = 0; c < SCAN_COLS; ++c) dc[c] = __shfl_sync(FULL_MASK, d, 16 * c);
 #pragma unroll
     for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -194,8 +191,9 @@ extern "C" __global__ void __launch_bounds__(SCAN_WARPS * 32) gdn_scan(GdnPrefil
     float s[4][SCAN_COLS];  // rows 4·lane + i, columns j0 + c
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const float4 r = *reinterpret_cast<const float4*>(S + (4 * lane + i) * DV + j0);
-        s[i][0] = r.x; s[i][1] = r.y; s[i][2] = r.z; s[i][3] = r.w;
+        const float2 r = *reinterpret_cast<const float2*>(S + (4 * lane + i) * DV + j0);
+        s[i][0] = r.x;
+        s[i][1] = r.y;
     }
     load_stage(p, stage[0], 0, h, kh, jb);
     asm volatile("cp.async.commit_group;\n" ::);
@@ -210,13 +208,13 @@ extern "C" __global__ void __launch_bounds__(SCAN_WARPS * 32) gdn_scan(GdnPrefil
             TokenInputs in;
             in.q = reinterpret_cast<const float4*>(st.q[i])[lane];
             in.k = reinterpret_cast<const float4*>(st.k[i])[lane];
-            in.v = reinterpret_cast<const float4*>(st.v[i])[warp];
+            const float2 v = reinterpret_cast<const float2*>(st.v[i])[warp];
+            in.v = make_float4(v.x, v.y, 0.f, 0.f);
             in.gate = st.gate[i];
             scan_token(p, in, s, t0 + i, h, j0, lane);
         }
         __syncthreads();
     }
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-        *reinterpret_cast<float4*>(S + (4 * lane + i) * DV + j0) = make_float4(s[i][0], s[i][1], s[i][2], s[i][3]);
+    for (int i = 0; i < 4; ++i) *reinterpret_cast<float2*>(S + (4 * lane + i) * DV + j0) = make_float2(s[i][0], s[i][1]);
 }

@@ -31,6 +31,8 @@ pub(super) struct PrefillKernels {
     gdn_scan: CudaFunction,
     attn_prep_rows: CudaFunction,
     attn_prefill: CudaFunction,
+    /// Largest position tile (MT) the GEMMs may use; $OSPREY_GEMM_MT (measurement only).
+    mt_cap: usize,
 }
 
 impl PrefillKernels {
@@ -60,6 +62,10 @@ impl PrefillKernels {
             gdn_scan: func("gdn_prefill", "gdn_scan")?,
             attn_prep_rows: func("attention_prefill", "attn_prep_rows")?,
             attn_prefill,
+            mt_cap: std::env::var("OSPREY_GEMM_MT")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(8),
         })
     }
 }
@@ -314,7 +320,7 @@ impl CudaDecoder {
         let fit = |mt: usize| if m.bits == 8 && mt == 4 { 2 } else { mt };
         let (mt, blocks_y) = match grouped {
             None => {
-                let mt = fit(m_tiles(positions));
+                let mt = fit(m_tiles(positions).min(self.pk.mt_cap));
                 (mt, positions.div_ceil(8 * mt))
             }
             Some((mt, expert_rows, a_rows, row_scale)) => {
@@ -479,7 +485,7 @@ impl CudaDecoder {
                                 .arg(&ga)
                                 .launch(launch_cfg(
                                     (hv as u32, (c.linear_value_head_dim / 16) as u32),
-                                    128,
+                                    256,
                                 ))?
                         };
                         Ok(())
@@ -637,7 +643,7 @@ impl CudaDecoder {
                 None,
             )
         })?;
-        let mt = m_tiles(t * k / c.num_experts);
+        let mt = m_tiles(t * k / c.num_experts).min(self.pk.mt_cap);
         let ra = RouteArgs {
             logits: self.p(&s.router),
             ids: self.p(&s.ids),
