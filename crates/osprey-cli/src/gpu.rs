@@ -329,7 +329,16 @@ pub fn bench_prefill(
     gpu.prefill(0, &tokens[..longest.min(chunk)], chunk)?;
     gpu.synchronize()?;
     let mut results = Vec::new();
-    let mut profile = None;
+    let mut profiles = Vec::new();
+    // where the time goes: at the shortest length (latency), at 4K (or the longest)
+    let profiled = [
+        lengths.iter().copied().min().unwrap_or(0),
+        if lengths.contains(&4096) {
+            4096
+        } else {
+            longest
+        },
+    ];
     for &len in lengths {
         let mut per_round = Vec::new();
         for _ in 0..rounds {
@@ -349,7 +358,7 @@ pub fn bench_prefill(
             sorted[sorted.len() - 1]
         );
         results.push(json!({"tokens": len, "tokens_per_s": med, "min": sorted[0], "max": sorted[sorted.len() - 1], "rounds": per_round}));
-        if len == 4096 || (profile.is_none() && Some(&len) == lengths.last()) {
+        if profiled.contains(&len) {
             gpu.reset()?;
             let p = gpu.profile_prefill(0, &tokens[..len], chunk)?;
             let total: f64 = p.iter().map(|k| k.micros).sum();
@@ -380,7 +389,7 @@ pub fn bench_prefill(
                 100.0 * tflops * 1e12 / BF16_CEILING_FLOP_PER_S,
                 BF16_CEILING_FLOP_PER_S / 1e12
             );
-            profile = Some(json!({"tokens": len, "total_us": total,
+            profiles.push(json!({"tokens": len, "total_us": total,
                 "expert_gemm": {"flop": expert_flop, "us": expert_us, "tflop_per_s": tflops, "fraction_of_bf16_ceiling": tflops * 1e12 / BF16_CEILING_FLOP_PER_S},
                 "kernels": p.iter().map(|k| json!({"kernel": k.kernel, "launches": k.launches, "us": k.micros})).collect::<Vec<_>>()}));
         }
@@ -392,7 +401,7 @@ pub fn bench_prefill(
         "prefill_chunk": chunk, "prefill_scratch_bytes": gpu.prefill_scratch_bytes(),
         "bf16_ceiling_flop_per_s": BF16_CEILING_FLOP_PER_S,
         "gpu_memory": gpu.memory_report().iter().map(|(k, b)| json!({"part": k, "bytes": b})).collect::<Vec<_>>(),
-        "results": results, "profile": profile,
+        "results": results, "profiles": profiles,
     });
     let text = serde_json::to_string_pretty(&report)?;
     match out {

@@ -95,9 +95,6 @@ impl Backend for CudaBackend {
         tokens: &[u32],
         want: LogitsFor,
     ) -> Result<Vec<f32>> {
-        if want == LogitsFor::All {
-            bail!("the CUDA backend returns the last position's logits only (use --backend cpu for scoring)");
-        }
         let mut d = self
             .device
             .lock()
@@ -113,6 +110,37 @@ impl Backend for CudaBackend {
         let held = d.tokens.len();
         let mut todo = history[held..].to_vec();
         todo.extend_from_slice(tokens);
+        if want == LogitsFor::All {
+            // scoring: every position's logits, token by token through the decode step (the
+            // path generation uses), after the held prefix is brought up to date
+            let missing = history[held..].to_vec();
+            let ran = (|| -> Result<Vec<f32>> {
+                if missing.len() > 1 {
+                    d.decoder.prefill(held, &missing, self.prefill_chunk)?;
+                } else if let [t] = missing[..] {
+                    d.decoder.set_token(t)?;
+                    d.decoder.step()?;
+                }
+                let mut all = Vec::with_capacity(tokens.len() * self.config.vocab_size);
+                for &t in tokens {
+                    d.decoder.set_token(t)?;
+                    d.decoder.step()?;
+                    all.extend(d.decoder.logits()?);
+                }
+                Ok(all)
+            })();
+            return match ran {
+                Ok(all) => {
+                    d.tokens.extend_from_slice(&todo);
+                    state.position = d.tokens.len();
+                    Ok(all)
+                }
+                Err(e) => {
+                    d.tokens.clear();
+                    Err(e)
+                }
+            };
+        }
         let ran = match todo.len() {
             0 => Ok(()),
             1 => d.decoder.set_token(todo[0]).and_then(|_| d.decoder.step()),
