@@ -219,7 +219,8 @@ pub fn run(kind: BenchKind) -> Result<()> {
     let report = json!({
         "kind": kind_name,
         "backend": engine.backend.name(),
-        "device": cpu_name(),
+        "device": engine.backend.device_name().unwrap_or_else(cpu_name),
+        "host": cpu_name(),
         "commit": git_commit(),
         "date": utc_now(),
         "command": command,

@@ -548,7 +548,7 @@ pub fn eval(
         let report = serde_json::json!({
             "kind": "fidelity",
             "backend": engine.backend.name(),
-            "device": crate::bench::cpu_name(),
+            "device": engine.backend.device_name().unwrap_or_else(crate::bench::cpu_name), "host": crate::bench::cpu_name(),
             "commit": crate::bench::git_commit(),
             "date": crate::bench::utc_now(),
             "command": std::env::args().collect::<Vec<_>>().join(" "),

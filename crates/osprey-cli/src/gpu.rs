@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use anyhow::{bail, Result};
-use osprey_cuda::CudaDecoder;
+use osprey_cuda::{CudaDecoder, GdnPrefill};
 use osprey_engine::sampler::argmax;
 use osprey_engine::{CpuBackend, Engine};
 use osprey_model::ModelWeights;
@@ -128,10 +128,26 @@ pub fn check(
     let c_chunked = Compared::new(&cpu_logits[..valid], &chunked[..valid]);
     let c_whole = Compared::new(&cpu_logits[..valid], &whole[..valid]);
     let c_between = Compared::new(&whole[..valid], &chunked[..valid]);
-    let after = teacher_forced(&mut gpu, &cpu, &mut session, cpu_logits, steps, valid)?;
+    let after = teacher_forced(
+        &mut gpu,
+        &cpu,
+        &mut session,
+        cpu_logits.clone(),
+        steps,
+        valid,
+    )?;
+    // the token-by-token GDN form (the default runs long chunks in the chunked form)
+    gpu.set_gdn_prefill(GdnPrefill::Recurrent);
+    gpu.reset()?;
+    gpu.prefill(0, &long, prefill_len)?;
+    let recurrent = gpu.logits()?;
+    gpu.set_gdn_prefill(GdnPrefill::Auto);
+    let c_recurrent = Compared::new(&cpu_logits[..valid], &recurrent[..valid]);
+    let recurrent_choice = argmax(&recurrent[..valid]);
     let prefill_disagree = usize::from(c_chunked.disagrees(chunked_choice))
-        + usize::from(c_whole.disagrees(whole_choice));
-    let prefill_rel = c_chunked.rel.max(c_whole.rel);
+        + usize::from(c_whole.disagrees(whole_choice))
+        + usize::from(c_recurrent.disagrees(recurrent_choice));
+    let prefill_rel = c_chunked.rel.max(c_whole.rel).max(c_recurrent.rel);
 
     let pass = decode.worst_rel <= MAX_RELATIVE_RMS
         && decode.disagree == 0
@@ -146,8 +162,8 @@ pub fn check(
         if record_ok { "consistent" } else { "INCONSISTENT" },
     );
     println!(
-        "prefill: {prefill_len} tokens, last-position logits: chunks of {chunk} {:.2e}, whole {:.2e} relative RMS vs cpu (limit {MAX_PREFILL_RELATIVE_RMS:.0e}), chunked vs whole {:.2e}; greedy disagreements {prefill_disagree}",
-        c_chunked.rel, c_whole.rel, c_between.rel
+        "prefill: {prefill_len} tokens, last-position logits: chunks of {chunk} {:.2e}, whole {:.2e}, whole with token-by-token GDN {:.2e} relative RMS vs cpu (limit {MAX_PREFILL_RELATIVE_RMS:.0e}), chunked vs whole {:.2e}; greedy disagreements {prefill_disagree}",
+        c_chunked.rel, c_whole.rel, c_recurrent.rel, c_between.rel
     );
     println!(
         "prefill then decode: {steps} teacher-forced steps: worst relative RMS {:.2e}, greedy disagreements {} -> {}",
@@ -165,6 +181,7 @@ pub fn check(
                 "tokens": prefill_len, "chunk": chunk, "limit_relative_rms": MAX_PREFILL_RELATIVE_RMS,
                 "chunked_relative_rms": c_chunked.rel, "chunked_max_abs": c_chunked.max_abs,
                 "whole_relative_rms": c_whole.rel, "whole_max_abs": c_whole.max_abs,
+                "whole_recurrent_gdn_relative_rms": c_recurrent.rel, "whole_recurrent_gdn_max_abs": c_recurrent.max_abs,
                 "chunked_vs_whole_relative_rms": c_between.rel, "greedy_disagreements": prefill_disagree,
                 "decode_after_prefill": {"steps": steps, "worst_relative_rms": after.worst_rel, "worst_max_abs": after.worst_abs, "greedy_disagreements": after.disagree, "per_step": after.rows},
             },
@@ -352,12 +369,37 @@ pub fn bench_prefill(
         let mut sorted = per_round.clone();
         sorted.sort_by(|a, b| a.total_cmp(b));
         let med = sorted[sorted.len() / 2];
+        // the two GDN forms forced, one prefill each (what `Auto` chooses between)
+        let mut forms = serde_json::Map::new();
+        if len <= 16_384 {
+            for (name, form) in [
+                ("recurrent", GdnPrefill::Recurrent),
+                ("chunked", GdnPrefill::Chunked),
+            ] {
+                gpu.set_gdn_prefill(form);
+                gpu.reset()?;
+                gpu.synchronize()?;
+                let start = std::time::Instant::now();
+                gpu.prefill(0, &tokens[..len], chunk)?;
+                gpu.synchronize()?;
+                forms.insert(
+                    name.into(),
+                    json!(len as f64 / start.elapsed().as_secs_f64()),
+                );
+            }
+            gpu.set_gdn_prefill(GdnPrefill::Auto);
+            info!(
+                "  gdn forms forced at {len}: {}",
+                serde_json::Value::Object(forms.clone())
+            );
+        }
         info!(
             "prefill {len:>6}: {med:>9.1} tok/s (min {:.1}, max {:.1})",
             sorted[0],
             sorted[sorted.len() - 1]
         );
-        results.push(json!({"tokens": len, "tokens_per_s": med, "min": sorted[0], "max": sorted[sorted.len() - 1], "rounds": per_round}));
+        results.push(json!({"tokens": len, "tokens_per_s": med, "min": sorted[0], "max": sorted[sorted.len() - 1], "rounds": per_round,
+                            "gdn_form_tokens_per_s": forms}));
         if profiled.contains(&len) {
             gpu.reset()?;
             let p = gpu.profile_prefill(0, &tokens[..len], chunk)?;

@@ -21,6 +21,9 @@
 //                    is far longer than one token of work. Grid (Hv, Dv/16), 8 warps per block:
 //                    2048 warps in all, so each scheduler has several independent chains
 //                    (measured: 4 columns per warp, 1024 warps, issued only half the cycles).
+//   gdn_chunk_prep / gdn_chunk_scan — the same recurrence in the chunked (WY) form, chunks of 64
+//                    tokens, all fp32 (see below); used for longer chunks, where the token-by-token
+//                    chain is the cost (selection measured in bench/results/cuda-prefill-*.json).
 // Shapes: Dk = Dv = 128, Hv value heads over Hk key heads (value head h reads key head h/(Hv/Hk)).
 // Ceiling: the scan is a dependent chain per token (two warp reductions); the state traffic is
 // 64 KB per head per chunk, not per token.
@@ -39,7 +42,7 @@ struct GdnPrefillArgs {
     const float* a;        // [T, Hv]
     const float* a_log;    // [Hv]
     const float* dt_bias;  // [Hv]
-    float* gates;          // [T, Hv, 4]: β, decay, q·k of the key head, unused
+    float* gates;          // [T, Hv, 4]: β, decay, q·k of the key head, log decay
     float* state;          // [Hv, Dk, Dv] recurrent state
     float* o;              // [T, Hv·Dv]
     int T, conv_dim, kernel, hk, hv;
@@ -87,8 +90,9 @@ extern "C" __global__ void __launch_bounds__(256) gdn_qk_gates(GdnPrefillArgs p)
     for (int h = threadIdx.x; h < p.hv; h += blockDim.x) {
         const float xa = p.a[(size_t)t * p.hv + h] + p.dt_bias[h];
         const float softplus = xa > 20.f ? xa : log1pf(__expf(xa));
+        const float g = -__expf(p.a_log[h]) * softplus;
         reinterpret_cast<float4*>(p.gates)[(size_t)t * p.hv + h] =
-            make_float4(sigmoidf(p.b[(size_t)t * p.hv + h]), __expf(-__expf(p.a_log[h]) * softplus), qk[h / rep], 0.f);
+            make_float4(sigmoidf(p.b[(size_t)t * p.hv + h]), __expf(g), qk[h / rep], g);
     }
 }
 
@@ -217,4 +221,170 @@ extern "C" __global__ void __launch_bounds__(SCAN_WARPS * 32) gdn_scan(GdnPrefil
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) *reinterpret_cast<float2*>(S + (4 * lane + i) * DV + j0) = make_float2(s[i][0], s[i][1]);
+}
+
+// ---- chunked (WY) form ------------------------------------------------------------------------
+// Per chunk of C = 64 tokens and value head, with G the cumulative log decay inside the chunk
+// (G_t = Σ_{s≤t} g_s ≤ 0), as in crates/osprey-engine/src/cpu/gdn.rs `chunked`:
+//   A[t][s] = β_t (k_t·k_s) e^{G_t − G_s} (s < t), (I + A) U = β V, (I + A) W = β e^{G} K
+//   M[t][s] = (q_t·k_s) e^{G_t − G_s} (s ≤ t), Q̃ = e^{G} Q, K̃ = e^{G_last − G} K
+// (gdn_chunk_prep: everything that does not depend on the state, all chunks in parallel), then
+// per chunk in order (gdn_chunk_scan, state S in shared memory):
+//   U' = U − W S, O = Q̃ S + M U', S ← e^{G_last} S + K̃ᵀ U'.
+// Every exponent is ≤ 0, so nothing overflows.
+
+#define CHUNK 64
+#define KS (DK + 1)  // padded rows: lanes reading different rows of one column hit distinct banks
+
+struct GdnChunkArgs {
+    const float* conv_out;  // [T, conv_dim]: q, k normalised (gdn_qk_gates), v
+    const float* gates;     // [T, Hv, 4]
+    float* wy;              // [T, Hv, 2·Dv]: U then W (Dk = Dv)
+    float* qk_decayed;      // [T, Hv, 2·Dk]: Q̃ then K̃
+    float* m;               // [T, Hv, C]
+    float* chunk_decay;     // [chunks, Hv]: e^{G_last}
+    float* state;           // [Hv, Dk, Dv]
+    float* o;               // [T, Hv·Dv]
+    int T, conv_dim, hk, hv;
+};
+
+// Grid (chunks, Hv), 256 threads; dynamic shared memory (2·64·129 + 64·65 + 128) floats.
+extern "C" __global__ void __launch_bounds__(256) gdn_chunk_prep(GdnChunkArgs p) {
+    extern __shared__ float sm[];
+    float* ks = sm;                  // [C][KS]
+    float* qs = ks + CHUNK * KS;     // [C][KS]
+    float* A = qs + CHUNK * KS;      // [C][C + 1]
+    float* G = A + CHUNK * (CHUNK + 1);
+    float* beta = G + CHUNK;
+    const int c = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+    const int t0 = c * CHUNK, n = min(CHUNK, p.T - t0);
+    const int kh = h / (p.hv / p.hk);
+    for (int e = tid; e < CHUNK * DK; e += blockDim.x) {
+        const int t = e / DK, i = e % DK;
+        const float* row = p.conv_out + (size_t)(t0 + t) * p.conv_dim;
+        ks[t * KS + i] = t < n ? row[(p.hk + kh) * DK + i] : 0.f;
+        qs[t * KS + i] = t < n ? row[kh * DK + i] : 0.f;
+    }
+    if (tid < CHUNK) {
+        const float4 gt = t0 + tid < p.T ? reinterpret_cast<const float4*>(p.gates)[(size_t)(t0 + tid) * p.hv + h]
+                                         : make_float4(0.f, 1.f, 0.f, 0.f);
+        beta[tid] = gt.x;
+        G[tid] = gt.w;
+    }
+    __syncthreads();
+    if (tid == 0)
+        for (int t = 1; t < CHUNK; ++t) G[t] += G[t - 1];
+    __syncthreads();
+    // A (strictly lower) and M (lower with the diagonal); a warp shares t, lanes take s
+    for (int e = tid; e < CHUNK * CHUNK; e += blockDim.x) {
+        const int t = e / CHUNK, s = e % CHUNK;
+        float kk = 0.f, qk = 0.f;
+#pragma unroll 8
+        for (int i = 0; i < DK; ++i) {
+            const float kv = ks[s * KS + i];
+            kk = fmaf(ks[t * KS + i], kv, kk);
+            qk = fmaf(qs[t * KS + i], kv, qk);
+        }
+        const float decay = s <= t ? __expf(G[t] - G[s]) : 0.f;
+        A[t * (CHUNK + 1) + s] = s < t ? beta[t] * kk * decay : 0.f;
+        if (t < n) p.m[((size_t)(t0 + t) * p.hv + h) * CHUNK + s] = qk * decay;
+    }
+    __syncthreads();
+    // forward substitution, one column of [U | W] per thread, the column in registers
+    const int j = tid;
+    const bool is_u = j < DV;
+    const float* vrow = p.conv_out + 2 * p.hk * DK + h * DV + j;
+    float x[CHUNK];
+#pragma unroll
+    for (int t = 0; t < CHUNK; ++t) {
+        float init = 0.f;
+        if (t < n) init = is_u ? beta[t] * vrow[(size_t)(t0 + t) * p.conv_dim] : beta[t] * __expf(G[t]) * ks[t * KS + (j - DV)];
+#pragma unroll
+        for (int s = 0; s < t; ++s) init = fmaf(-A[t * (CHUNK + 1) + s], x[s], init);
+        x[t] = init;
+    }
+#pragma unroll
+    for (int t = 0; t < CHUNK; ++t)
+        if (t < n) p.wy[((size_t)(t0 + t) * p.hv + h) * 2 * DV + j] = x[t];
+    // decayed q and k
+    const float last = G[n - 1];
+    for (int e = tid; e < n * DK; e += blockDim.x) {
+        const int t = e / DK, i = e % DK;
+        float* out = p.qk_decayed + ((size_t)(t0 + t) * p.hv + h) * 2 * DK;
+        out[i] = qs[t * KS + i] * __expf(G[t]);
+        out[DK + i] = ks[t * KS + i] * __expf(last - G[t]);
+    }
+    if (tid == 0) p.chunk_decay[c * p.hv + h] = __expf(last);
+}
+
+#define SCAN_COLS_C 16
+
+// Grid (Hv, Dv/16), 256 threads: the block owns state columns j0..j0+15 of one head, in shared
+// memory for the whole prompt chunk, and walks the 64-token chunks in order.
+extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan(GdnChunkArgs p) {
+    __shared__ __align__(16) float S[DK][SCAN_COLS_C];
+    __shared__ __align__(16) float Up[CHUNK][SCAN_COLS_C];
+    const int h = blockIdx.x, j0 = blockIdx.y * SCAN_COLS_C, tid = threadIdx.x;
+    float* Sg = p.state + (size_t)h * DK * DV;
+    for (int e = tid; e < DK * SCAN_COLS_C; e += blockDim.x) S[e / SCAN_COLS_C][e % SCAN_COLS_C] = Sg[(e / SCAN_COLS_C) * DV + j0 + e % SCAN_COLS_C];
+    __syncthreads();
+    const int t = tid / 4, jq = (tid % 4) * 4;  // phase 1: row t, columns jq..jq+3
+    const int i2 = tid / 2, jh = (tid % 2) * 8; // phase 2: state row i2, columns jh..jh+7
+    const int chunks = (p.T + CHUNK - 1) / CHUNK;
+    for (int c = 0; c < chunks; ++c) {
+        const int t0 = c * CHUNK, n = min(CHUNK, p.T - t0);
+        const bool live = t < n;
+        const size_t row = (size_t)(t0 + (live ? t : 0)) * p.hv + h;
+        // U' = U − W S and Q̃ S for row t
+        float ws[4] = {0.f, 0.f, 0.f, 0.f}, qsum[4] = {0.f, 0.f, 0.f, 0.f};
+        const float4* w = reinterpret_cast<const float4*>(p.wy + row * 2 * DV + DV);
+        const float4* qd = reinterpret_cast<const float4*>(p.qk_decayed + row * 2 * DK);
+#pragma unroll 4
+        for (int i4 = 0; i4 < DK / 4; ++i4) {
+            const float4 wv = w[i4], qv = qd[i4];
+            const float wa[4] = {wv.x, wv.y, wv.z, wv.w}, qa[4] = {qv.x, qv.y, qv.z, qv.w};
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const float4 sv = *reinterpret_cast<const float4*>(&S[4 * i4 + r][jq]);
+                ws[0] = fmaf(wa[r], sv.x, ws[0]); ws[1] = fmaf(wa[r], sv.y, ws[1]);
+                ws[2] = fmaf(wa[r], sv.z, ws[2]); ws[3] = fmaf(wa[r], sv.w, ws[3]);
+                qsum[0] = fmaf(qa[r], sv.x, qsum[0]); qsum[1] = fmaf(qa[r], sv.y, qsum[1]);
+                qsum[2] = fmaf(qa[r], sv.z, qsum[2]); qsum[3] = fmaf(qa[r], sv.w, qsum[3]);
+            }
+        }
+        const float4 u = *reinterpret_cast<const float4*>(p.wy + row * 2 * DV + j0 + jq);
+        *reinterpret_cast<float4*>(&Up[t][jq]) =
+            live ? make_float4(u.x - ws[0], u.y - ws[1], u.z - ws[2], u.w - ws[3]) : make_float4(0.f, 0.f, 0.f, 0.f);
+        __syncthreads();
+        // O = Q̃ S + M U'
+        const float* mrow = p.m + row * CHUNK;
+        for (int s = 0; s <= t && s < n; ++s) {
+            const float mv = mrow[s];
+            const float4 up = *reinterpret_cast<const float4*>(&Up[s][jq]);
+            qsum[0] = fmaf(mv, up.x, qsum[0]); qsum[1] = fmaf(mv, up.y, qsum[1]);
+            qsum[2] = fmaf(mv, up.z, qsum[2]); qsum[3] = fmaf(mv, up.w, qsum[3]);
+        }
+        if (live)
+            *reinterpret_cast<float4*>(p.o + (size_t)(t0 + t) * p.hv * DV + h * DV + j0 + jq) =
+                make_float4(qsum[0], qsum[1], qsum[2], qsum[3]);
+        // S ← e^{G_last} S + K̃ᵀ U' for state row i2
+        const float decay = p.chunk_decay[c * p.hv + h];
+        float acc[8];
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[q] = S[i2][jh + q] * decay;
+        for (int s = 0; s < n; ++s) {
+            const float kv = p.qk_decayed[((size_t)(t0 + s) * p.hv + h) * 2 * DK + DK + i2];
+            const float4 a = *reinterpret_cast<const float4*>(&Up[s][jh]);
+            const float4 b = *reinterpret_cast<const float4*>(&Up[s][jh + 4]);
+            acc[0] = fmaf(kv, a.x, acc[0]); acc[1] = fmaf(kv, a.y, acc[1]);
+            acc[2] = fmaf(kv, a.z, acc[2]); acc[3] = fmaf(kv, a.w, acc[3]);
+            acc[4] = fmaf(kv, b.x, acc[4]); acc[5] = fmaf(kv, b.y, acc[5]);
+            acc[6] = fmaf(kv, b.z, acc[6]); acc[7] = fmaf(kv, b.w, acc[7]);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int q = 0; q < 8; ++q) S[i2][jh + q] = acc[q];
+        __syncthreads();
+    }
+    for (int e = tid; e < DK * SCAN_COLS_C; e += blockDim.x) Sg[(e / SCAN_COLS_C) * DV + j0 + e % SCAN_COLS_C] = S[e / SCAN_COLS_C][e % SCAN_COLS_C];
 }

@@ -282,6 +282,23 @@ pub struct GdnPrefillArgs {
 
 #[repr(C)]
 #[derive(Clone, Copy, Default, Debug)]
+pub struct GdnChunkArgs {
+    pub conv_out: u64,
+    pub gates: u64,
+    pub wy: u64,
+    pub qk_decayed: u64,
+    pub m: u64,
+    pub chunk_decay: u64,
+    pub state: u64,
+    pub o: u64,
+    pub t: i32,
+    pub conv_dim: i32,
+    pub hk: i32,
+    pub hv: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
 pub struct AttnPrepRowsArgs {
     pub qg: u64,
     pub k: u64,
@@ -331,6 +348,7 @@ unsafe impl DeviceRepr for EmbedRowsArgs {}
 unsafe impl DeviceRepr for NormArgs {}
 unsafe impl DeviceRepr for GdnPrefillArgs {}
 unsafe impl DeviceRepr for AttnPrepRowsArgs {}
+unsafe impl DeviceRepr for GdnChunkArgs {}
 unsafe impl DeviceRepr for AttnPrefillArgs {}
 
 #[cfg(test)]
@@ -354,6 +372,7 @@ mod tests {
         assert_eq!(std::mem::size_of::<NormArgs>(), 4 * 8 + 4 * 4);
         assert_eq!(std::mem::size_of::<GdnPrefillArgs>(), 12 * 8 + 5 * 4 + 4);
         assert_eq!(std::mem::size_of::<AttnPrepRowsArgs>(), 8 * 8 + 6 * 4);
+        assert_eq!(std::mem::size_of::<GdnChunkArgs>(), 8 * 8 + 4 * 4);
         assert_eq!(std::mem::size_of::<AttnPrefillArgs>(), 5 * 8 + 5 * 4 + 4);
     }
 }

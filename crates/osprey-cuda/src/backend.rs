@@ -76,6 +76,10 @@ impl Backend for CudaBackend {
         "cuda"
     }
 
+    fn device_name(&self) -> Option<String> {
+        Some(self.device_name.clone())
+    }
+
     fn config(&self) -> &ModelConfig {
         &self.config
     }

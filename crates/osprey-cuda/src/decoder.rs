@@ -22,6 +22,7 @@ use osprey_model::weights::{GdnProjections, Mixer, ModelWeights};
 use crate::args::*;
 
 mod prefill;
+pub use prefill::GdnPrefill;
 
 /// Attention splits over the context (flash-decoding); fixed so the graph never changes.
 const SPLITS: usize = 64;
@@ -202,6 +203,7 @@ pub struct CudaDecoder {
     pk: prefill::PrefillKernels,
     /// Prefill activations, allocated for the chunk size of the first prefill.
     prefill: Option<prefill::PrefillScratch>,
+    gdn_prefill: GdnPrefill,
 }
 
 fn upload_f32(stream: &Arc<CudaStream>, v: &[f32]) -> Result<CudaSlice<f32>> {
@@ -487,6 +489,7 @@ impl CudaDecoder {
             logits_host,
             pk,
             prefill: None,
+            gdn_prefill: GdnPrefill::Auto,
         })
     }
 

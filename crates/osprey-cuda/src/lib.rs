@@ -9,7 +9,7 @@ mod backend;
 mod decoder;
 
 pub use backend::{CudaBackend, DEFAULT_CUDA_PREFILL_CHUNK};
-pub use decoder::{CudaDecoder, KernelTime};
+pub use decoder::{CudaDecoder, GdnPrefill, KernelTime};
 
 #[cfg(osprey_kernels)]
 pub(crate) const CUBINS: &[(&str, &[u8])] = &[

@@ -22,6 +22,10 @@ pub use session::{Session, SessionState};
 /// Runs the model over tokens, extending a session's state.
 pub trait Backend: Send + Sync {
     fn name(&self) -> &'static str;
+    /// The accelerator it runs on, when it is not the host CPU.
+    fn device_name(&self) -> Option<String> {
+        None
+    }
     fn config(&self) -> &ModelConfig;
     /// An empty per-session state in this backend's shape.
     fn new_state(&self) -> SessionState;

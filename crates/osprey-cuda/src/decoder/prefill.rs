@@ -14,6 +14,22 @@ use crate::args::*;
 /// Flash-attention tiles: shared memory Q 128x264 + 2 x (K 64x264 + V 64x264) bf16.
 const ATTN_SMEM_BYTES: usize = (128 + 4 * 64) * 264 * 2;
 const ATTN_QUERY_TILE: usize = 128;
+/// Tokens per chunk of the chunked GDN form, and its preparation kernel's shared memory.
+const GDN_CHUNK: usize = 64;
+const GDN_CHUNK_PREP_SMEM_BYTES: usize = (2 * 64 * 129 + 64 * 65 + 128) * 4;
+/// Prompt chunks of at least this many tokens take the chunked GDN form (measured; see README).
+const GDN_CHUNKED_FROM: usize = 128;
+
+/// Which form of the Gated DeltaNet recurrence the prefill runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GdnPrefill {
+    /// Chunked for prompt chunks of `GDN_CHUNKED_FROM` tokens or more, else token by token.
+    Auto,
+    /// Token by token, the state in registers.
+    Recurrent,
+    /// 64-token chunks (WY form).
+    Chunked,
+}
 
 pub(super) struct PrefillKernels {
     gemm4: [CudaFunction; 3],
@@ -29,6 +45,8 @@ pub(super) struct PrefillKernels {
     gdn_conv_state: CudaFunction,
     gdn_qk_gates: CudaFunction,
     gdn_scan: CudaFunction,
+    gdn_chunk_prep: CudaFunction,
+    gdn_chunk_scan: CudaFunction,
     attn_prep_rows: CudaFunction,
     attn_prefill: CudaFunction,
 }
@@ -39,6 +57,11 @@ impl PrefillKernels {
         attn_prefill.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             ATTN_SMEM_BYTES as i32,
+        )?;
+        let gdn_chunk_prep = func("gdn_prefill", "gdn_chunk_prep")?;
+        gdn_chunk_prep.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            GDN_CHUNK_PREP_SMEM_BYTES as i32,
         )?;
         Ok(PrefillKernels {
             gemm4: [
@@ -58,6 +81,8 @@ impl PrefillKernels {
             gdn_conv_state: func("gdn_prefill", "gdn_conv_state")?,
             gdn_qk_gates: func("gdn_prefill", "gdn_qk_gates")?,
             gdn_scan: func("gdn_prefill", "gdn_scan")?,
+            gdn_chunk_prep,
+            gdn_chunk_scan: func("gdn_prefill", "gdn_chunk_scan")?,
             attn_prep_rows: func("attention_prefill", "attn_prep_rows")?,
             attn_prefill,
         })
@@ -80,6 +105,10 @@ pub(super) struct PrefillScratch {
     a: CudaSlice<f32>,
     gates: CudaSlice<f32>,
     y: CudaSlice<f32>,
+    wy: CudaSlice<f32>,
+    qk_decayed: CudaSlice<f32>,
+    m: CudaSlice<f32>,
+    chunk_decay: CudaSlice<f32>,
     k: CudaSlice<f32>,
     v: CudaSlice<f32>,
     q_bf16: CudaSlice<u16>,
@@ -154,6 +183,19 @@ impl CudaDecoder {
             ("a", chunk * c.linear_num_value_heads),
             ("gates", chunk * c.linear_num_value_heads * 4),
             ("y", chunk * vdim),
+            (
+                "wy",
+                chunk * c.linear_num_value_heads * 2 * c.linear_value_head_dim,
+            ),
+            (
+                "qk_decayed",
+                chunk * c.linear_num_value_heads * 2 * c.linear_key_head_dim,
+            ),
+            ("m", chunk * c.linear_num_value_heads * GDN_CHUNK),
+            (
+                "chunk_decay",
+                chunk.div_ceil(GDN_CHUNK) * c.linear_num_value_heads,
+            ),
             ("k", chunk * hkv * d),
             ("v", chunk * hkv * d),
             ("router", chunk * c.num_experts),
@@ -185,28 +227,37 @@ impl CudaDecoder {
             a: f(f32s[5].1)?,
             gates: f(f32s[6].1)?,
             y: f(f32s[7].1)?,
-            k: f(f32s[8].1)?,
-            v: f(f32s[9].1)?,
+            wy: f(f32s[8].1)?,
+            qk_decayed: f(f32s[9].1)?,
+            m: f(f32s[10].1)?,
+            chunk_decay: f(f32s[11].1)?,
+            k: f(f32s[12].1)?,
+            v: f(f32s[13].1)?,
             q_bf16: hb(chunk * hq * d)?,
-            router: f(f32s[10].1)?,
-            shared_gate: f(f32s[11].1)?,
+            router: f(f32s[14].1)?,
+            shared_gate: f(f32s[15].1)?,
             ids: i(chunk * k)?,
-            weights: f(f32s[12].1)?,
+            weights: f(f32s[16].1)?,
             counts: i(c.num_experts)?,
             fill: i(c.num_experts)?,
             offsets: i(c.num_experts)?,
             tiles: [i(4 * max_tiles)?, i(4 * max_tiles)?],
             tile_count: [i(1)?, i(1)?],
             a_rows: i(chunk * k)?,
-            row_weight: f(f32s[13].1)?,
+            row_weight: f(f32s[17].1)?,
             slot_pos: i(chunk * k)?,
             expert_h: hb(chunk * k * c.moe_intermediate_size)?,
-            expert_y: f(f32s[14].1)?,
+            expert_y: f(f32s[18].1)?,
             shared_h: hb(chunk * c.shared_expert_intermediate_size)?,
-            shared_y: f(f32s[15].1)?,
+            shared_y: f(f32s[19].1)?,
             bytes,
         });
         Ok(())
+    }
+
+    /// Chooses the GDN form of later prefills (measurements and checks; the default is `Auto`).
+    pub fn set_gdn_prefill(&mut self, form: GdnPrefill) {
+        self.gdn_prefill = form;
     }
 
     /// Scratch bytes the prefill holds (after the first prefill; bounded by the chunk size).
@@ -327,9 +378,16 @@ impl CudaDecoder {
         let s = self.prefill.as_ref().expect("prefill scratch");
         // 8-bit kernels come in tile heights 16 and 64 only
         let fit = |mt: usize| if m.bits == 8 && mt == 4 { 2 } else { mt };
+        let rows_per_block = if epilogue == EPI_SWIGLU { 128 } else { 256 };
+        let blocks_x = w[0].rows.div_ceil(rows_per_block);
         let (mt, blocks_y) = match grouped {
             None => {
-                let mt = fit(m_tiles(positions));
+                // shorter position tiles when the launch would not fill the GPU twice over (short
+                // prompts, narrow outputs such as the router): a few long blocks are latency-bound
+                let mut mt = fit(m_tiles(positions));
+                while mt > 2 && blocks_x * positions.div_ceil(8 * mt) < 2 * self.sms {
+                    mt = fit(mt / 2);
+                }
                 (mt, positions.div_ceil(8 * mt))
             }
             Some(gr) => {
@@ -355,8 +413,6 @@ impl CudaDecoder {
             (8, _) => &self.pk.gemm8[1],
             (b, _) => bail!("{b}-bit weights are not supported by the prefill GEMM"),
         };
-        let rows_per_block = if epilogue == EPI_SWIGLU { 128 } else { 256 };
-        let blocks_x = w[0].rows.div_ceil(rows_per_block);
         unsafe {
             self.stream
                 .launch_builder(func)
@@ -488,17 +544,62 @@ impl CudaDecoder {
                         }
                         Ok(())
                     })?;
-                    timed(self, events, "gdn scan (delta rule)", |dd| {
-                        unsafe {
-                            st.launch_builder(&dd.pk.gdn_scan)
-                                .arg(&ga)
-                                .launch(launch_cfg(
-                                    (hv as u32, (c.linear_value_head_dim / 16) as u32),
-                                    256,
-                                ))?
+                    let chunked = match self.gdn_prefill {
+                        GdnPrefill::Auto => t >= GDN_CHUNKED_FROM,
+                        GdnPrefill::Recurrent => false,
+                        GdnPrefill::Chunked => true,
+                    };
+                    if chunked {
+                        let ca = GdnChunkArgs {
+                            conv_out: self.p(&s.mixed),
+                            gates: self.p(&s.gates),
+                            wy: self.p(&s.wy),
+                            qk_decayed: self.p(&s.qk_decayed),
+                            m: self.p(&s.m),
+                            chunk_decay: self.p(&s.chunk_decay),
+                            state: self.p(state),
+                            o: self.p(&s.y),
+                            t: t as i32,
+                            conv_dim: conv_dim as i32,
+                            hk: c.linear_num_key_heads as i32,
+                            hv: hv as i32,
                         };
-                        Ok(())
-                    })?;
+                        timed(self, events, "gdn chunked (WY) prep", |dd| {
+                            unsafe {
+                                st.launch_builder(&dd.pk.gdn_chunk_prep).arg(&ca).launch(
+                                    LaunchConfig {
+                                        grid_dim: (t.div_ceil(GDN_CHUNK) as u32, hv as u32, 1),
+                                        block_dim: (256, 1, 1),
+                                        shared_mem_bytes: GDN_CHUNK_PREP_SMEM_BYTES as u32,
+                                    },
+                                )?
+                            };
+                            Ok(())
+                        })?;
+                        timed(self, events, "gdn chunked (WY) scan", |dd| {
+                            unsafe {
+                                st.launch_builder(&dd.pk.gdn_chunk_scan).arg(&ca).launch(
+                                    launch_cfg(
+                                        (hv as u32, (c.linear_value_head_dim / 16) as u32),
+                                        256,
+                                    ),
+                                )?
+                            };
+                            Ok(())
+                        })?;
+                    } else {
+                        timed(self, events, "gdn scan (delta rule)", |dd| {
+                            unsafe {
+                                st.launch_builder(&dd.pk.gdn_scan)
+                                    .arg(&ga)
+                                    .launch(launch_cfg(
+                                        (hv as u32, (c.linear_value_head_dim / 16) as u32),
+                                        256,
+                                    ))?
+                            };
+                            Ok(())
+                        })?;
+                    }
                     let na = NormArgs {
                         x: self.p(&s.y),
                         weight: self.p(norm),
