@@ -136,18 +136,18 @@ pub fn check(
         steps,
         valid,
     )?;
-    // the token-by-token GDN form (the default runs long chunks in the chunked form)
-    gpu.set_gdn_prefill(GdnPrefill::Recurrent);
+    // the chunked GDN form (the default is the token-by-token scan)
+    gpu.set_gdn_prefill(GdnPrefill::Chunked);
     gpu.reset()?;
     gpu.prefill(0, &long, prefill_len)?;
-    let recurrent = gpu.logits()?;
+    let chunked_gdn = gpu.logits()?;
     gpu.set_gdn_prefill(GdnPrefill::Auto);
-    let c_recurrent = Compared::new(&cpu_logits[..valid], &recurrent[..valid]);
-    let recurrent_choice = argmax(&recurrent[..valid]);
+    let c_chunked_gdn = Compared::new(&cpu_logits[..valid], &chunked_gdn[..valid]);
+    let chunked_gdn_choice = argmax(&chunked_gdn[..valid]);
     let prefill_disagree = usize::from(c_chunked.disagrees(chunked_choice))
         + usize::from(c_whole.disagrees(whole_choice))
-        + usize::from(c_recurrent.disagrees(recurrent_choice));
-    let prefill_rel = c_chunked.rel.max(c_whole.rel).max(c_recurrent.rel);
+        + usize::from(c_chunked_gdn.disagrees(chunked_gdn_choice));
+    let prefill_rel = c_chunked.rel.max(c_whole.rel).max(c_chunked_gdn.rel);
 
     let pass = decode.worst_rel <= MAX_RELATIVE_RMS
         && decode.disagree == 0
@@ -162,8 +162,8 @@ pub fn check(
         if record_ok { "consistent" } else { "INCONSISTENT" },
     );
     println!(
-        "prefill: {prefill_len} tokens, last-position logits: chunks of {chunk} {:.2e}, whole {:.2e}, whole with token-by-token GDN {:.2e} relative RMS vs cpu (limit {MAX_PREFILL_RELATIVE_RMS:.0e}), chunked vs whole {:.2e}; greedy disagreements {prefill_disagree}",
-        c_chunked.rel, c_whole.rel, c_recurrent.rel, c_between.rel
+        "prefill: {prefill_len} tokens, last-position logits: chunks of {chunk} {:.2e}, whole {:.2e}, whole with the chunked GDN form {:.2e} relative RMS vs cpu (limit {MAX_PREFILL_RELATIVE_RMS:.0e}), chunked vs whole {:.2e}; greedy disagreements {prefill_disagree}",
+        c_chunked.rel, c_whole.rel, c_chunked_gdn.rel, c_between.rel
     );
     println!(
         "prefill then decode: {steps} teacher-forced steps: worst relative RMS {:.2e}, greedy disagreements {} -> {}",
@@ -181,7 +181,7 @@ pub fn check(
                 "tokens": prefill_len, "chunk": chunk, "limit_relative_rms": MAX_PREFILL_RELATIVE_RMS,
                 "chunked_relative_rms": c_chunked.rel, "chunked_max_abs": c_chunked.max_abs,
                 "whole_relative_rms": c_whole.rel, "whole_max_abs": c_whole.max_abs,
-                "whole_recurrent_gdn_relative_rms": c_recurrent.rel, "whole_recurrent_gdn_max_abs": c_recurrent.max_abs,
+                "whole_chunked_gdn_relative_rms": c_chunked_gdn.rel, "whole_chunked_gdn_max_abs": c_chunked_gdn.max_abs,
                 "chunked_vs_whole_relative_rms": c_between.rel, "greedy_disagreements": prefill_disagree,
                 "decode_after_prefill": {"steps": steps, "worst_relative_rms": after.worst_rel, "worst_max_abs": after.worst_abs, "greedy_disagreements": after.disagree, "per_step": after.rows},
             },

@@ -22,8 +22,11 @@
 //                    2048 warps in all, so each scheduler has several independent chains
 //                    (measured: 4 columns per warp, 1024 warps, issued only half the cycles).
 //   gdn_chunk_prep / gdn_chunk_scan — the same recurrence in the chunked (WY) form, chunks of 64
-//                    tokens, all fp32 (see below); used for longer chunks, where the token-by-token
-//                    chain is the cost (selection measured in bench/results/cuda-prefill-*.json).
+//                    tokens, all fp32 on the CUDA cores (see below). Measured slower than the scan
+//                    at every length (H200, 4K prompt, 30 layers: prep 21.7 ms + scan 40.8 ms vs
+//                    34.7 ms): the per-chunk state pass reads M and K̃ with dependent global loads
+//                    in its inner loops, and its matmuls are not register-tiled. Kept, and timed
+//                    by `osprey bench prefill`, as the base for a tensor-core version.
 // Shapes: Dk = Dv = 128, Hv value heads over Hk key heads (value head h reads key head h/(Hv/Hk)).
 // Ceiling: the scan is a dependent chain per token (two warp reductions); the state traffic is
 // 64 KB per head per chunk, not per token.

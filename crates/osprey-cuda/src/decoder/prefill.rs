@@ -17,13 +17,13 @@ const ATTN_QUERY_TILE: usize = 128;
 /// Tokens per chunk of the chunked GDN form, and its preparation kernel's shared memory.
 const GDN_CHUNK: usize = 64;
 const GDN_CHUNK_PREP_SMEM_BYTES: usize = (2 * 64 * 129 + 64 * 65 + 128) * 4;
-/// Prompt chunks of at least this many tokens take the chunked GDN form (measured; see README).
-const GDN_CHUNKED_FROM: usize = 128;
 
 /// Which form of the Gated DeltaNet recurrence the prefill runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GdnPrefill {
-    /// Chunked for prompt chunks of `GDN_CHUNKED_FROM` tokens or more, else token by token.
+    /// The form measured fastest: token by token at every length (`osprey bench prefill` times
+    /// both forms up to 16K; at 4K the register scan takes 35 ms over 30 layers, the chunked
+    /// kernels 63 ms, bench/results/cuda-prefill-full.json).
     Auto,
     /// Token by token, the state in registers.
     Recurrent,
@@ -544,12 +544,7 @@ impl CudaDecoder {
                         }
                         Ok(())
                     })?;
-                    let chunked = match self.gdn_prefill {
-                        GdnPrefill::Auto => t >= GDN_CHUNKED_FROM,
-                        GdnPrefill::Recurrent => false,
-                        GdnPrefill::Chunked => true,
-                    };
-                    if chunked {
+                    if self.gdn_prefill == GdnPrefill::Chunked {
                         let ca = GdnChunkArgs {
                             conv_out: self.p(&s.mixed),
                             gates: self.p(&s.gates),
