@@ -149,7 +149,10 @@ pub fn check(
         + usize::from(c_chunked_gdn.disagrees(chunked_gdn_choice));
     let prefill_rel = c_chunked.rel.max(c_whole.rel).max(c_chunked_gdn.rel);
 
-    let pass = decode.worst_rel <= MAX_RELATIVE_RMS
+    let sampling = check_sampling(&mut gpu, &long, valid, prefill_len)?;
+
+    let pass = sampling.pass
+        && decode.worst_rel <= MAX_RELATIVE_RMS
         && decode.disagree == 0
         && record_ok
         && prefill_rel <= MAX_PREFILL_RELATIVE_RMS
@@ -165,6 +168,7 @@ pub fn check(
         "prefill: {prefill_len} tokens, last-position logits: chunks of {chunk} {:.2e}, whole {:.2e}, whole with the chunked GDN form {:.2e} relative RMS vs cpu (limit {MAX_PREFILL_RELATIVE_RMS:.0e}), chunked vs whole {:.2e}; greedy disagreements {prefill_disagree}",
         c_chunked.rel, c_whole.rel, c_chunked_gdn.rel, c_between.rel
     );
+    println!("{}", sampling.summary);
     println!(
         "prefill then decode: {steps} teacher-forced steps: worst relative RMS {:.2e}, greedy disagreements {} -> {}",
         after.worst_rel,
@@ -185,6 +189,7 @@ pub fn check(
                 "chunked_vs_whole_relative_rms": c_between.rel, "greedy_disagreements": prefill_disagree,
                 "decode_after_prefill": {"steps": steps, "worst_relative_rms": after.worst_rel, "worst_max_abs": after.worst_abs, "greedy_disagreements": after.disagree, "per_step": after.rows},
             },
+            "gpu_sampling": sampling.report,
             "pass": pass, "per_step": decode.rows,
         });
         std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")?;
@@ -193,6 +198,120 @@ pub fn check(
         bail!("CUDA logits differ from the CPU reference beyond tolerance");
     }
     Ok(())
+}
+
+/// Total variation distance allowed between the GPU sampler's empirical distribution over
+/// `SAMPLE_DRAWS` draws and the host sampler's exact one: for k categories the expected distance
+/// is below ½·sqrt(2k/(π·draws)), 0.028 for the 40 candidates here; a wrong cut or ordering
+/// moves whole candidates' mass (≥ 0.1 here).
+const MAX_SAMPLE_TV: f64 = 0.06;
+const SAMPLE_DRAWS: usize = 8192;
+
+struct SamplingCheck {
+    pass: bool,
+    summary: String,
+    report: serde_json::Value,
+}
+
+/// The GPU sampler against the host sampler's semantics on the GPU's own logits of the last
+/// prefill position: the distribution of top-k/top-p/min-p sampling, the greedy choice under
+/// penalties, and the asynchronous one-step-late token stream.
+fn check_sampling(
+    gpu: &mut CudaDecoder,
+    prompt: &[u32],
+    valid: usize,
+    prefill_len: usize,
+) -> Result<SamplingCheck> {
+    use osprey_engine::sampler::{Sampler, SamplingParams};
+    let reprefill = |gpu: &mut CudaDecoder| -> Result<()> {
+        gpu.reset()?;
+        gpu.prefill(0, prompt, prefill_len)
+    };
+    // 1. distribution: the exact host distribution vs GPU draws on the same logits
+    let params = SamplingParams {
+        temperature: 0.8,
+        top_k: 40,
+        top_p: 0.9,
+        min_p: 0.02,
+        seed: 7,
+        ..Default::default()
+    };
+    let sampler = Sampler::new(params, valid, prompt);
+    reprefill(gpu)?;
+    let logits = gpu.logits()?;
+    let exact = sampler.distribution(&logits);
+    gpu.set_sampling(Some(&sampler))?;
+    let draws = gpu.choose_repeatedly(SAMPLE_DRAWS)?;
+    let mut counts = std::collections::HashMap::new();
+    for &t in &draws {
+        *counts.entry(t).or_insert(0usize) += 1;
+    }
+    let outside = counts
+        .keys()
+        .filter(|t| !exact.iter().any(|(i, _)| i == *t))
+        .count();
+    let tv = 0.5
+        * (exact
+            .iter()
+            .map(|&(i, p)| {
+                (counts.get(&i).copied().unwrap_or(0) as f64 / SAMPLE_DRAWS as f64 - p as f64).abs()
+            })
+            .sum::<f64>()
+            + counts
+                .iter()
+                .filter(|(t, _)| !exact.iter().any(|(i, _)| i == *t))
+                .map(|(_, &n)| n as f64 / SAMPLE_DRAWS as f64)
+                .sum::<f64>());
+    // 2. greedy under penalties: the host's choice
+    let penalised = Sampler::new(
+        SamplingParams {
+            repetition_penalty: 1.3,
+            presence_penalty: 0.5,
+            ..Default::default()
+        },
+        valid,
+        prompt,
+    );
+    let host_choice = penalised.distribution(&logits)[0].0;
+    reprefill(gpu)?;
+    gpu.set_sampling(Some(&penalised))?;
+    let gpu_choice = gpu.choose_repeatedly(1)?[0];
+    // 3. the token stream read one step late equals the device's record, and a seed repeats
+    let stream =
+        |gpu: &mut CudaDecoder, sampler: Option<&Sampler>| -> Result<(Vec<u32>, Vec<u32>)> {
+            reprefill(gpu)?;
+            gpu.set_sampling(sampler)?;
+            let mut got = Vec::new();
+            gpu.run_steps(1, 24, &mut |t| {
+                got.push(t);
+                true
+            })?;
+            gpu.set_sampling(None)?;
+            Ok((got, gpu.history(24)?))
+        };
+    let (greedy_stream, greedy_record) = stream(gpu, None)?;
+    let (sampled_a, sampled_record) = stream(gpu, Some(&sampler))?;
+    let (sampled_b, _) = stream(gpu, Some(&sampler))?;
+    gpu.set_sampling(None)?;
+    let stream_ok = greedy_stream == greedy_record
+        && sampled_a == sampled_record
+        && sampled_a == sampled_b
+        && sampled_a.iter().all(|&t| (t as usize) < valid);
+    let pass = tv <= MAX_SAMPLE_TV && outside == 0 && gpu_choice == host_choice && stream_ok;
+    let summary = format!(
+        "gpu sampling: {SAMPLE_DRAWS} draws (T 0.8, top-k 40, top-p 0.9, min-p 0.02) vs the host distribution over {} candidates: total variation {tv:.4} (limit {MAX_SAMPLE_TV}), {outside} outside it; greedy with penalties {} ; one-step-late token stream {}",
+        exact.len(),
+        if gpu_choice == host_choice { "matches the host" } else { "DIFFERS" },
+        if stream_ok { "consistent and repeatable" } else { "INCONSISTENT" }
+    );
+    let report = json!({"draws": SAMPLE_DRAWS, "candidates": exact.len(), "total_variation": tv, "limit_total_variation": MAX_SAMPLE_TV,
+        "draws_outside_support": outside, "greedy_with_penalties_matches_host": gpu_choice == host_choice,
+        "token_stream_consistent": stream_ok, "pass": pass});
+    Ok(SamplingCheck {
+        pass,
+        summary,
+        report,
+    })
 }
 
 struct TeacherForced {

@@ -159,9 +159,40 @@ pub struct EmbedArgs {
 #[repr(C)]
 #[derive(Clone, Copy, Default, Debug)]
 pub struct ArgmaxArgs {
+    pub params: u64,
     pub logits: u64,
     pub part_val: u64,
     pub part_idx: u64,
+    pub token: u64,
+    pub pos: u64,
+    pub history: u64,
+    pub step: u64,
+    pub n: i32,
+}
+
+/// sample.cu `SampleParams`: the sampling settings the captured step reads every replay.
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct SampleParams {
+    pub temperature: f32,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub presence: f32,
+    pub frequency: f32,
+    pub repetition: f32,
+    pub top_k: i32,
+    /// 1: sample_token chooses; 0: the argmax kernels do.
+    pub active: i32,
+    pub seed: u64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct SampleArgs {
+    pub params: u64,
+    pub logits: u64,
+    pub seen: u64,
+    pub output: u64,
     pub token: u64,
     pub pos: u64,
     pub history: u64,
@@ -341,6 +372,8 @@ unsafe impl DeviceRepr for DecodeArgs {}
 unsafe impl DeviceRepr for CombineArgs {}
 unsafe impl DeviceRepr for EmbedArgs {}
 unsafe impl DeviceRepr for ArgmaxArgs {}
+unsafe impl DeviceRepr for SampleParams {}
+unsafe impl DeviceRepr for SampleArgs {}
 unsafe impl DeviceRepr for GemmArgs {}
 unsafe impl DeviceRepr for RouteArgs {}
 unsafe impl DeviceRepr for CombineMoeArgs {}
@@ -364,7 +397,9 @@ mod tests {
         assert_eq!(std::mem::size_of::<DownArgs>(), 48 + 48 + 12 + 4);
         assert_eq!(std::mem::size_of::<GdnArgs>(), 11 * 8 + 16);
         assert_eq!(std::mem::size_of::<PrepArgs>(), 9 * 8 + 20 + 4);
-        assert_eq!(std::mem::size_of::<ArgmaxArgs>(), 7 * 8 + 8);
+        assert_eq!(std::mem::size_of::<ArgmaxArgs>(), 8 * 8 + 8);
+        assert_eq!(std::mem::size_of::<SampleParams>(), 8 * 4 + 8);
+        assert_eq!(std::mem::size_of::<SampleArgs>(), 8 * 8 + 8);
         assert_eq!(std::mem::size_of::<GemmArgs>(), 14 * 8 + 6 * 4);
         assert_eq!(std::mem::size_of::<RouteArgs>(), 11 * 8 + 6 * 4);
         assert_eq!(std::mem::size_of::<CombineMoeArgs>(), 5 * 8 + 3 * 4 + 4);

@@ -8,6 +8,7 @@
 use std::sync::Mutex;
 
 use anyhow::{anyhow, bail, Result};
+use osprey_engine::sampler::Sampler;
 use osprey_engine::{Backend, LogitsFor, SessionState};
 use osprey_model::config::ModelConfig;
 use osprey_model::ModelWeights;
@@ -71,6 +72,37 @@ impl CudaBackend {
     }
 }
 
+impl Device {
+    /// Brings the device state to `history` (reusing a held prefix), by prefill or one step.
+    fn catch_up(&mut self, history: &[u32], chunk: usize) -> Result<()> {
+        if !history.starts_with(&self.tokens) {
+            self.decoder.reset()?;
+            self.tokens.clear();
+        }
+        let held = self.tokens.len();
+        let missing = &history[held..];
+        let ran = match missing.len() {
+            0 => Ok(()),
+            1 => self
+                .decoder
+                .set_token(missing[0])
+                .and_then(|_| self.decoder.step()),
+            _ => self.decoder.prefill(held, missing, chunk),
+        };
+        match ran {
+            Ok(()) => {
+                self.tokens.extend_from_slice(missing);
+                Ok(())
+            }
+            Err(e) => {
+                // the device state is now unknown: the next call rebuilds it from scratch
+                self.tokens.clear();
+                Err(e)
+            }
+        }
+    }
+}
+
 impl Backend for CudaBackend {
     fn name(&self) -> &'static str {
         "cuda"
@@ -78,6 +110,52 @@ impl Backend for CudaBackend {
 
     fn device_name(&self) -> Option<String> {
         Some(self.device_name.clone())
+    }
+
+    fn decode_on_device(
+        &self,
+        state: &mut SessionState,
+        history: &[u32],
+        first: u32,
+        sampler: &Sampler,
+        max_steps: usize,
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<Option<Vec<u32>>> {
+        if !CudaDecoder::can_sample(sampler.params()) {
+            return Ok(None);
+        }
+        let mut d = self
+            .device
+            .lock()
+            .map_err(|_| anyhow!("the CUDA device state is poisoned by an earlier failure"))?;
+        if history.len() + 1 + max_steps > d.decoder.max_context {
+            bail!(
+                "the context is full: {} tokens, {} allocated on the GPU (raise --max-context)",
+                history.len() + 1 + max_steps,
+                d.decoder.max_context
+            );
+        }
+        d.catch_up(history, self.prefill_chunk)?;
+        let mut chosen = Vec::new();
+        let ran = d.decoder.set_sampling(Some(sampler)).and_then(|_| {
+            d.decoder.run_steps(first, max_steps, &mut |t| {
+                chosen.push(t);
+                on_token(t)
+            })
+        });
+        let off = d.decoder.set_sampling(None);
+        let steps = match ran.and_then(|n| off.map(|_| n)) {
+            Ok(n) => n,
+            Err(e) => {
+                d.tokens.clear();
+                return Err(e);
+            }
+        };
+        let mut consumed = vec![first];
+        consumed.extend_from_slice(&chosen[..steps.saturating_sub(1).min(chosen.len())]);
+        d.tokens.extend_from_slice(&consumed);
+        state.position = d.tokens.len();
+        Ok(Some(consumed))
     }
 
     fn config(&self) -> &ModelConfig {
@@ -107,55 +185,34 @@ impl Backend for CudaBackend {
         if needed > d.decoder.max_context {
             bail!("the context is full: {needed} tokens, {} allocated on the GPU (raise --max-context)", d.decoder.max_context);
         }
-        if !history.starts_with(&d.tokens) {
-            d.decoder.reset()?;
-            d.tokens.clear();
-        }
-        let held = d.tokens.len();
-        let mut todo = history[held..].to_vec();
-        todo.extend_from_slice(tokens);
         if want == LogitsFor::All {
             // scoring: every position's logits, token by token through the decode step (the
             // path generation uses), after the held prefix is brought up to date
-            let missing = history[held..].to_vec();
-            let ran = (|| -> Result<Vec<f32>> {
-                if missing.len() > 1 {
-                    d.decoder.prefill(held, &missing, self.prefill_chunk)?;
-                } else if let [t] = missing[..] {
-                    d.decoder.set_token(t)?;
-                    d.decoder.step()?;
+            d.catch_up(history, self.prefill_chunk)?;
+            let mut all = Vec::with_capacity(tokens.len() * self.config.vocab_size);
+            for &t in tokens {
+                let logits = d
+                    .decoder
+                    .set_token(t)
+                    .and_then(|_| d.decoder.step())
+                    .and_then(|_| d.decoder.logits());
+                match logits {
+                    Ok(l) => {
+                        all.extend(l);
+                        d.tokens.push(t);
+                    }
+                    Err(e) => {
+                        d.tokens.clear();
+                        return Err(e);
+                    }
                 }
-                let mut all = Vec::with_capacity(tokens.len() * self.config.vocab_size);
-                for &t in tokens {
-                    d.decoder.set_token(t)?;
-                    d.decoder.step()?;
-                    all.extend(d.decoder.logits()?);
-                }
-                Ok(all)
-            })();
-            return match ran {
-                Ok(all) => {
-                    d.tokens.extend_from_slice(&todo);
-                    state.position = d.tokens.len();
-                    Ok(all)
-                }
-                Err(e) => {
-                    d.tokens.clear();
-                    Err(e)
-                }
-            };
+            }
+            state.position = d.tokens.len();
+            return Ok(all);
         }
-        let ran = match todo.len() {
-            0 => Ok(()),
-            1 => d.decoder.set_token(todo[0]).and_then(|_| d.decoder.step()),
-            _ => d.decoder.prefill(held, &todo, self.prefill_chunk),
-        };
-        if let Err(e) = ran {
-            // the device state is now unknown: the next call rebuilds it from scratch
-            d.tokens.clear();
-            return Err(e);
-        }
-        d.tokens.extend_from_slice(&todo);
+        let mut upto = history.to_vec();
+        upto.extend_from_slice(tokens);
+        d.catch_up(&upto, self.prefill_chunk)?;
         state.position = d.tokens.len();
         match want {
             LogitsFor::None => Ok(Vec::new()),

@@ -15,6 +15,7 @@ use cudarc::driver::{
     LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
+use osprey_engine::sampler::{Sampler, SamplingParams};
 use osprey_model::config::ModelConfig;
 use osprey_model::tensor::{FloatBuf, Linear, Matrix, MatrixData};
 use osprey_model::weights::{GdnProjections, Mixer, ModelWeights};
@@ -158,6 +159,10 @@ struct Scratch {
     pos: CudaSlice<i32>,
     step: CudaSlice<i32>,
     history: CudaSlice<i32>,
+    sample_params: CudaSlice<SampleParams>,
+    /// Prompt + output and output-only counts per token id (sampling penalties).
+    seen: CudaSlice<i32>,
+    output: CudaSlice<i32>,
 }
 
 struct Functions {
@@ -171,6 +176,7 @@ struct Functions {
     embed: CudaFunction,
     argmax_partial: CudaFunction,
     argmax_final: CudaFunction,
+    sample: CudaFunction,
 }
 
 /// Time spent in one kernel family during a profiled step.
@@ -200,6 +206,8 @@ pub struct CudaDecoder {
     sms: usize,
     /// Page-locked host copy of the logits (pageable downloads were slow on the H200 host).
     logits_host: cudarc::driver::PinnedHostSlice<f32>,
+    /// Page-locked slots the chosen tokens are copied into, alternately, while the next step runs.
+    token_slots: [cudarc::driver::PinnedHostSlice<i32>; 2],
     pk: prefill::PrefillKernels,
     /// Prefill activations, allocated for the chunk size of the first prefill.
     prefill: Option<prefill::PrefillScratch>,
@@ -324,6 +332,7 @@ impl CudaDecoder {
             embed: func("sample", "embed")?,
             argmax_partial: func("sample", "argmax_partial")?,
             argmax_final: func("sample", "argmax_final")?,
+            sample: func("sample", "sample_token")?,
         };
         let pk = prefill::PrefillKernels::load(&func)?;
 
@@ -450,6 +459,9 @@ impl CudaDecoder {
             pos: stream.alloc_zeros(1)?,
             step: stream.alloc_zeros(1)?,
             history: stream.alloc_zeros(max_context)?,
+            sample_params: stream.clone_htod(&[SampleParams::default()])?,
+            seen: stream.alloc_zeros(c.vocab_size)?,
+            output: stream.alloc_zeros(c.vocab_size)?,
         };
         let scratch_bytes = 4
             * (c.hidden_size * 2
@@ -457,11 +469,18 @@ impl CudaDecoder {
                 + 2 * c.linear_value_dim()
                 + 4 * hq * d
                 + hq * SPLITS * (d + 2)
-                + c.vocab_size
+                + 3 * c.vocab_size
                 + max_context);
         stream.synchronize()?;
         // SAFETY: filled by a device copy before it is read
         let logits_host = unsafe { ctx.alloc_pinned_with_flags::<f32>(c.vocab_size, 0)? };
+        // SAFETY: as above
+        let token_slots = unsafe {
+            [
+                ctx.alloc_pinned_with_flags::<i32>(1, 0)?,
+                ctx.alloc_pinned_with_flags::<i32>(1, 0)?,
+            ]
+        };
         let sms = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
             as usize;
@@ -487,6 +506,7 @@ impl CudaDecoder {
             memory,
             sms,
             logits_host,
+            token_slots,
             pk,
             prefill: None,
             gdn_prefill: GdnPrefill::Auto,
@@ -864,6 +884,7 @@ impl CudaDecoder {
             )?
         );
         let aa = ArgmaxArgs {
+            params: self.p(&s.sample_params),
             logits: self.p(&s.logits),
             part_val: self.p(&s.part_val),
             part_idx: self.p(&s.part_idx),
@@ -886,6 +907,22 @@ impl CudaDecoder {
                     .arg(&parts)
                     .launch(launch_cfg((1, 1), 32))?
             };
+        });
+        let sa = SampleArgs {
+            params: self.p(&s.sample_params),
+            logits: self.p(&s.logits),
+            seen: self.p(&s.seen),
+            output: self.p(&s.output),
+            token: self.p(&s.token),
+            pos: self.p(&s.pos),
+            history: self.p(&s.history),
+            step: self.p(&s.step),
+            n: self.valid_vocab as i32,
+        };
+        timed!("sample (when sampling)", unsafe {
+            st.launch_builder(&self.f.sample)
+                .arg(&sa)
+                .launch(launch_cfg((1, 1), 1024))?
         });
         Ok(())
     }
@@ -940,6 +977,131 @@ impl CudaDecoder {
             g.launch()?;
         }
         Ok(())
+    }
+
+    /// Whether the GPU can choose tokens with these settings (greedy, or top-k of at most 256;
+    /// otherwise the host samples from the logits).
+    pub fn can_sample(p: &SamplingParams) -> bool {
+        p.temperature == 0.0 || (1..=256).contains(&p.top_k)
+    }
+
+    /// How the captured step chooses its token from now on: `None` is argmax; a sampler's
+    /// settings and token counts (for its penalties) switch the GPU sampler on. Greedy settings
+    /// without penalties keep the argmax kernels.
+    pub fn set_sampling(&mut self, sampler: Option<&Sampler>) -> Result<()> {
+        let mut params = SampleParams::default();
+        if let Some(sm) = sampler {
+            let p = sm.params();
+            if !Self::can_sample(p) {
+                bail!(
+                    "top_k {} is beyond what the GPU sampler takes (1..=256, or greedy)",
+                    p.top_k
+                );
+            }
+            let penalties = p.repetition_penalty != 1.0
+                || p.presence_penalty != 0.0
+                || p.frequency_penalty != 0.0;
+            let greedy = p.temperature == 0.0 || p.top_k == 1;
+            params = SampleParams {
+                temperature: p.temperature,
+                top_p: p.top_p,
+                min_p: p.min_p,
+                presence: p.presence_penalty,
+                frequency: p.frequency_penalty,
+                repetition: p.repetition_penalty,
+                top_k: p.top_k as i32,
+                active: i32::from(penalties || !greedy),
+                seed: p.seed,
+            };
+            let vocab = self.cfg.vocab_size;
+            let dense = |m: &HashMap<u32, u32>| {
+                let mut v = vec![0i32; vocab];
+                for (&t, &n) in m {
+                    if let Some(x) = v.get_mut(t as usize) {
+                        *x = n as i32;
+                    }
+                }
+                v
+            };
+            let (seen, output) = sm.counts();
+            self.stream.memcpy_htod(&dense(seen), &mut self.s.seen)?;
+            self.stream
+                .memcpy_htod(&dense(output), &mut self.s.output)?;
+        }
+        self.stream
+            .memcpy_htod(&[params], &mut self.s.sample_params)?;
+        Ok(())
+    }
+
+    /// Runs decode steps from the current position with the token chosen on the GPU, the first
+    /// step fed `first`. Each chosen token is copied into page-locked memory while the next
+    /// step already runs and handed to `on_token` one step late, so no step waits for the host;
+    /// stops when `on_token` returns false or after `max_steps` steps. Returns the number of
+    /// steps run: the state then holds `first` and the first `steps - 1` chosen tokens.
+    pub fn run_steps(
+        &mut self,
+        first: u32,
+        max_steps: usize,
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<usize> {
+        self.set_token(first)?;
+        let flags = Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
+        let done = [self.ctx.new_event(flags)?, self.ctx.new_event(flags)?];
+        for n in 0..max_steps {
+            self.step()?;
+            let slot = n % 2;
+            self.stream
+                .memcpy_dtoh(&self.s.token, &mut self.token_slots[slot])?;
+            done[slot].record(&self.stream)?;
+            if n > 0 {
+                let prev = 1 - slot;
+                done[prev].synchronize()?;
+                let t = self.token_slots[prev].as_slice()?[0] as u32;
+                if !on_token(t) {
+                    return Ok(n + 1);
+                }
+            }
+        }
+        if max_steps > 0 {
+            let last = (max_steps - 1) % 2;
+            done[last].synchronize()?;
+            on_token(self.token_slots[last].as_slice()?[0] as u32);
+        }
+        Ok(max_steps)
+    }
+
+    /// Runs only the token choice, `n` times over the logits of the last step, with the sampling
+    /// set by `set_sampling` (checks of the GPU sampler: each run draws a new number); returns
+    /// the choices. Leaves the step counter and position moved: reset before decoding on.
+    pub fn choose_repeatedly(&mut self, n: usize) -> Result<Vec<u32>> {
+        if n > self.max_context {
+            bail!(
+                "at most {} choices fit the device's record",
+                self.max_context
+            );
+        }
+        self.stream.memcpy_htod(&[0i32], &mut self.s.step)?;
+        let s = &self.s;
+        let sa = SampleArgs {
+            params: self.p(&s.sample_params),
+            logits: self.p(&s.logits),
+            seen: self.p(&s.seen),
+            output: self.p(&s.output),
+            token: self.p(&s.token),
+            pos: self.p(&s.pos),
+            history: self.p(&s.history),
+            step: self.p(&s.step),
+            n: self.valid_vocab as i32,
+        };
+        for _ in 0..n {
+            unsafe {
+                self.stream
+                    .launch_builder(&self.f.sample)
+                    .arg(&sa)
+                    .launch(launch_cfg((1, 1), 1024))?
+            };
+        }
+        self.history(n)
     }
 
     /// Logits of the last step (synchronises), through a page-locked buffer.

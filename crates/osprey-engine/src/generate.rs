@@ -47,8 +47,42 @@ pub struct Generation {
     pub decode: Timing,
 }
 
+/// The reply so far: tokens, streamed text, and why it ended.
+struct Reply<'a> {
+    opts: &'a GenerateOptions,
+    stream: StopScanner,
+    detok: &'a mut dyn TokenText,
+    on_text: &'a mut dyn FnMut(&str) -> ControlFlow<()>,
+    tokens: Vec<u32>,
+    finish: FinishReason,
+}
+
+impl Reply<'_> {
+    /// Takes one chosen token; false once the reply is over (stop id or string, cancelled by
+    /// the callback, or the token limit).
+    fn accept(&mut self, next: u32) -> bool {
+        self.tokens.push(next);
+        if self.opts.stop_ids.contains(&next) {
+            self.finish = FinishReason::Stop;
+            return false;
+        }
+        let (piece, stopped) = self.stream.push(&self.detok.push(next));
+        if !piece.is_empty() && (self.on_text)(&piece).is_break() {
+            self.finish = FinishReason::Cancelled;
+            return false;
+        }
+        if stopped {
+            self.finish = FinishReason::Stop;
+            return false;
+        }
+        self.tokens.len() < self.opts.max_tokens
+    }
+}
+
 /// Generates a reply to `prompt` (appended to the session). `on_text` receives each final piece
-/// of text and may return `Break` to cancel.
+/// of text and may return `Break` to cancel. The first token is sampled on the host from the
+/// prompt's logits; after it, a backend that chooses tokens itself (the GPU) runs the rest
+/// without handing logits back, else the host samples every token.
 pub fn generate(
     engine: &Engine,
     session: &mut Session,
@@ -58,34 +92,47 @@ pub fn generate(
     on_text: &mut dyn FnMut(&str) -> ControlFlow<()>,
 ) -> Result<Generation> {
     opts.sampling.validate()?;
-    let (mut logits, prompt_timing) = engine.prefill(session, prompt)?;
+    let (logits, prompt_timing) = engine.prefill(session, prompt)?;
     let mut sampler = Sampler::new(opts.sampling.clone(), opts.valid_vocab, &session.tokens);
-    let mut stream = StopScanner::new(&opts.stop_strings);
-    let mut tokens = Vec::new();
+    let mut reply = Reply {
+        opts,
+        stream: StopScanner::new(&opts.stop_strings),
+        detok,
+        on_text,
+        tokens: Vec::new(),
+        finish: FinishReason::Length,
+    };
     let started = Instant::now();
-    let mut finish = FinishReason::Length;
-    while tokens.len() < opts.max_tokens {
-        let next = sampler.sample(&logits);
-        sampler.observe(next);
-        tokens.push(next);
-        if opts.stop_ids.contains(&next) {
-            finish = FinishReason::Stop;
-            break;
+    if opts.max_tokens > 0 {
+        let first = sampler.sample(&logits);
+        sampler.observe(first);
+        if reply.accept(first) {
+            let remaining = opts.max_tokens - 1;
+            let on_device =
+                engine.decode_on_device(session, first, &sampler, remaining, &mut |t| {
+                    reply.accept(t)
+                })?;
+            if on_device.is_none() {
+                let mut next = first;
+                loop {
+                    let logits = engine.decode(session, next)?;
+                    next = sampler.sample(&logits);
+                    sampler.observe(next);
+                    if !reply.accept(next) {
+                        break;
+                    }
+                }
+            }
         }
-        let (piece, stopped) = stream.push(&detok.push(next));
-        if !piece.is_empty() && on_text(&piece).is_break() {
-            finish = FinishReason::Cancelled;
-            break;
-        }
-        if stopped {
-            finish = FinishReason::Stop;
-            break;
-        }
-        if tokens.len() == opts.max_tokens {
-            break;
-        }
-        logits = engine.decode(session, next)?;
     }
+    let Reply {
+        mut stream,
+        detok,
+        on_text,
+        tokens,
+        finish,
+        ..
+    } = reply;
     if finish != FinishReason::Cancelled {
         let (piece, _) = stream.push(&detok.flush());
         let rest = piece + &stream.finish();
@@ -93,8 +140,9 @@ pub fn generate(
             let _ = on_text(&rest);
         }
     }
-    // the last sampled token was never run through the model: the session ends at the last
-    // token whose logits were used, so a follow-up turn feeds it first
+    // on the host path the last sampled token was never run through the model: the session
+    // ends at the last token whose logits were used, so a follow-up turn feeds it first (the
+    // device path may have run it already; the session records what ran)
     let decode = Timing {
         tokens: tokens.len().saturating_sub(1),
         seconds: started.elapsed().as_secs_f64(),

@@ -39,6 +39,22 @@ pub trait Backend: Send + Sync {
         tokens: &[u32],
         want: LogitsFor,
     ) -> Result<Vec<f32>>;
+    /// Decodes with the tokens chosen on the device (`sampler`'s settings and counts), starting
+    /// by running `first` after `history`; each chosen token goes to `on_token` until it returns
+    /// false or `max_steps` tokens were chosen. Returns the tokens the state now holds beyond
+    /// `history` (`first`, then the chosen tokens that were run), or None when this backend
+    /// does not choose tokens itself (the caller samples from logits).
+    fn decode_on_device(
+        &self,
+        _state: &mut SessionState,
+        _history: &[u32],
+        _first: u32,
+        _sampler: &sampler::Sampler,
+        _max_steps: usize,
+        _on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<Option<Vec<u32>>> {
+        Ok(None)
+    }
 }
 
 pub struct CpuBackend {
@@ -166,6 +182,27 @@ impl Engine {
             .forward(&mut s.state, &s.tokens, &[token], LogitsFor::Last)?;
         s.tokens.push(token);
         Ok(logits)
+    }
+
+    /// Decodes on the device when the backend chooses tokens itself (see
+    /// `Backend::decode_on_device`), appending what it ran to the session; None otherwise.
+    pub fn decode_on_device(
+        &self,
+        s: &mut Session,
+        first: u32,
+        sampler: &sampler::Sampler,
+        max_steps: usize,
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<Option<()>> {
+        let ran = self.backend.decode_on_device(
+            &mut s.state,
+            &s.tokens,
+            first,
+            sampler,
+            max_steps,
+            on_token,
+        )?;
+        Ok(ran.map(|tokens| s.tokens.extend_from_slice(&tokens)))
     }
 
     /// Logits of every position of `tokens` from a fresh session, `[T, vocab]`.

@@ -149,11 +149,13 @@ impl Sampler {
         l
     }
 
-    /// Chooses the next token.
-    pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        let p = self.params.clone();
+    /// The distribution the next token is drawn from: candidates (best first) and their
+    /// probabilities after temperature, top-k, top-p and min-p (summing to 1); a single
+    /// candidate with probability 1 when the choice is greedy.
+    pub fn distribution(&self, logits: &[f32]) -> Vec<(u32, f32)> {
+        let p = &self.params;
         let l = self.adjusted(logits);
-        let greedy = || argmax(&l) as u32;
+        let greedy = || vec![(argmax(&l) as u32, 1.0)];
         if p.temperature == 0.0 || p.top_k == 1 {
             return greedy();
         }
@@ -198,14 +200,36 @@ impl Sampler {
             probs.truncate(keep);
         }
         let total: f32 = probs.iter().sum();
-        let mut r = self.rng.random::<f32>() * total;
-        for (i, &x) in probs.iter().enumerate() {
+        idx.into_iter()
+            .zip(probs)
+            .map(|(i, x)| (i, x / total))
+            .collect()
+    }
+
+    /// Chooses the next token.
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let dist = self.distribution(logits);
+        if dist.len() == 1 {
+            return dist[0].0;
+        }
+        let mut r = self.rng.random::<f32>();
+        for &(i, x) in &dist {
             if r < x {
-                return idx[i];
+                return i;
             }
             r -= x;
         }
-        idx[probs.len() - 1]
+        dist[dist.len() - 1].0
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Prompt and output counts of each token seen so far (repetition penalty), and output
+    /// counts (presence and frequency penalties).
+    pub fn counts(&self) -> (&HashMap<u32, u32>, &HashMap<u32, u32>) {
+        (&self.seen, &self.output)
     }
 }
 
