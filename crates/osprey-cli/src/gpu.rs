@@ -90,7 +90,9 @@ pub fn check(
     let weights = ModelWeights::load(dir)?;
     let vocab = weights.config.vocab_size;
     let valid = vocab.min(TOKENIZER_VOCAB);
-    let mut gpu = CudaDecoder::new(&weights, prompt_len.max(prefill_len) + steps + 8, valid)?;
+    // the context also holds the device's record of the sampler check's draws
+    let context = (prompt_len.max(prefill_len) + steps + 8).max(SAMPLE_DRAWS);
+    let mut gpu = CudaDecoder::new(&weights, context, valid)?;
     info!("loaded on {}: {}", gpu.device_name(), memory_line(&gpu));
     let cpu = Engine::new(Box::new(CpuBackend::new(weights)));
     let make_prompt = |n: usize| -> Vec<u32> {
