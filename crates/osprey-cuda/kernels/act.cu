@@ -5,7 +5,8 @@
 //   gated_norm_bf16 — the GDN output norm: per head RMSNorm with weight, times silu(z), to bf16
 //                     perm64. Grid T blocks, one warp per head.
 // All are elementwise passes over T rows (a few MB each); they exist so the GEMM reads bf16 once
-// per tile instead of normalising per block.
+// per tile instead of normalising per block. Measured (H200, commit 7bf2668, 4K prompt): the 80
+// pre-norms 2.2 ms (~50 MB each, f32 in and bf16 out: ~1.8 TB/s), the 30 gated norms 1.9 ms.
 #include "common.cuh"
 
 struct EmbedRowsArgs {

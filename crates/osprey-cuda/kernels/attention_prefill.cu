@@ -15,6 +15,8 @@
 // Shapes: D = 256; shared memory Q 128x264 + 2 x (K 64x264 + V 64x264) bf16 (~198 KB, dynamic,
 // opted in by the host). Registers: O is 16x256 fp32 per warp (128 per thread).
 // Ceiling: bf16 mma ~790 TFLOP/s (gpu.md); causal work is 4·T·(P + T/2)·D FLOP per head.
+// Measured (H200, commit 7bf2668): 4K prompt, 10 layers, 1.37 TFLOP in 8.8 ms = 156 TFLOP/s
+// (20%); the first version (64-query blocks, synchronous loads, scalar fragment loads) took 38 ms.
 #include "common.cuh"
 
 #define D 256

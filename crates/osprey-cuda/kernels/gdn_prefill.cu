@@ -29,7 +29,9 @@
 //                    by `osprey bench prefill`, as the base for a tensor-core version.
 // Shapes: Dk = Dv = 128, Hv value heads over Hk key heads (value head h reads key head h/(Hv/Hk)).
 // Ceiling: the scan is a dependent chain per token (two warp reductions); the state traffic is
-// 64 KB per head per chunk, not per token.
+// 64 KB per head per chunk, not per token. Measured (H200, commit 7bf2668, 4K prompt): scan
+// 1.15 ms per layer (0.28 us per token; 2.9 ms in the first version with global loads one token
+// ahead); conv + norms + gates 0.25 ms per layer for ~400 MB moved (~1.6 TB/s).
 #include "common.cuh"
 
 #define DK 128

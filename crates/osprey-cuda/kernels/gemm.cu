@@ -21,6 +21,10 @@
 // Epilogues: store f32, add into f32 (residual), SwiGLU to bf16 perm64 (expert and shared
 // gate/up), store f32 times a per-row routing weight (expert down).
 // Ceiling: bf16 dense mma ~790 TFLOP/s measured (gpu.md); mma.sync reaches about 2/3 of it.
+// Measured (H200, commit 7bf2668, 4K prompt, full-size model): routed experts 8.25 TFLOP in
+// 51.5 ms = 160 TFLOP/s (20%); GDN in_proj 6.2 TFLOP in 30.6 ms = 200 TFLOP/s (25%). ncu: tensor
+// pipe active 34%, 2 warps per scheduler (208 registers at 64-position tiles), most stalls on
+// fixed-latency dependencies. Next: wgmma from dequantised shared-memory tiles.
 #include "common.cuh"
 
 #define GEMM_WARPS 8

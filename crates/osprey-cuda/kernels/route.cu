@@ -8,6 +8,8 @@
 //   moe_combine   — x[t] += Σ_slots y[position] (already weighted) + sigmoid(shared gate) · shared.
 // Positions inside one expert's range come in whatever order the atomics give, but each result
 // depends only on its own row, and the combine sums a token's slots in slot order: deterministic.
+// Measured (H200, commit 7bf2668, 4K prompt, 40 layers): routing 1.7 ms; combine 3.8 ms for
+// ~10.7 GB of expert outputs read = 2.8 TB/s (76% of ~3.7 TB/s).
 #include "common.cuh"
 
 struct RouteArgs {
