@@ -231,6 +231,139 @@ impl StopScanner {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{Backend, LogitsFor, SessionState};
+    use osprey_model::config::ModelConfig;
+
+    /// A deterministic "model": the next token is a function of the sequence. `device`: it also
+    /// chooses tokens itself with the GPU backend's contract (step n runs its input and chooses,
+    /// the choice is handed over once step n + 1 has started).
+    struct Counting {
+        config: ModelConfig,
+        device: bool,
+    }
+
+    fn next_after(seq: &[u32]) -> u32 {
+        (seq.last().copied().unwrap_or(0) * 7 + seq.len() as u32) % 50
+    }
+
+    impl Backend for Counting {
+        fn name(&self) -> &'static str {
+            "counting"
+        }
+        fn config(&self) -> &ModelConfig {
+            &self.config
+        }
+        fn new_state(&self) -> SessionState {
+            SessionState {
+                layers: Vec::new(),
+                position: 0,
+            }
+        }
+        fn forward(
+            &self,
+            state: &mut SessionState,
+            history: &[u32],
+            tokens: &[u32],
+            _want: LogitsFor,
+        ) -> Result<Vec<f32>> {
+            state.position += tokens.len();
+            let seq: Vec<u32> = history.iter().chain(tokens).copied().collect();
+            let mut logits = vec![0.0; 64];
+            logits[next_after(&seq) as usize] = 10.0;
+            Ok(logits)
+        }
+        fn decode_on_device(
+            &self,
+            state: &mut SessionState,
+            history: &[u32],
+            first: u32,
+            _sampler: &Sampler,
+            max_steps: usize,
+            on_token: &mut dyn FnMut(u32) -> bool,
+        ) -> Result<Option<Vec<u32>>> {
+            if !self.device {
+                return Ok(None);
+            }
+            let mut seq = history.to_vec();
+            let mut consumed = Vec::new();
+            let (mut input, mut pending) = (first, None);
+            for _ in 0..max_steps {
+                seq.push(input);
+                consumed.push(input);
+                let chosen = next_after(&seq);
+                if let Some(prev) = pending.take() {
+                    if !on_token(prev) {
+                        state.position += consumed.len();
+                        return Ok(Some(consumed));
+                    }
+                }
+                pending = Some(chosen);
+                input = chosen;
+            }
+            if let Some(prev) = pending {
+                on_token(prev);
+            }
+            state.position += consumed.len();
+            Ok(Some(consumed))
+        }
+    }
+
+    struct Names;
+    impl TokenText for Names {
+        fn push(&mut self, token: u32) -> String {
+            format!("t{token} ")
+        }
+        fn flush(&mut self) -> String {
+            String::new()
+        }
+    }
+
+    #[test]
+    fn device_decoding_gives_the_host_replies() {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/qwen3.6-35b-a3b");
+        let config = ModelConfig::from_dir(&dir).unwrap();
+        let engine = |device| {
+            Engine::new(Box::new(Counting {
+                config: config.clone(),
+                device,
+            }))
+        };
+        let (host, device) = (engine(false), engine(true));
+        let prompt = [3u32, 1, 4, 1, 5];
+        // the path without a stop first, to pick stops that do occur in it
+        let free = |stop_ids: Vec<u32>, stop_strings: Vec<String>, max_tokens| GenerateOptions {
+            max_tokens,
+            stop_ids,
+            stop_strings,
+            sampling: SamplingParams::default(),
+            valid_vocab: 64,
+        };
+        let run = |e: &Engine, o: &GenerateOptions| {
+            let mut s = e.new_session();
+            let mut streamed = String::new();
+            let g = generate(e, &mut s, &prompt, o, &mut Names, &mut |t| {
+                streamed.push_str(t);
+                ControlFlow::Continue(())
+            })
+            .unwrap();
+            (g.tokens, g.text, g.finish, streamed, s.tokens)
+        };
+        let reference = run(&host, &free(Vec::new(), Vec::new(), 40));
+        let seventh = reference.0[6];
+        let cases = [
+            free(Vec::new(), Vec::new(), 40),
+            free(Vec::new(), Vec::new(), 1),
+            free(vec![seventh], Vec::new(), 40),
+            free(Vec::new(), vec![format!("t{seventh} ")], 40),
+        ];
+        for o in &cases {
+            let (h, d) = (run(&host, o), run(&device, o));
+            assert_eq!((&h.0, &h.1, h.2, &h.3), (&d.0, &d.1, d.2, &d.3), "{o:?}");
+            // the device may have run the last token already; never less than the host
+            assert!(d.4.starts_with(&h.4) && d.4.len() <= h.4.len() + 1, "{o:?}");
+        }
+    }
 
     fn run(stops: &[&str], pieces: &[&str]) -> (String, String, bool) {
         let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();

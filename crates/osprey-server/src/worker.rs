@@ -211,6 +211,100 @@ fn log_softmax_top(logits: &[f32], chosen: u32, top: usize, format: &PromptForma
     }
 }
 
+/// What a chosen token means for the reply.
+enum Next {
+    Continue,
+    /// An end-of-turn id: the reply is over and its state is worth caching once the id has run.
+    EndOfTurn,
+    /// A stop string or the token limit.
+    Finished,
+    /// The client went away or the deadline passed (already reported).
+    Aborted,
+    /// Forced text (tool_choice) to run before the next token.
+    Inject(Vec<u32>),
+}
+
+/// The reply being generated: detokenisation, stop strings, output parsing, streaming.
+struct Reply<'a> {
+    job: &'a Job,
+    format: &'a PromptFormat,
+    metrics: &'a Metrics,
+    detok: osprey_prompt::IncrementalDecoder<'a>,
+    stops: StopScanner,
+    parser: Option<OutputParser>,
+    force: Option<String>,
+    generated: usize,
+    finish: &'static str,
+}
+
+impl Reply<'_> {
+    /// Takes one chosen token (with its logits when log-probabilities are wanted) and streams
+    /// what it adds.
+    fn accept(&mut self, token: u32, logits: Option<&[f32]>) -> anyhow::Result<Next> {
+        let job = self.job;
+        if job.events.is_closed() {
+            self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+            return Ok(Next::Aborted);
+        }
+        if Instant::now() > job.deadline {
+            let _ = job.events.send(Event::Error {
+                message: "request timed out".into(),
+                timeout: true,
+            });
+            return Ok(Next::Aborted);
+        }
+        self.generated += 1;
+        if self.generated == 1 {
+            self.metrics
+                .record_ttft(job.received.elapsed().as_secs_f64());
+        }
+        let logprobs = match (job.gen.logprobs, logits) {
+            (Some(top), Some(l)) => vec![log_softmax_top(l, token, top, self.format)],
+            _ => Vec::new(),
+        };
+        if self.format.stop_ids.contains(&token) {
+            self.finish = "stop";
+            if !logprobs.is_empty() {
+                let _ = job.events.send(Event::Deltas {
+                    deltas: Vec::new(),
+                    logprobs,
+                });
+            }
+            return Ok(Next::EndOfTurn);
+        }
+        let (piece, hit) = self.stops.push(&self.detok.push(token));
+        let mut deltas = match self.parser.as_mut() {
+            Some(p) => p.push(&piece),
+            None if piece.is_empty() => Vec::new(),
+            None => vec![Delta::Content(piece)],
+        };
+        let mut inject = Vec::new();
+        if let (Some(p), Some(text)) = (self.parser.as_mut(), self.force.as_ref()) {
+            if !p.in_reasoning() {
+                let forced = format!("\n\n{text}");
+                inject = self.format.encode(&forced)?;
+                deltas.extend(p.push(&forced));
+                self.force = None;
+            }
+        }
+        if !deltas.is_empty() || !logprobs.is_empty() {
+            let _ = job.events.send(Event::Deltas { deltas, logprobs });
+        }
+        if hit {
+            self.finish = "stop";
+            return Ok(Next::Finished);
+        }
+        if self.generated == job.max_tokens {
+            return Ok(Next::Finished);
+        }
+        Ok(if inject.is_empty() {
+            Next::Continue
+        } else {
+            Next::Inject(inject)
+        })
+    }
+}
+
 impl Worker {
     /// Serves jobs until the sending side closes.
     pub fn run(mut self, jobs: std::sync::mpsc::Receiver<Job>) {
@@ -272,20 +366,24 @@ impl Worker {
         );
 
         let mut sampler = Sampler::new(job.gen.sampling.clone(), valid_vocab, prompt);
-        let mut detok = format.incremental();
-        let mut stops = StopScanner::new(&job.gen.stop);
-        let mut parser = job
-            .chat
-            .as_ref()
-            .map(|c| OutputParser::new(c.in_reasoning, c.tools.clone(), "call_"));
-        let mut force = job.chat.as_ref().and_then(|c| c.force.clone());
-        let mut generated = 0usize;
-        let mut finish = "length";
+        let mut reply = Reply {
+            job: &job,
+            format: &format,
+            metrics: &self.metrics,
+            detok: format.incremental(),
+            stops: StopScanner::new(&job.gen.stop),
+            parser: job
+                .chat
+                .as_ref()
+                .map(|c| OutputParser::new(c.in_reasoning, c.tools.clone(), "call_")),
+            force: job.chat.as_ref().and_then(|c| c.force.clone()),
+            generated: 0,
+            finish: "length",
+        };
         let decode_start = Instant::now();
-        let mut first_token = true;
 
         // forced start of the answer when the prompt is already past the reasoning block
-        if let (Some(p), Some(text)) = (parser.as_mut(), force.as_ref()) {
+        if let (Some(p), Some(text)) = (reply.parser.as_mut(), reply.force.as_ref()) {
             if !p.in_reasoning() {
                 let ids = format.encode(text)?;
                 let (l, _) = engine.prefill(&mut session, &ids)?;
@@ -295,81 +393,100 @@ impl Worker {
                     deltas,
                     logprobs: Vec::new(),
                 });
-                force = None;
+                reply.force = None;
             }
         }
 
-        while generated < job.max_tokens {
-            if job.events.is_closed() {
-                self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
-                return Ok(());
-            }
-            if Instant::now() > job.deadline {
-                let _ = job.events.send(Event::Error {
-                    message: "request timed out".into(),
-                    timeout: true,
-                });
-                return Ok(());
-            }
-            let masked = &logits[..valid_vocab];
-            let token = sampler.sample(masked);
+        // Each turn of this loop samples one token on the host from `logits`; then a backend
+        // that chooses tokens itself (the GPU) runs on until the reply ends or needs the host
+        // (forced text to inject), else the host decodes token by token. Log-probabilities need
+        // the logits of every token, so they keep the host path.
+        let device_ok = job.gen.logprobs.is_none();
+        while reply.generated < job.max_tokens {
+            let token = sampler.sample(&logits[..valid_vocab]);
             sampler.observe(token);
-            generated += 1;
-            if first_token {
-                self.metrics
-                    .record_ttft(job.received.elapsed().as_secs_f64());
-                first_token = false;
-            }
-            let logprobs = match job.gen.logprobs {
-                Some(top) => vec![log_softmax_top(masked, token, top, &format)],
-                None => Vec::new(),
-            };
-            if format.stop_ids.contains(&token) {
-                finish = "stop";
-                if !logprobs.is_empty() {
-                    let _ = job.events.send(Event::Deltas {
-                        deltas: Vec::new(),
-                        logprobs,
-                    });
+            let mut next = reply.accept(token, Some(&logits[..valid_vocab]))?;
+            if matches!(next, Next::Continue) && device_ok {
+                let remaining = job.max_tokens - reply.generated;
+                let mut chosen = Vec::new();
+                let mut failed = None;
+                let ran = engine.decode_on_device(
+                    &mut session,
+                    token,
+                    &sampler,
+                    remaining,
+                    &mut |t| {
+                        chosen.push(t);
+                        match reply.accept(t, None) {
+                            Ok(Next::Continue) => true,
+                            Ok(other) => {
+                                next = other;
+                                false
+                            }
+                            Err(e) => {
+                                failed = Some(e);
+                                false
+                            }
+                        }
+                    },
+                )?;
+                if let Some(e) = failed {
+                    return Err(e);
                 }
-                // run the end-of-turn token so the cached state ends where the next turn resumes
-                engine.decode(&mut session, token)?;
-                self.cache.insert(&session, None);
-                break;
+                chosen.iter().for_each(|&t| sampler.observe(t));
+                if ran.is_some() {
+                    // the device has run every token it handed over except possibly the last:
+                    // the session records what ran
+                    match next {
+                        Next::Continue => break,
+                        Next::EndOfTurn => {
+                            if session.tokens.last() != chosen.last() {
+                                let last = *chosen.last().unwrap_or(&token);
+                                engine.decode(&mut session, last)?;
+                            }
+                            self.cache.insert(&session, None);
+                            break;
+                        }
+                        Next::Finished => break,
+                        Next::Aborted => return Ok(()),
+                        Next::Inject(ids) => {
+                            let last = *chosen.last().unwrap_or(&token);
+                            let mut feed = Vec::new();
+                            if session.tokens.last() != Some(&last) {
+                                feed.push(last);
+                            }
+                            feed.extend(ids);
+                            logits = engine.prefill(&mut session, &feed)?.0;
+                            continue;
+                        }
+                    }
+                }
+                next = Next::Continue;
             }
-            let (piece, hit) = stops.push(&detok.push(token));
-            let deltas = match parser.as_mut() {
-                Some(p) => p.push(&piece),
-                None if piece.is_empty() => Vec::new(),
-                None => vec![Delta::Content(piece)],
-            };
-            let mut inject: Vec<u32> = Vec::new();
-            let mut deltas = deltas;
-            if let (Some(p), Some(text)) = (parser.as_mut(), force.as_ref()) {
-                if !p.in_reasoning() {
-                    let forced = format!("\n\n{text}");
-                    inject = format.encode(&forced)?;
-                    deltas.extend(p.push(&forced));
-                    force = None;
+            match next {
+                Next::Continue => logits = engine.decode(&mut session, token)?,
+                Next::EndOfTurn => {
+                    // run the end-of-turn token so the cached state ends where the next turn resumes
+                    engine.decode(&mut session, token)?;
+                    self.cache.insert(&session, None);
+                    break;
+                }
+                Next::Finished => break,
+                Next::Aborted => return Ok(()),
+                Next::Inject(mut ids) => {
+                    ids.insert(0, token);
+                    logits = engine.prefill(&mut session, &ids)?.0;
                 }
             }
-            if !deltas.is_empty() || !logprobs.is_empty() {
-                let _ = job.events.send(Event::Deltas { deltas, logprobs });
-            }
-            if hit {
-                finish = "stop";
-                break;
-            }
-            if generated == job.max_tokens {
-                break;
-            }
-            logits = if inject.is_empty() {
-                engine.decode(&mut session, token)?
-            } else {
-                inject.insert(0, token);
-                engine.prefill(&mut session, &inject)?.0
-            };
         }
+        let Reply {
+            mut detok,
+            mut stops,
+            mut parser,
+            generated,
+            mut finish,
+            ..
+        } = reply;
         let decode_s = decode_start.elapsed().as_secs_f64();
         self.metrics.record_decode(generated, decode_s);
 

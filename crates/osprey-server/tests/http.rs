@@ -53,6 +53,20 @@ struct Scripted {
     config: ModelConfig,
     script: Vec<u32>,
     delay: Duration,
+    /// Chooses tokens itself like the GPU backend (one step ahead of what it hands over).
+    device: bool,
+}
+
+impl Scripted {
+    /// A pure function of the sequence: continue the script from however much of it the
+    /// sequence already ends with (so cached and replayed states behave like a real model).
+    fn next_after(&self, seq: &[u32]) -> u32 {
+        let done = (0..=self.script.len())
+            .rev()
+            .find(|&k| seq.ends_with(&self.script[..k]))
+            .unwrap_or(0);
+        self.script[done.min(self.script.len() - 1)]
+    }
 }
 
 impl Backend for Scripted {
@@ -74,14 +88,8 @@ impl Backend for Scripted {
     ) -> anyhow::Result<Vec<f32>> {
         std::thread::sleep(self.delay);
         state.position += tokens.len();
-        // a pure function of the sequence: continue the script from however much of it the
-        // sequence already ends with (so cached and replayed states behave like a real model)
         let seq: Vec<u32> = history.iter().chain(tokens).copied().collect();
-        let done = (0..=self.script.len())
-            .rev()
-            .find(|&k| seq.ends_with(&self.script[..k]))
-            .unwrap_or(0);
-        let next = self.script[done.min(self.script.len() - 1)];
+        let next = self.next_after(&seq);
         let mut logits = vec![0.0; self.config.vocab_size];
         logits[next as usize] = 100.0;
         Ok(if want == LogitsFor::None {
@@ -89,6 +97,44 @@ impl Backend for Scripted {
         } else {
             logits
         })
+    }
+
+    /// The CUDA backend's contract: step n runs its input and chooses the next token, which is
+    /// handed over after step n + 1 has started, so a stop seen by the caller has already run.
+    fn decode_on_device(
+        &self,
+        state: &mut SessionState,
+        history: &[u32],
+        first: u32,
+        _sampler: &osprey_engine::sampler::Sampler,
+        max_steps: usize,
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> anyhow::Result<Option<Vec<u32>>> {
+        if !self.device {
+            return Ok(None);
+        }
+        let mut seq = history.to_vec();
+        let mut consumed = Vec::new();
+        let (mut input, mut pending) = (first, None);
+        for _ in 0..max_steps {
+            std::thread::sleep(self.delay);
+            seq.push(input);
+            consumed.push(input);
+            let chosen = self.next_after(&seq);
+            if let Some(prev) = pending.take() {
+                if !on_token(prev) {
+                    state.position += consumed.len();
+                    return Ok(Some(consumed));
+                }
+            }
+            pending = Some(chosen);
+            input = chosen;
+        }
+        if let Some(prev) = pending {
+            on_token(prev);
+        }
+        state.position += consumed.len();
+        Ok(Some(consumed))
     }
 }
 
@@ -121,6 +167,11 @@ impl Server {
     }
 
     async fn scripted(reply: &str, delay: Duration, cfg: ServerConfig) -> Server {
+        Server::scripted_on(reply, delay, cfg, false).await
+    }
+
+    /// `device`: the backend chooses tokens itself, as the GPU does.
+    async fn scripted_on(reply: &str, delay: Duration, cfg: ServerConfig, device: bool) -> Server {
         let format = PromptFormat::from_dir(tiny_dir()).unwrap();
         let mut script = format.encode(reply).unwrap();
         script.push(248046); // <|im_end|>
@@ -128,6 +179,7 @@ impl Server {
             config: ModelConfig::from_dir(tiny_dir()).unwrap(),
             script,
             delay,
+            device,
         };
         Server::start(Engine::new(Box::new(backend)), cfg).await
     }
@@ -672,5 +724,61 @@ async fn repeated_prompt_is_served_without_prefill() {
     assert_eq!(
         first["choices"][0]["message"],
         second["choices"][0]["message"]
+    );
+}
+
+/// What a reply says, without its random ids and timestamps.
+fn reply_content(r: &Value) -> Value {
+    let c = &r["choices"][0];
+    let calls: Vec<Value> = c["message"]["tool_calls"]
+        .as_array()
+        .map(|a| a.iter().map(|t| t["function"].clone()).collect())
+        .unwrap_or_default();
+    json!({"content": c["message"]["content"], "reasoning": c["message"]["reasoning_content"],
+           "finish": c["finish_reason"], "calls": calls, "usage": r["usage"], "logprobs": c["logprobs"]})
+}
+
+#[tokio::test]
+async fn device_decoding_gives_the_host_path_replies() {
+    let host = Server::scripted_on(CALL_REPLY, Duration::ZERO, config(), false).await;
+    let device = Server::scripted_on(CALL_REPLY, Duration::ZERO, config(), true).await;
+    let tools: Value = serde_json::from_str(WEATHER).unwrap();
+    let bodies = [
+        // a tool call, ended by the end-of-turn id
+        json!({"messages": user("weather?"), "tools": tools, "max_tokens": 100}),
+        // the token limit
+        json!({"messages": user("weather?"), "max_tokens": 5}),
+        // a stop string
+        json!({"messages": user("weather?"), "stop": ["Paris"], "max_tokens": 100}),
+        // forced text injected when the reasoning ends (tool_choice)
+        json!({"messages": user("weather?"), "tools": tools, "tool_choice": "required", "max_tokens": 60}),
+        // log-probabilities keep the host path on both
+        json!({"messages": user("weather?"), "max_tokens": 8, "logprobs": true, "top_logprobs": 1}),
+    ];
+    for body in bodies {
+        let (st_h, r_h) = host.post("/v1/chat/completions", body.clone()).await;
+        let (st_d, r_d) = device.post("/v1/chat/completions", body.clone()).await;
+        assert_eq!((st_h, st_d), (200, 200), "{r_h} {r_d}");
+        assert_eq!(reply_content(&r_h), reply_content(&r_d), "request {body}");
+    }
+    // a second turn after a device-run reply reuses its cached state and still agrees
+    let first = json!({"messages": user("weather?"), "max_tokens": 100, "chat_template_kwargs": {"enable_thinking": false}});
+    let (_, r) = device.post("/v1/chat/completions", first.clone()).await;
+    let (_, r_host) = host.post("/v1/chat/completions", first).await;
+    let answer = r["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or("")
+        .to_string();
+    let second = json!({"messages": [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": answer},
+        {"role": "user", "content": "and tomorrow?"}], "max_tokens": 100, "chat_template_kwargs": {"enable_thinking": false}});
+    let (_, r2_d) = device.post("/v1/chat/completions", second.clone()).await;
+    let (_, r2_h) = host.post("/v1/chat/completions", second).await;
+    assert_eq!(reply_content(&r_host), reply_content(&r));
+    assert_eq!(reply_content(&r2_h), reply_content(&r2_d));
+    assert!(
+        r2_d["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0)
+            > 0
     );
 }
