@@ -6,7 +6,7 @@ tokenizer, as Lily did) with
   --engine mlx           MLX-LM on the checkpoint's own bytes (mlx_lm.load; one forward pass), or
   --engine transformers  Hugging Face transformers (Qwen3_5MoeForCausalLM, eager attention and
                          experts) with the checkpoint dequantised exactly (scale·q + bias in f32),
-                         held in bfloat16 on the GPU (or --dtype float32),
+                         held in bfloat16 (or --dtype float32) on the GPU (or --device cpu),
 and writes the logits as f32 [192, vocab] safetensors ("logits") plus the token ids as JSON.
 
     python3 tools/reference_logits.py --model DIR --engine mlx --out /tmp/ref-mlx
@@ -81,7 +81,7 @@ def dequantize(codes, scales, biases, bits, group):
     return w.reshape(*codes.shape[:-1], k)
 
 
-def transformers_logits(model_dir, ids, dtype_name):
+def transformers_logits(model_dir, ids, dtype_name, device):
     import torch
     from safetensors import safe_open
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
@@ -95,12 +95,12 @@ def transformers_logits(model_dir, ids, dtype_name):
     cfg._attn_implementation = "eager"
     cfg._experts_implementation = "eager"
     torch.set_default_dtype(dtype)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = Qwen3_5MoeForCausalLM(cfg).eval()
     torch.set_default_dtype(torch.float32)
 
     files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
-    handles = [safe_open(os.path.join(model_dir, f), framework="pt", device="cuda") for f in files]
+    handles = [safe_open(os.path.join(model_dir, f), framework="pt", device=device) for f in files]
     where = {name: h for h in handles for name in h.keys()}
 
     def tensor(name):
@@ -142,7 +142,7 @@ def transformers_logits(model_dir, ids, dtype_name):
             loaded += 1
     print(f"transformers: {loaded} parameters loaded from {len(files)} files")
     with torch.no_grad():
-        out = model(torch.tensor([ids], device="cuda"), use_cache=False).logits[0].float()
+        out = model(torch.tensor([ids], device=device), use_cache=False).logits[0].float()
     return out.cpu().numpy()
 
 
@@ -151,12 +151,13 @@ def main():
     ap.add_argument("--model", required=True, help="MLX checkpoint directory")
     ap.add_argument("--engine", choices=["mlx", "transformers"], required=True)
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="transformers only")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="transformers only")
     ap.add_argument("--out", required=True, help="output directory")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     ids = tokens_for(a.model)
     started = time.time()
-    logits = mlx_logits(a.model, ids) if a.engine == "mlx" else transformers_logits(a.model, ids, a.dtype)
+    logits = mlx_logits(a.model, ids) if a.engine == "mlx" else transformers_logits(a.model, ids, a.dtype, a.device)
     if logits.shape[0] != len(ids):
         raise SystemExit(f"{a.engine} returned {logits.shape[0]} positions for {len(ids)} tokens")
     write_logits(os.path.join(a.out, "logits.safetensors"), logits)

@@ -486,11 +486,14 @@ pub fn check(
     }
 }
 
+/// `limits`: the largest |perplexity difference| in percent and the smallest top-1 agreement
+/// accepted (none: report only).
 pub fn eval(
     args: &ModelArgs,
     tokens: &Path,
     reference: &Path,
     tensor: &str,
+    limits: (Option<f64>, Option<f64>),
     out: Option<&Path>,
 ) -> Result<()> {
     let ids = read_token_file(tokens)?;
@@ -555,8 +558,26 @@ pub fn eval(
             "model": dir.display().to_string(),
             "reference": reference.display().to_string(),
             "fidelity": f,
+            "limits": {"max_perplexity_difference_percent": limits.0, "min_top1_agreement": limits.1},
         });
         std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")?;
+    }
+    if let Some(max) = limits.0 {
+        if f.perplexity_difference_percent.abs() > max {
+            bail!(
+                "perplexity differs by {:+.3}% from the reference (limit ±{max}%)",
+                f.perplexity_difference_percent
+            );
+        }
+    }
+    if let Some(min) = limits.1 {
+        if f.top1_agreement < min {
+            bail!(
+                "top-1 agreement {:.2}% is below the limit {:.2}%",
+                100.0 * f.top1_agreement,
+                100.0 * min
+            );
+        }
     }
     Ok(())
 }

@@ -177,6 +177,12 @@ enum Command {
         /// Name of the reference tensor.
         #[arg(long, default_value = "logits")]
         tensor: String,
+        /// Fail when the perplexity differs from the reference's by more than this many percent.
+        #[arg(long)]
+        max_perplexity_difference: Option<f64>,
+        /// Fail when fewer positions than this fraction agree on the top-1 token.
+        #[arg(long)]
+        min_top1: Option<f64>,
         /// Also write the result as JSON.
         #[arg(long)]
         out: Option<PathBuf>,
@@ -271,8 +277,17 @@ fn main() -> ExitCode {
             tokens,
             reference,
             tensor,
+            max_perplexity_difference,
+            min_top1,
             out,
-        } => commands::eval(&model, &tokens, &reference, &tensor, out.as_deref()),
+        } => commands::eval(
+            &model,
+            &tokens,
+            &reference,
+            &tensor,
+            (max_perplexity_difference, min_top1),
+            out.as_deref(),
+        ),
         Command::Check {
             model,
             prompt_tokens,
