@@ -1,0 +1,166 @@
+#!/usr/bin/env python3
+"""Writes README.md's result tables from the committed JSON under bench/results/.
+
+Each table sits between `<!-- results:NAME -->` and `<!-- /results:NAME -->`; the text around
+them is hand-written. Run after committing new benchmark JSON:
+
+    python3 tools/readme_results.py            # rewrite the tables
+    python3 tools/readme_results.py --check    # fail if README.md is out of date (CI runs this)
+
+Needs only the standard library.
+"""
+import argparse
+import json
+import os
+import re
+import sys
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+RESULTS = os.path.join(ROOT, "bench", "results")
+
+
+def load(name):
+    with open(os.path.join(RESULTS, name)) as f:
+        return json.load(f)
+
+
+def n0(x):
+    return f"{x:,.0f}"
+
+
+def cell(text):
+    """Table cell text: a literal | would end the cell."""
+    return text.replace("|", "\\|")
+
+
+def source(d, name):
+    return f"\n\n<sub>{name}: commit `{d.get('commit')}`, {d.get('device')}, {str(d.get('date'))[:10]}</sub>"
+
+
+def prefill():
+    d = load("cuda-prefill-full.json")
+    rows = ["| prompt tokens | prefill tok/s | min – max | GDN forms forced: register scan / chunked |", "|---|---|---|---|"]
+    for r in d["results"]:
+        forms = r.get("gdn_form_tokens_per_s") or {}
+        f = f"{n0(forms['recurrent'])} / {n0(forms['chunked'])}" if forms else "—"
+        rows.append(f"| {r['tokens']:,} | {n0(r['tokens_per_s'])} | {n0(r['min'])} – {n0(r['max'])} | {f} |")
+    return "\n".join(rows) + source(d, "cuda-prefill-full.json")
+
+
+def prefill_profile():
+    d = load("cuda-prefill-full.json")
+    by_len = {p["tokens"]: p for p in d["profiles"]}
+    long_, short = by_len[max(by_len)], by_len[min(by_len)]
+    short_us = {k["kernel"]: k["us"] for k in short["kernels"]}
+    rows = [f"| kernel family | launches ({long_['tokens']:,}) | {long_['tokens']:,}-token prompt, ms | {short['tokens']:,}-token prompt, ms |",
+            "|---|---|---|---|"]
+    for k in long_["kernels"]:
+        s = short_us.get(k["kernel"])
+        rows.append(f"| {cell(k['kernel'])} | {k['launches']} | {k['us'] / 1e3:.1f} | {'—' if s is None else f'{s / 1e3:.2f}'} |")
+    rows.append(f"| **all** | | **{long_['total_us'] / 1e3:.1f}** | **{short['total_us'] / 1e3:.2f}** |")
+    eg = long_["expert_gemm"]
+    rows.append("")
+    rows.append(f"Routed-expert GEMMs at {long_['tokens']:,} tokens: {eg['flop'] / 1e12:.2f} TFLOP in {eg['us'] / 1e3:.1f} ms = "
+                f"{eg['tflop_per_s']:.0f} TFLOP/s ({100 * eg['fraction_of_bf16_ceiling']:.0f}% of the ~790 TFLOP/s bf16 ceiling).")
+    return "\n".join(rows)
+
+
+def decode():
+    d = load("cuda-decode-full.json")
+    rows = ["| context | decode tok/s | bytes per step | achieved read rate (of ~3.7 TB/s) |", "|---|---|---|---|"]
+    for r in d["results"]:
+        rows.append(f"| {r['tokens']:,} | {r['tokens_per_s']:.1f} | {r['bytes_per_step'] / 1e9:.2f} GB | "
+                    f"{r['achieved_bytes_per_s'] / 1e12:.2f} TB/s ({100 * r['fraction_of_read_ceiling']:.0f}%) |")
+    return "\n".join(rows) + source(d, "cuda-decode-full.json")
+
+
+def decode_profile():
+    p = load("cuda-decode-full.json")["profile"]
+    rows = [f"| kernel family (one step at {p['context']:,} context) | launches | µs |", "|---|---|---|"]
+    rows += [f"| {cell(k['kernel'])} | {k['launches']} | {k['us']:.0f} |" for k in p["kernels"]]
+    rows.append(f"| **all** (launched one by one with events) | | **{p['total_us']:.0f}** |")
+    return "\n".join(rows)
+
+
+def checks():
+    tiny, full4 = load("cuda-check-tiny.json"), load("cuda-check-fullwidth-4l.json")
+
+    def pre(d):
+        p = d["prefill"]
+        return max(p["chunked_relative_rms"], p["whole_relative_rms"], p.get("whole_chunked_gdn_relative_rms", 0.0))
+
+    items = [
+        ("decode, worst relative RMS of the logits", lambda d: f"{d['worst_relative_rms']:.1e}", f"{tiny['limit_relative_rms']:.0e}"),
+        ("prefill (chunked, whole, chunked GDN form), last-position logits", lambda d: f"{pre(d):.1e}", f"{tiny['prefill']['limit_relative_rms']:.0e}"),
+        ("prefill then decode, worst relative RMS", lambda d: f"{d['prefill']['decode_after_prefill']['worst_relative_rms']:.1e}", f"{tiny['prefill']['limit_relative_rms']:.0e}"),
+        ("greedy disagreements (outside near-ties)", lambda d: str(d["greedy_disagreements"] + d["prefill"]["greedy_disagreements"] + d["prefill"]["decode_after_prefill"]["greedy_disagreements"]), "0"),
+        ("GPU sampling: total variation vs the host distribution", lambda d: f"{d['gpu_sampling']['total_variation']:.3f}", f"{tiny['gpu_sampling']['limit_total_variation']}"),
+        ("passed", lambda d: "yes" if d["pass"] else "NO", ""),
+    ]
+    rows = ["| check | tiny | full width, 4 layers | limit |", "|---|---|---|---|"]
+    rows += [f"| {name} | {f(tiny)} | {f(full4)} | {lim} |" for name, f, lim in items]
+    return "\n".join(rows) + source(tiny, "cuda-check-*.json")
+
+
+def compare():
+    d = load("compare-mlx-h200.json")
+    rows = ["| tokens | Osprey prefill tok/s | MLX-LM prefill | ratio | Osprey decode tok/s | MLX-LM decode | ratio |",
+            "|---|---|---|---|---|---|---|"]
+    for r in d["results"]:
+        rows.append(f"| {r['tokens']:,} | {n0(r['osprey_prefill'])} | {r['mlx_prefill']:.0f} | {r['prefill_ratio']:.0f}× | "
+                    f"{r['osprey_decode']:.0f} | {r['mlx_decode']:.1f} | {r['decode_ratio']:.1f}× |")
+    rows.append(f"| **mean ratio** | | | **{d['mean_prefill_ratio']:.0f}×** | | | **{d['mean_decode_ratio']:.1f}×** |")
+    return "\n".join(rows) + source(d, "compare-mlx-h200.json")
+
+
+def fidelity_rows(files):
+    rows = ["| reference | perplexity difference | top-1 agreement | max / mean abs logit error |", "|---|---|---|---|"]
+    for label, name in files:
+        f = load(name)["fidelity"]
+        rows.append(f"| {label} | {f['perplexity_difference_percent']:+.3f}% | {100 * f['top1_agreement']:.1f}% | "
+                    f"{f['max_abs_logit_error']:.2g} / {f['mean_abs_logit_error']:.2g} |")
+    return "\n".join(rows)
+
+
+def fidelity_full():
+    return fidelity_rows([("MLX-LM 0.32.2 (CUDA build, its own bf16 path)", "cuda-fidelity-full-vs-mlx.json"),
+                          ("transformers 5.17, bf16, weights dequantised exactly", "cuda-fidelity-full-vs-transformers-bf16.json")])
+
+
+def fidelity_tiny():
+    return fidelity_rows([("transformers 5.24, float32", "cpu-fidelity-synth-tiny-vs-transformers-f32.json"),
+                          ("transformers 5.24, bf16", "cpu-fidelity-synth-tiny-vs-transformers-bf16.json"),
+                          ("MLX-LM 0.32.2 (CPU build)", "cpu-fidelity-synth-tiny-vs-mlx.json")])
+
+
+TABLES = {"prefill": prefill, "prefill-profile": prefill_profile, "decode": decode, "decode-profile": decode_profile,
+          "checks": checks, "compare-mlx": compare, "fidelity-full": fidelity_full, "fidelity-tiny": fidelity_tiny}
+
+
+def render(text):
+    for name, make in TABLES.items():
+        pattern = re.compile(rf"(<!-- results:{name} -->\n).*?(\n<!-- /results:{name} -->)", re.S)
+        if not pattern.search(text):
+            raise SystemExit(f"README.md has no <!-- results:{name} --> block")
+        text = pattern.sub(lambda m: m.group(1) + make() + m.group(2), text)
+    return text
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="fail if README.md is not what the JSON gives")
+    a = ap.parse_args()
+    path = os.path.join(ROOT, "README.md")
+    with open(path) as f:
+        text = f.read()
+    new = render(text)
+    if a.check:
+        if new != text:
+            sys.exit("README.md's result tables are out of date: run python3 tools/readme_results.py")
+        return
+    with open(path, "w") as f:
+        f.write(new)
+
+
+if __name__ == "__main__":
+    main()
