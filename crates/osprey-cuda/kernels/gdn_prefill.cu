@@ -22,11 +22,11 @@
 //                    2048 warps in all, so each scheduler has several independent chains
 //                    (measured: 4 columns per warp, 1024 warps, issued only half the cycles).
 //   gdn_chunk_prep / gdn_chunk_scan — the same recurrence in the chunked (WY) form, chunks of 64
-//                    tokens, all fp32 on the CUDA cores (see below). Measured slower than the scan
-//                    at every length (H200, 4K prompt, 30 layers: prep 21.7 ms + scan 40.8 ms vs
-//                    34.7 ms): the per-chunk state pass reads M and K̃ with dependent global loads
-//                    in its inner loops, and its matmuls are not register-tiled. Kept, and timed
-//                    by `osprey bench prefill`, as the base for a tensor-core version.
+//                    tokens, all fp32 on the CUDA cores (see below). The first version was slower
+//                    than the scan at every length (H200, 4K prompt, 30 layers: prep 21.7 ms +
+//                    scan 40.8 ms vs 34.7 ms; its inner loops waited on global loads); this one
+//                    stages every chunk's inputs in shared memory. `osprey bench prefill` times
+//                    both forms.
 // Shapes: Dk = Dv = 128, Hv value heads over Hk key heads (value head h reads key head h/(Hv/Hk)).
 // Ceiling: the scan is a dependent chain per token (two warp reductions); the state traffic is
 // 64 KB per head per chunk, not per token. Measured (H200, commit 7bf2668, 4K prompt): scan
@@ -295,23 +295,7 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_prep(GdnChunkArgs p)
         if (t < n) p.m[((size_t)(t0 + t) * p.hv + h) * CHUNK + s] = qk * decay;
     }
     __syncthreads();
-    // forward substitution, one column of [U | W] per thread, the column in registers
-    const int j = tid;
-    const bool is_u = j < DV;
-    const float* vrow = p.conv_out + 2 * p.hk * DK + h * DV + j;
-    float x[CHUNK];
-#pragma unroll
-    for (int t = 0; t < CHUNK; ++t) {
-        float init = 0.f;
-        if (t < n) init = is_u ? beta[t] * vrow[(size_t)(t0 + t) * p.conv_dim] : beta[t] * __expf(G[t]) * ks[t * KS + (j - DV)];
-#pragma unroll
-        for (int s = 0; s < t; ++s) init = fmaf(-A[t * (CHUNK + 1) + s], x[s], init);
-        x[t] = init;
-    }
-#pragma unroll
-    for (int t = 0; t < CHUNK; ++t)
-        if (t < n) p.wy[((size_t)(t0 + t) * p.hv + h) * 2 * DV + j] = x[t];
-    // decayed q and k
+    // decayed q and k out (q no longer needed after this)
     const float last = G[n - 1];
     for (int e = tid; e < n * DK; e += blockDim.x) {
         const int t = e / DK, i = e % DK;
@@ -319,77 +303,132 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_prep(GdnChunkArgs p)
         out[i] = qs[t * KS + i] * __expf(G[t]);
         out[DK + i] = ks[t * KS + i] * __expf(last - G[t]);
     }
+    __syncthreads();
+    // v of the chunk into q's place, so the substitution below reads shared memory only
+    float* vs = qs;
+    for (int e = tid; e < CHUNK * DV; e += blockDim.x) {
+        const int t = e / DV, j = e % DV;
+        vs[t * KS + j] = t < n ? p.conv_out[(size_t)(t0 + t) * p.conv_dim + 2 * p.hk * DK + h * DV + j] : 0.f;
+    }
+    __syncthreads();
+    // forward substitution, one column of [U | W] per thread, the column in registers
+    const int j = tid;
+    const bool is_u = j < DV;
+    float x[CHUNK];
+#pragma unroll
+    for (int t = 0; t < CHUNK; ++t) {
+        float init = is_u ? beta[t] * vs[t * KS + j] : beta[t] * __expf(G[t]) * ks[t * KS + (j - DV)];
+#pragma unroll
+        for (int s = 0; s < t; ++s) init = fmaf(-A[t * (CHUNK + 1) + s], x[s], init);
+        x[t] = init;
+    }
+#pragma unroll
+    for (int t = 0; t < CHUNK; ++t)
+        if (t < n) p.wy[((size_t)(t0 + t) * p.hv + h) * 2 * DV + j] = x[t];
     if (tid == 0) p.chunk_decay[c * p.hv + h] = __expf(last);
 }
 
-#define SCAN_COLS_C 16
+#define SCAN_COLS_C 32
+#define RS 132   // padded row stride of the staged [64][128] inputs (16-byte aligned, conflict-free)
+#define MS 68    // padded row stride of M
 
-// Grid (Hv, Dv/16), 256 threads: the block owns state columns j0..j0+15 of one head, in shared
-// memory for the whole prompt chunk, and walks the 64-token chunks in order.
-extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan(GdnChunkArgs p) {
-    __shared__ __align__(16) float S[DK][SCAN_COLS_C];
-    __shared__ __align__(16) float Up[CHUNK][SCAN_COLS_C];
+__device__ __forceinline__ void cp_async16_ca(void* smem, const void* gmem, bool valid) {
+    const unsigned sa = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sa), "l"(gmem), "r"(valid ? 16 : 0));
+}
+
+// Grid (Hv, Dv/32), 256 threads: the block owns state columns j0..j0+31 of one head, in shared
+// memory for the whole prompt chunk, and walks the 64-token chunks in order; each chunk's W, Q̃,
+// K̃, M and U columns are first staged in shared memory (cp.async), so the inner loops read
+// shared memory only. Dynamic shared memory: S 128x32, U' 64x32, W/Q̃/K̃ 64x132 each, M 64x68.
+extern "C" __global__ void __launch_bounds__(256, 1) gdn_chunk_scan(GdnChunkArgs p) {
+    extern __shared__ __align__(16) float smc[];
+    float* S = smc;                          // [DK][32]
+    float* Up = S + DK * SCAN_COLS_C;        // [C][32]
+    float* W = Up + CHUNK * SCAN_COLS_C;     // [C][RS]
+    float* Qd = W + CHUNK * RS;              // [C][RS]
+    float* Kd = Qd + CHUNK * RS;             // [C][RS]
+    float* M = Kd + CHUNK * RS;              // [C][MS]
     const int h = blockIdx.x, j0 = blockIdx.y * SCAN_COLS_C, tid = threadIdx.x;
     float* Sg = p.state + (size_t)h * DK * DV;
-    for (int e = tid; e < DK * SCAN_COLS_C; e += blockDim.x) S[e / SCAN_COLS_C][e % SCAN_COLS_C] = Sg[(e / SCAN_COLS_C) * DV + j0 + e % SCAN_COLS_C];
-    __syncthreads();
-    const int t = tid / 4, jq = (tid % 4) * 4;  // phase 1: row t, columns jq..jq+3
-    const int i2 = tid / 2, jh = (tid % 2) * 8; // phase 2: state row i2, columns jh..jh+7
+    for (int e = tid; e < DK * SCAN_COLS_C; e += blockDim.x) S[e] = Sg[(e / SCAN_COLS_C) * DV + j0 + e % SCAN_COLS_C];
+    const int t = tid / 4, jq = (tid % 4) * 8;   // phase 1: row t, columns jq..jq+7
+    const int i2 = tid / 2, jh = (tid % 2) * 16; // phase 2: state row i2, columns jh..jh+15
     const int chunks = (p.T + CHUNK - 1) / CHUNK;
     for (int c = 0; c < chunks; ++c) {
         const int t0 = c * CHUNK, n = min(CHUNK, p.T - t0);
-        const bool live = t < n;
-        const size_t row = (size_t)(t0 + (live ? t : 0)) * p.hv + h;
-        // U' = U − W S and Q̃ S for row t
-        float ws[4] = {0.f, 0.f, 0.f, 0.f}, qsum[4] = {0.f, 0.f, 0.f, 0.f};
-        const float4* w = reinterpret_cast<const float4*>(p.wy + row * 2 * DV + DV);
-        const float4* qd = reinterpret_cast<const float4*>(p.qk_decayed + row * 2 * DK);
-#pragma unroll 4
-        for (int i4 = 0; i4 < DK / 4; ++i4) {
-            const float4 wv = w[i4], qv = qd[i4];
-            const float wa[4] = {wv.x, wv.y, wv.z, wv.w}, qa[4] = {qv.x, qv.y, qv.z, qv.w};
+        __syncthreads();  // the previous chunk's readers are done with the staging buffers
+        // stage: W, Q̃, K̃ rows (32 chunks of 16 bytes each), M rows (16), U columns (8)
+        for (int e = tid; e < CHUNK * (3 * 32 + 16 + 8); e += blockDim.x) {
+            const int r = e / (3 * 32 + 16 + 8), k = e % (3 * 32 + 16 + 8);
+            const bool ok = r < n;
+            const size_t row = (size_t)(t0 + (ok ? r : 0)) * p.hv + h;
+            float* dst;
+            const float* src;
+            if (k < 32) { dst = W + r * RS + 4 * k; src = p.wy + row * 2 * DV + DV + 4 * k; }
+            else if (k < 64) { dst = Qd + r * RS + 4 * (k - 32); src = p.qk_decayed + row * 2 * DK + 4 * (k - 32); }
+            else if (k < 96) { dst = Kd + r * RS + 4 * (k - 64); src = p.qk_decayed + row * 2 * DK + DK + 4 * (k - 64); }
+            else if (k < 112) { dst = M + r * MS + 4 * (k - 96); src = p.m + row * CHUNK + 4 * (k - 96); }
+            else { dst = Up + r * SCAN_COLS_C + 4 * (k - 112); src = p.wy + row * 2 * DV + j0 + 4 * (k - 112); }
+            cp_async16_ca(dst, src, ok);
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+        asm volatile("cp.async.wait_group 0;\n" ::);
+        __syncthreads();
+        // W S and Q̃ S for row t, columns jq..jq+7
+        float ws[8], qsum[8];
 #pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const float4 sv = *reinterpret_cast<const float4*>(&S[4 * i4 + r][jq]);
-                ws[0] = fmaf(wa[r], sv.x, ws[0]); ws[1] = fmaf(wa[r], sv.y, ws[1]);
-                ws[2] = fmaf(wa[r], sv.z, ws[2]); ws[3] = fmaf(wa[r], sv.w, ws[3]);
-                qsum[0] = fmaf(qa[r], sv.x, qsum[0]); qsum[1] = fmaf(qa[r], sv.y, qsum[1]);
-                qsum[2] = fmaf(qa[r], sv.z, qsum[2]); qsum[3] = fmaf(qa[r], sv.w, qsum[3]);
+        for (int q = 0; q < 8; ++q) ws[q] = qsum[q] = 0.f;
+#pragma unroll 4
+        for (int i = 0; i < DK; ++i) {
+            const float wv = W[t * RS + i], qv = Qd[t * RS + i];
+            const float4 s0 = *reinterpret_cast<const float4*>(&S[i * SCAN_COLS_C + jq]);
+            const float4 s1 = *reinterpret_cast<const float4*>(&S[i * SCAN_COLS_C + jq + 4]);
+            const float sv[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
+#pragma unroll
+            for (int q = 0; q < 8; ++q) {
+                ws[q] = fmaf(wv, sv[q], ws[q]);
+                qsum[q] = fmaf(qv, sv[q], qsum[q]);
             }
         }
-        const float4 u = *reinterpret_cast<const float4*>(p.wy + row * 2 * DV + j0 + jq);
-        *reinterpret_cast<float4*>(&Up[t][jq]) =
-            live ? make_float4(u.x - ws[0], u.y - ws[1], u.z - ws[2], u.w - ws[3]) : make_float4(0.f, 0.f, 0.f, 0.f);
+        // U' = U − W S (rows past the prompt stay zero)
+#pragma unroll
+        for (int q = 0; q < 8; ++q) Up[t * SCAN_COLS_C + jq + q] -= ws[q];
         __syncthreads();
         // O = Q̃ S + M U'
-        const float* mrow = p.m + row * CHUNK;
-        for (int s = 0; s <= t && s < n; ++s) {
-            const float mv = mrow[s];
-            const float4 up = *reinterpret_cast<const float4*>(&Up[s][jq]);
-            qsum[0] = fmaf(mv, up.x, qsum[0]); qsum[1] = fmaf(mv, up.y, qsum[1]);
-            qsum[2] = fmaf(mv, up.z, qsum[2]); qsum[3] = fmaf(mv, up.w, qsum[3]);
+        for (int s = 0; s <= t; ++s) {
+            const float mv = M[t * MS + s];
+            const float4 u0 = *reinterpret_cast<const float4*>(&Up[s * SCAN_COLS_C + jq]);
+            const float4 u1 = *reinterpret_cast<const float4*>(&Up[s * SCAN_COLS_C + jq + 4]);
+            qsum[0] = fmaf(mv, u0.x, qsum[0]); qsum[1] = fmaf(mv, u0.y, qsum[1]);
+            qsum[2] = fmaf(mv, u0.z, qsum[2]); qsum[3] = fmaf(mv, u0.w, qsum[3]);
+            qsum[4] = fmaf(mv, u1.x, qsum[4]); qsum[5] = fmaf(mv, u1.y, qsum[5]);
+            qsum[6] = fmaf(mv, u1.z, qsum[6]); qsum[7] = fmaf(mv, u1.w, qsum[7]);
         }
-        if (live)
-            *reinterpret_cast<float4*>(p.o + (size_t)(t0 + t) * p.hv * DV + h * DV + j0 + jq) =
-                make_float4(qsum[0], qsum[1], qsum[2], qsum[3]);
-        // S ← e^{G_last} S + K̃ᵀ U' for state row i2
+        if (t < n) {
+            float* o = p.o + (size_t)(t0 + t) * p.hv * DV + h * DV + j0 + jq;
+            *reinterpret_cast<float4*>(o) = make_float4(qsum[0], qsum[1], qsum[2], qsum[3]);
+            *reinterpret_cast<float4*>(o + 4) = make_float4(qsum[4], qsum[5], qsum[6], qsum[7]);
+        }
+        // S ← e^{G_last} S + K̃ᵀ U' for state row i2 (its own elements only)
         const float decay = p.chunk_decay[c * p.hv + h];
-        float acc[8];
+        float acc[16];
 #pragma unroll
-        for (int q = 0; q < 8; ++q) acc[q] = S[i2][jh + q] * decay;
+        for (int q = 0; q < 16; ++q) acc[q] = S[i2 * SCAN_COLS_C + jh + q] * decay;
         for (int s = 0; s < n; ++s) {
-            const float kv = p.qk_decayed[((size_t)(t0 + s) * p.hv + h) * 2 * DK + DK + i2];
-            const float4 a = *reinterpret_cast<const float4*>(&Up[s][jh]);
-            const float4 b = *reinterpret_cast<const float4*>(&Up[s][jh + 4]);
-            acc[0] = fmaf(kv, a.x, acc[0]); acc[1] = fmaf(kv, a.y, acc[1]);
-            acc[2] = fmaf(kv, a.z, acc[2]); acc[3] = fmaf(kv, a.w, acc[3]);
-            acc[4] = fmaf(kv, b.x, acc[4]); acc[5] = fmaf(kv, b.y, acc[5]);
-            acc[6] = fmaf(kv, b.z, acc[6]); acc[7] = fmaf(kv, b.w, acc[7]);
-        }
-        __syncthreads();
+            const float kv = Kd[s * RS + i2];
 #pragma unroll
-        for (int q = 0; q < 8; ++q) S[i2][jh + q] = acc[q];
-        __syncthreads();
+            for (int q4 = 0; q4 < 4; ++q4) {
+                const float4 u = *reinterpret_cast<const float4*>(&Up[s * SCAN_COLS_C + jh + 4 * q4]);
+                acc[4 * q4] = fmaf(kv, u.x, acc[4 * q4]);
+                acc[4 * q4 + 1] = fmaf(kv, u.y, acc[4 * q4 + 1]);
+                acc[4 * q4 + 2] = fmaf(kv, u.z, acc[4 * q4 + 2]);
+                acc[4 * q4 + 3] = fmaf(kv, u.w, acc[4 * q4 + 3]);
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < 16; ++q) S[i2 * SCAN_COLS_C + jh + q] = acc[q];
     }
-    for (int e = tid; e < DK * SCAN_COLS_C; e += blockDim.x) Sg[(e / SCAN_COLS_C) * DV + j0 + e % SCAN_COLS_C] = S[e / SCAN_COLS_C][e % SCAN_COLS_C];
+    __syncthreads();
+    for (int e = tid; e < DK * SCAN_COLS_C; e += blockDim.x) Sg[(e / SCAN_COLS_C) * DV + j0 + e % SCAN_COLS_C] = S[e];
 }
