@@ -17,6 +17,8 @@ const ATTN_QUERY_TILE: usize = 128;
 /// Tokens per chunk of the chunked GDN form, and its preparation kernel's shared memory.
 const GDN_CHUNK: usize = 64;
 const GDN_CHUNK_PREP_SMEM_BYTES: usize = (2 * 64 * 129 + 64 * 65 + 128) * 4;
+/// The chunked form's state pass: S 128x32, U' 64x32, W/Q̃/K̃ 64x132 each, M 64x68 (f32).
+const GDN_CHUNK_SCAN_SMEM_BYTES: usize = (128 * 32 + 64 * 32 + 3 * 64 * 132 + 64 * 68) * 4;
 
 /// Which form of the Gated DeltaNet recurrence the prefill runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,6 +65,11 @@ impl PrefillKernels {
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             GDN_CHUNK_PREP_SMEM_BYTES as i32,
         )?;
+        let gdn_chunk_scan = func("gdn_prefill", "gdn_chunk_scan")?;
+        gdn_chunk_scan.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            GDN_CHUNK_SCAN_SMEM_BYTES as i32,
+        )?;
         Ok(PrefillKernels {
             gemm4: [
                 func("gemm", "gemm_q4_m2")?,
@@ -82,7 +89,7 @@ impl PrefillKernels {
             gdn_qk_gates: func("gdn_prefill", "gdn_qk_gates")?,
             gdn_scan: func("gdn_prefill", "gdn_scan")?,
             gdn_chunk_prep,
-            gdn_chunk_scan: func("gdn_prefill", "gdn_chunk_scan")?,
+            gdn_chunk_scan,
             attn_prep_rows: func("attention_prefill", "attn_prep_rows")?,
             attn_prefill,
         })
@@ -574,10 +581,15 @@ impl CudaDecoder {
                         timed(self, events, "gdn chunked (WY) scan", |dd| {
                             unsafe {
                                 st.launch_builder(&dd.pk.gdn_chunk_scan).arg(&ca).launch(
-                                    launch_cfg(
-                                        (hv as u32, (c.linear_value_head_dim / 16) as u32),
-                                        256,
-                                    ),
+                                    LaunchConfig {
+                                        grid_dim: (
+                                            hv as u32,
+                                            (c.linear_value_head_dim / 32) as u32,
+                                            1,
+                                        ),
+                                        block_dim: (256, 1, 1),
+                                        shared_mem_bytes: GDN_CHUNK_SCAN_SMEM_BYTES as u32,
+                                    },
                                 )?
                             };
                             Ok(())
