@@ -25,8 +25,9 @@
 //                    tokens, all fp32 on the CUDA cores (see below). The first version was slower
 //                    than the scan at every length (H200, 4K prompt, 30 layers: prep 21.7 ms +
 //                    scan 40.8 ms vs 34.7 ms; its inner loops waited on global loads); this one
-//                    stages every chunk's inputs in shared memory. `osprey bench prefill` times
-//                    both forms.
+//                    stages every chunk's inputs in shared memory and is closer but still slower
+//                    (4K prompt: 21.2K vs 23.0K tok/s end to end, commit 9a9dbcb,
+//                    bench/results/cuda-prefill-gdn-forms.json). `osprey bench prefill` times both.
 // Shapes: Dk = Dv = 128, Hv value heads over Hk key heads (value head h reads key head h/(Hv/Hk)).
 // Ceiling: the scan is a dependent chain per token (two warp reductions); the state traffic is
 // 64 KB per head per chunk, not per token. Measured (H200, commit 7bf2668, 4K prompt): scan
