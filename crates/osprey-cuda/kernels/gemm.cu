@@ -19,7 +19,9 @@
 // Grid: x = column blocks, y = position tiles (dense) or tile slots of the grouped plan (route.cu
 // writes (expert, first position, end) per slot and the number used; spare slots exit).
 // Epilogues: store f32, add into f32 (residual), SwiGLU to bf16 perm64 (expert and shared
-// gate/up), store f32 times a per-row routing weight (expert down).
+// gate/up), store f32 times a per-row routing weight (expert down). Dense launches too small to
+// fill the GPU (short prompts, the router) split K over grid z into partial sums that
+// gemm_reduce adds in a fixed order.
 // Ceiling: bf16 dense mma ~790 TFLOP/s measured (gpu.md); mma.sync reaches about 2/3 of it.
 // Measured (H200, commit 7bf2668, 4K prompt, full-size model): routed experts 8.25 TFLOP in
 // 51.5 ms = 160 TFLOP/s (20%); GDN in_proj 6.2 TFLOP in 30.6 ms = 200 TFLOP/s (25%). ncu: tensor
@@ -50,6 +52,8 @@ struct GemmArgs {
     const float* row_scale;        // EPI_SCALED: routing weight per position
     int M;                         // dense: positions
     int N, K, group, ldo, epilogue;
+    int k_splits;                  // > 1: split-K, block z writes partial sums to out + z·M·ldo
+    int _pad;
 };
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
@@ -131,7 +135,9 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p) {
         m_end = p.M;
     }
 
-    const int K = p.K, groups = K / 64;
+    const int K = p.K;
+    // this block's share of the K groups (all of them unless split-K)
+    const int g_begin = K / 64 * blockIdx.z / p.k_splits, groups = K / 64 * (blockIdx.z + 1) / p.k_splits - g_begin;
     const int wpr = K * BITS / 32, spr = K / p.group;
     const int n_base = blockIdx.x * GEMM_WARPS * (swiglu ? 16 : 32) + warp * (swiglu ? 16 : 32);
     const uint32_t* row[2][2];
@@ -158,7 +164,7 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p) {
         const int chunk = tid + 256 * c, rr = chunk >> 3, pos = m0 + rr;
         valid[c] = chunk < CHUNKS && pos < m_end;
         const int arow = valid[c] ? (p.a_rows ? p.a_rows[pos] : pos) : 0;
-        src[c] = p.a + (size_t)arow * K + (chunk & 7) * 8;
+        src[c] = p.a + (size_t)arow * K + (size_t)g_begin * 64 + (chunk & 7) * 8;
     }
     auto load_a = [&](int G, int slot) {
 #pragma unroll
@@ -182,9 +188,9 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p) {
         cp_async_commit();
     }
     WeightRegs<BITS> cur, nxt;
-    load_weights<BITS>(cur, row, srow, brow, 0, q, p.group);
+    load_weights<BITS>(cur, row, srow, brow, g_begin, q, p.group);
     for (int G = 0; G < groups; ++G) {
-        if (G + 1 < groups) load_weights<BITS>(nxt, row, srow, brow, G + 1, q, p.group);
+        if (G + 1 < groups) load_weights<BITS>(nxt, row, srow, brow, g_begin + G + 1, q, p.group);
         cp_async_wait<STAGES - 2>();
         __syncthreads();
         if (G + STAGES - 1 < groups) load_a(G + STAGES - 1, (G + STAGES - 1) % STAGES);
@@ -232,13 +238,29 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p) {
             for (int i = 0; i < 2; ++i) {
                 const int n = n_base + i * 16 + (e >> 1) * 8 + g;
                 if (n >= p.N) continue;
-                float* o = p.out + (size_t)pos * p.ldo + n;
+                float* o = p.out + (size_t)blockIdx.z * p.M * p.ldo + (size_t)pos * p.ldo + n;
                 const float v = acc[i][j][e];
                 if (p.epilogue == EPI_ADD) *o += v;
                 else if (p.epilogue == EPI_SCALED) *o = v * p.row_scale[pos];
                 else *o = v;
             }
         }
+}
+
+struct ReduceArgs {
+    const float* partials;  // [splits, M, N]
+    float* out;             // [M, ldo]
+    int M, N, ldo, splits, add;
+};
+
+// Split-K epilogue: the partial sums in a fixed order (deterministic), stored or added.
+extern "C" __global__ void gemm_reduce(ReduceArgs r) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x, mn = (size_t)r.M * r.N;
+    if (i >= mn) return;
+    float v = 0.f;
+    for (int z = 0; z < r.splits; ++z) v += r.partials[z * mn + i];
+    float* o = r.out + (i / r.N) * r.ldo + i % r.N;
+    *o = r.add ? *o + v : v;
 }
 
 // MT = 8 needs more than 128 registers (64 accumulators): one block per SM, no spills.

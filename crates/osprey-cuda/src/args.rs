@@ -221,6 +221,22 @@ pub struct GemmArgs {
     pub group: i32,
     pub ldo: i32,
     pub epilogue: i32,
+    /// 1, or the number of K splits (partial sums reduced by `gemm_reduce`).
+    pub k_splits: i32,
+    pub pad: i32,
+}
+
+/// gemm.cu `ReduceArgs`: the split-K reduction.
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct ReduceArgs {
+    pub partials: u64,
+    pub out: u64,
+    pub m: i32,
+    pub n: i32,
+    pub ldo: i32,
+    pub splits: i32,
+    pub add: i32,
 }
 
 pub const EPI_STORE: i32 = 0;
@@ -375,6 +391,7 @@ unsafe impl DeviceRepr for ArgmaxArgs {}
 unsafe impl DeviceRepr for SampleParams {}
 unsafe impl DeviceRepr for SampleArgs {}
 unsafe impl DeviceRepr for GemmArgs {}
+unsafe impl DeviceRepr for ReduceArgs {}
 unsafe impl DeviceRepr for RouteArgs {}
 unsafe impl DeviceRepr for CombineMoeArgs {}
 unsafe impl DeviceRepr for EmbedRowsArgs {}
@@ -400,7 +417,8 @@ mod tests {
         assert_eq!(std::mem::size_of::<ArgmaxArgs>(), 8 * 8 + 8);
         assert_eq!(std::mem::size_of::<SampleParams>(), 8 * 4 + 8);
         assert_eq!(std::mem::size_of::<SampleArgs>(), 8 * 8 + 8);
-        assert_eq!(std::mem::size_of::<GemmArgs>(), 14 * 8 + 6 * 4);
+        assert_eq!(std::mem::size_of::<GemmArgs>(), 14 * 8 + 8 * 4);
+        assert_eq!(std::mem::size_of::<ReduceArgs>(), 2 * 8 + 5 * 4 + 4);
         assert_eq!(std::mem::size_of::<RouteArgs>(), 11 * 8 + 6 * 4);
         assert_eq!(std::mem::size_of::<CombineMoeArgs>(), 5 * 8 + 3 * 4 + 4);
         assert_eq!(std::mem::size_of::<EmbedRowsArgs>(), 5 * 8 + 3 * 4 + 4);

@@ -33,8 +33,14 @@ pub enum GdnPrefill {
     Chunked,
 }
 
+/// Split-K partial sums: a dense launch splits only when it has fewer blocks than SMs, so its
+/// positions × outputs stay below 132 blocks × 64 × 256; at most 8 splits.
+const MAX_K_SPLITS: usize = 8;
+const PARTIAL_FLOATS: usize = MAX_K_SPLITS * 132 * 64 * 256;
+
 pub(super) struct PrefillKernels {
     gemm4: [CudaFunction; 3],
+    gemm_reduce: CudaFunction,
     gemm8: [CudaFunction; 2],
     embed_rows: CudaFunction,
     norm_bf16: CudaFunction,
@@ -77,6 +83,7 @@ impl PrefillKernels {
                 func("gemm", "gemm_q4_m8")?,
             ],
             gemm8: [func("gemm", "gemm_q8_m2")?, func("gemm", "gemm_q8_m8")?],
+            gemm_reduce: func("gemm", "gemm_reduce")?,
             embed_rows: func("act", "embed_rows")?,
             norm_bf16: func("act", "norm_bf16")?,
             gated_norm_bf16: func("act", "gated_norm_bf16")?,
@@ -134,12 +141,15 @@ pub(super) struct PrefillScratch {
     slot_pos: CudaSlice<i32>,
     expert_h: CudaSlice<u16>,
     expert_y: CudaSlice<f32>,
+    /// Split-K partial sums of small dense GEMMs.
+    partials: CudaSlice<f32>,
     shared_h: CudaSlice<u16>,
     shared_y: CudaSlice<f32>,
     pub(super) bytes: usize,
 }
 
 /// A GEMM over rows grouped by expert (route.cu's plan).
+#[derive(Clone, Copy)]
 struct Grouped {
     /// Tile height / 8 of the plan.
     mt: usize,
@@ -212,7 +222,7 @@ impl CudaDecoder {
             ("expert_y", chunk * k * h),
             ("shared_y", chunk * h),
         ];
-        let bytes = 4 * f32s.iter().map(|(_, n)| n).sum::<usize>()
+        let bytes = 4 * (f32s.iter().map(|(_, n)| n).sum::<usize>() + PARTIAL_FLOATS)
             + 2 * (chunk * max_k
                 + chunk * hq * d
                 + chunk * k * c.moe_intermediate_size
@@ -255,6 +265,7 @@ impl CudaDecoder {
             slot_pos: i(chunk * k)?,
             expert_h: hb(chunk * k * c.moe_intermediate_size)?,
             expert_y: f(f32s[18].1)?,
+            partials: f(PARTIAL_FLOATS)?,
             shared_h: hb(chunk * c.shared_expert_intermediate_size)?,
             shared_y: f(f32s[19].1)?,
             bytes,
@@ -375,6 +386,7 @@ impl CudaDecoder {
             group: m.group as i32,
             ldo: ldo as i32,
             epilogue,
+            k_splits: 1,
             ..Default::default()
         };
         if epilogue == EPI_SWIGLU {
@@ -420,16 +432,55 @@ impl CudaDecoder {
             (8, _) => &self.pk.gemm8[1],
             (b, _) => bail!("{b}-bit weights are not supported by the prefill GEMM"),
         };
+        // a dense launch that cannot fill the GPU splits K (measured at 256 tokens: the router
+        // and projections were a handful of long, latency-bound blocks)
+        let groups = m.cols / 64;
+        let mut splits = 1;
+        if grouped.is_none() && (epilogue == EPI_STORE || epilogue == EPI_ADD) {
+            let blocks = blocks_x * blocks_y;
+            splits = self
+                .sms
+                .div_ceil(blocks.max(1))
+                .min(groups / 4)
+                .clamp(1, MAX_K_SPLITS);
+            while splits > 1 && splits * positions * w[0].rows > PARTIAL_FLOATS {
+                splits -= 1;
+            }
+        }
+        let reduce = ReduceArgs {
+            partials: self.p(&s.partials),
+            out,
+            m: positions as i32,
+            n: w[0].rows as i32,
+            ldo: ldo as i32,
+            splits: splits as i32,
+            add: i32::from(epilogue == EPI_ADD),
+        };
+        if splits > 1 {
+            g.k_splits = splits as i32;
+            g.out = reduce.partials;
+            g.ldo = reduce.n;
+            g.epilogue = EPI_STORE;
+        }
         unsafe {
             self.stream
                 .launch_builder(func)
                 .arg(&g)
                 .launch(LaunchConfig {
-                    grid_dim: (blocks_x as u32, blocks_y as u32, 1),
+                    grid_dim: (blocks_x as u32, blocks_y as u32, splits as u32),
                     block_dim: (256, 1, 1),
                     shared_mem_bytes: 0,
                 })?
         };
+        if splits > 1 {
+            let cells = positions * w[0].rows;
+            unsafe {
+                self.stream
+                    .launch_builder(&self.pk.gemm_reduce)
+                    .arg(&reduce)
+                    .launch(launch_cfg((cells.div_ceil(256) as u32, 1), 256))?
+            };
+        }
         Ok(())
     }
 
