@@ -128,13 +128,16 @@ impl Backend for CudaBackend {
             .device
             .lock()
             .map_err(|_| anyhow!("the CUDA device state is poisoned by an earlier failure"))?;
-        if history.len() + 1 + max_steps > d.decoder.max_context {
+        // each step runs one token: the steps that fit the allocated context
+        let room = d.decoder.max_context.saturating_sub(history.len());
+        if room == 0 {
             bail!(
                 "the context is full: {} tokens, {} allocated on the GPU (raise --max-context)",
-                history.len() + 1 + max_steps,
+                history.len() + 1,
                 d.decoder.max_context
             );
         }
+        let max_steps = max_steps.min(room);
         d.catch_up(history, self.prefill_chunk)?;
         let mut chosen = Vec::new();
         let ran = d.decoder.set_sampling(Some(sampler)).and_then(|_| {
