@@ -269,6 +269,42 @@ mod tests {
     }
 
     #[test]
+    fn distribution_applies_top_k_top_p_and_min_p_in_order() {
+        // valid logits (id 7 is padding) 3 (id 1), 2.9 (5), 2 (2), 1 (0), 0.5, 0, -1: at
+        // temperature 1 their probabilities are .391 .354 .144 .053 ..., so top-p 0.9 keeps
+        // the first four (cumulative .889 < .9 after three)
+        let dist = |p: SamplingParams| Sampler::new(p, 7, &[]).distribution(&logits());
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_p: 0.9,
+            ..Default::default()
+        };
+        let d = dist(p);
+        assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 5, 2, 0]);
+        assert!((d[0].1 - 0.391 / 0.942).abs() < 2e-3, "{d:?}");
+        // hotter: the candidates come best first, cut at k, and sum to one
+        let hot = SamplingParams {
+            temperature: 4.0,
+            top_k: 3,
+            ..Default::default()
+        };
+        let d = dist(hot.clone());
+        assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 5, 2]);
+        assert!((d.iter().map(|x| x.1).sum::<f32>() - 1.0).abs() < 1e-6);
+        assert!(d[0].1 > d[1].1 && d[1].1 > d[2].1);
+        // min-p drops candidates below min_p x the top probability (renormalised after)
+        let floor = d[2].1 / d[0].1;
+        let d2 = dist(SamplingParams {
+            min_p: floor * 1.01,
+            ..hot
+        });
+        assert_eq!(d2.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 5]);
+        assert!((d2.iter().map(|x| x.1).sum::<f32>() - 1.0).abs() < 1e-6);
+        // greedy is one candidate with all the mass
+        assert_eq!(dist(SamplingParams::default()), vec![(1, 1.0)]);
+    }
+
+    #[test]
     fn top_k_limits_choices() {
         let p = SamplingParams {
             temperature: 5.0,
