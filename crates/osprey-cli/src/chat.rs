@@ -66,17 +66,8 @@ pub fn run(args: &ModelArgs, max_tokens: usize, sampling: &SamplingArgs) -> Resu
         )?;
         let prompt = format.encode(&text)?;
         // chat prompts always grow, so a hit is a proper prefix (never a whole-prompt hit)
-        let mut session = cache
-            .lookup(&prompt)
-            .map(|(s, _)| s)
-            .unwrap_or_else(|| engine.new_session());
-        if let Some(b) = format.assistant_turn_start(&prompt) {
-            if b > session.tokens.len() && b < prompt.len() {
-                let from = session.tokens.len();
-                engine.prefill(&mut session, &prompt[from..b])?;
-                cache.insert(&session, None);
-            }
-        }
+        let (mut session, _, _) =
+            cache.resume(&engine, &prompt, format.assistant_turn_start(&prompt))?;
         let opts = GenerateOptions {
             max_tokens,
             stop_ids: format.stop_ids.clone(),

@@ -126,6 +126,29 @@ impl PrefixCache {
     }
 
     /// Keeps a copy of `session` (and, if given, the logits of its last token).
+    /// A session for `prompt`: the longest cached prefix, prefilled on to `branch` (the start of
+    /// the reply's turn, where a later conversation forks) and snapshotted there when the branch
+    /// lies past the cached prefix. Returns the session, how many tokens came from the cache, and
+    /// the logits of the whole prompt when the cache held exactly it (then nothing is left to run).
+    pub fn resume(
+        &mut self,
+        engine: &Engine,
+        prompt: &[u32],
+        branch: Option<usize>,
+    ) -> anyhow::Result<(Session, usize, Option<Vec<f32>>)> {
+        let (mut session, logits) = self
+            .lookup(prompt)
+            .unwrap_or_else(|| (engine.new_session(), None));
+        let cached = session.tokens.len();
+        if logits.is_none() {
+            if let Some(b) = branch.filter(|&b| b > cached && b < prompt.len()) {
+                engine.prefill(&mut session, &prompt[cached..b])?;
+                self.insert(&session, None);
+            }
+        }
+        Ok((session, cached, logits))
+    }
+
     pub fn insert(&mut self, session: &Session, logits: Option<&[f32]>) {
         if self.max_entries == 0 || session.tokens.is_empty() {
             return;
@@ -334,25 +357,17 @@ impl Worker {
 
         // longest cached prefix, then prefill up to the branch point (snapshot) and the rest; a
         // cached copy of the whole prompt with its logits needs no prefill
-        let (mut session, cached, ready) = match self.cache.lookup(prompt) {
-            Some((s, logits)) => {
-                self.metrics.cache_hits.fetch_add(1, Ordering::Relaxed);
-                let n = s.tokens.len();
-                (s, n, logits)
-            }
-            None => {
-                self.metrics.cache_misses.fetch_add(1, Ordering::Relaxed);
-                (engine.new_session(), 0, None)
-            }
-        };
         let started = Instant::now();
+        let (mut session, cached, ready) = self.cache.resume(engine, prompt, job.branch)?;
+        let counter = if cached > 0 {
+            &self.metrics.cache_hits
+        } else {
+            &self.metrics.cache_misses
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
         let mut logits = match ready {
             Some(l) => l,
             None => {
-                if let Some(b) = job.branch.filter(|&b| b > cached && b < prompt.len()) {
-                    engine.prefill(&mut session, &prompt[cached..b])?;
-                    self.cache.insert(&session, None);
-                }
                 let from = session.tokens.len();
                 let (l, _) = engine.prefill(&mut session, &prompt[from..])?;
                 self.cache.insert(&session, Some(&l));
