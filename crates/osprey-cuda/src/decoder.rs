@@ -526,6 +526,22 @@ impl CudaDecoder {
         ptr(s, &self.stream)
     }
 
+    /// The token choice's parameters: the step's logits, slots and sampling state.
+    fn sample_args(&self) -> SampleArgs {
+        let s = &self.s;
+        SampleArgs {
+            params: self.p(&s.sample_params),
+            logits: self.p(&s.logits),
+            seen: self.p(&s.seen),
+            output: self.p(&s.output),
+            token: self.p(&s.token),
+            pos: self.p(&s.pos),
+            history: self.p(&s.history),
+            step: self.p(&s.step),
+            n: self.valid_vocab as i32,
+        }
+    }
+
     fn gemv(
         &self,
         segs: &[Segment],
@@ -908,17 +924,7 @@ impl CudaDecoder {
                     .launch(launch_cfg((1, 1), 32))?
             };
         });
-        let sa = SampleArgs {
-            params: self.p(&s.sample_params),
-            logits: self.p(&s.logits),
-            seen: self.p(&s.seen),
-            output: self.p(&s.output),
-            token: self.p(&s.token),
-            pos: self.p(&s.pos),
-            history: self.p(&s.history),
-            step: self.p(&s.step),
-            n: self.valid_vocab as i32,
-        };
+        let sa = self.sample_args();
         timed!("sample (when sampling)", unsafe {
             st.launch_builder(&self.f.sample)
                 .arg(&sa)
@@ -1081,18 +1087,7 @@ impl CudaDecoder {
             );
         }
         self.stream.memcpy_htod(&[0i32], &mut self.s.step)?;
-        let s = &self.s;
-        let sa = SampleArgs {
-            params: self.p(&s.sample_params),
-            logits: self.p(&s.logits),
-            seen: self.p(&s.seen),
-            output: self.p(&s.output),
-            token: self.p(&s.token),
-            pos: self.p(&s.pos),
-            history: self.p(&s.history),
-            step: self.p(&s.step),
-            n: self.valid_vocab as i32,
-        };
+        let sa = self.sample_args();
         for _ in 0..n {
             unsafe {
                 self.stream
