@@ -73,25 +73,28 @@ impl CudaBackend {
 }
 
 impl Device {
-    /// Brings the device state to `history` (reusing a held prefix), by prefill or one step.
-    fn catch_up(&mut self, history: &[u32], chunk: usize) -> Result<()> {
-        if !history.starts_with(&self.tokens) {
+    /// Brings the device state to `history` followed by `then` (reusing a held prefix), by
+    /// prefill or one step, without copying the history (a decode step passes the whole session).
+    fn catch_up(&mut self, history: &[u32], then: &[u32], chunk: usize) -> Result<()> {
+        let held = self.tokens.len();
+        let (in_history, in_then) = self.tokens.split_at(held.min(history.len()));
+        if !(history.starts_with(in_history) && then.starts_with(in_then)) {
             self.decoder.reset()?;
             self.tokens.clear();
         }
         let held = self.tokens.len();
-        let missing = &history[held..];
+        let missing: Vec<u32> = history.iter().chain(then).skip(held).copied().collect();
         let ran = match missing.len() {
             0 => Ok(()),
             1 => self
                 .decoder
                 .set_token(missing[0])
                 .and_then(|_| self.decoder.step()),
-            _ => self.decoder.prefill(held, missing, chunk),
+            _ => self.decoder.prefill(held, &missing, chunk),
         };
         match ran {
             Ok(()) => {
-                self.tokens.extend_from_slice(missing);
+                self.tokens.extend_from_slice(&missing);
                 Ok(())
             }
             Err(e) => {
@@ -138,7 +141,7 @@ impl Backend for CudaBackend {
             );
         }
         let max_steps = max_steps.min(room);
-        d.catch_up(history, self.prefill_chunk)?;
+        d.catch_up(history, &[], self.prefill_chunk)?;
         let mut chosen = Vec::new();
         let ran = d.decoder.set_sampling(Some(sampler)).and_then(|_| {
             d.decoder.run_steps(first, max_steps, &mut |t| {
@@ -191,7 +194,7 @@ impl Backend for CudaBackend {
         if want == LogitsFor::All {
             // scoring: every position's logits, token by token through the decode step (the
             // path generation uses), after the held prefix is brought up to date
-            d.catch_up(history, self.prefill_chunk)?;
+            d.catch_up(history, &[], self.prefill_chunk)?;
             let mut all = Vec::with_capacity(tokens.len() * self.config.vocab_size);
             for &t in tokens {
                 let logits = d
@@ -213,9 +216,7 @@ impl Backend for CudaBackend {
             state.position = d.tokens.len();
             return Ok(all);
         }
-        let mut upto = history.to_vec();
-        upto.extend_from_slice(tokens);
-        d.catch_up(&upto, self.prefill_chunk)?;
+        d.catch_up(history, tokens, self.prefill_chunk)?;
         state.position = d.tokens.len();
         match want {
             LogitsFor::None => Ok(Vec::new()),
