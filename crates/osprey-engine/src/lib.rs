@@ -185,7 +185,8 @@ impl Engine {
     }
 
     /// Decodes on the device when the backend chooses tokens itself (see
-    /// `Backend::decode_on_device`), appending what it ran to the session; None otherwise.
+    /// `Backend::decode_on_device`), appending what it ran to the session, and returns how many
+    /// tokens that was (`first` and the chosen tokens that ran); None when the backend does not.
     pub fn decode_on_device(
         &self,
         s: &mut Session,
@@ -193,7 +194,7 @@ impl Engine {
         sampler: &sampler::Sampler,
         max_steps: usize,
         on_token: &mut dyn FnMut(u32) -> bool,
-    ) -> Result<Option<()>> {
+    ) -> Result<Option<usize>> {
         let ran = self.backend.decode_on_device(
             &mut s.state,
             &s.tokens,
@@ -202,7 +203,10 @@ impl Engine {
             max_steps,
             on_token,
         )?;
-        Ok(ran.map(|tokens| s.tokens.extend_from_slice(&tokens)))
+        Ok(ran.map(|tokens| {
+            s.tokens.extend_from_slice(&tokens);
+            tokens.len()
+        }))
     }
 
     /// Logits of every position of `tokens` from a fresh session, `[T, vocab]`.

@@ -421,6 +421,9 @@ impl Worker {
             let token = sampler.sample(&logits[..valid_vocab]);
             sampler.observe(token);
             let mut next = reply.accept(token, Some(&logits[..valid_vocab]))?;
+            // the last chosen token, and whether the model has run it (the device runs each
+            // token as it hands over the next, so all but possibly its last have run)
+            let (mut last, mut last_ran, mut on_device) = (token, false, false);
             if matches!(next, Next::Continue) && device_ok {
                 let remaining = job.max_tokens - reply.generated;
                 let mut chosen = Vec::new();
@@ -449,48 +452,30 @@ impl Worker {
                     return Err(e);
                 }
                 chosen.iter().for_each(|&t| sampler.observe(t));
-                if ran.is_some() {
-                    // the device has run every token it handed over except possibly the last:
-                    // the session records what ran
-                    match next {
-                        Next::Continue => break,
-                        Next::EndOfTurn => {
-                            if session.tokens.last() != chosen.last() {
-                                let last = *chosen.last().unwrap_or(&token);
-                                engine.decode(&mut session, last)?;
-                            }
-                            self.cache.insert(&session, None);
-                            break;
-                        }
-                        Next::Finished => break,
-                        Next::Aborted => return Ok(()),
-                        Next::Inject(ids) => {
-                            let last = *chosen.last().unwrap_or(&token);
-                            let mut feed = Vec::new();
-                            if session.tokens.last() != Some(&last) {
-                                feed.push(last);
-                            }
-                            feed.extend(ids);
-                            logits = engine.prefill(&mut session, &feed)?.0;
-                            continue;
-                        }
-                    }
+                if let Some(ran) = ran {
+                    on_device = true;
+                    last = *chosen.last().unwrap_or(&token);
+                    last_ran = ran == 1 + chosen.len();
                 }
-                next = Next::Continue;
             }
             match next {
+                // the device stopped at the token limit
+                Next::Continue if on_device => break,
                 Next::Continue => logits = engine.decode(&mut session, token)?,
                 Next::EndOfTurn => {
                     // run the end-of-turn token so the cached state ends where the next turn resumes
-                    engine.decode(&mut session, token)?;
+                    if !last_ran {
+                        engine.decode(&mut session, last)?;
+                    }
                     self.cache.insert(&session, None);
                     break;
                 }
                 Next::Finished => break,
                 Next::Aborted => return Ok(()),
-                Next::Inject(mut ids) => {
-                    ids.insert(0, token);
-                    logits = engine.prefill(&mut session, &ids)?.0;
+                Next::Inject(ids) => {
+                    let mut feed = if last_ran { Vec::new() } else { vec![last] };
+                    feed.extend(ids);
+                    logits = engine.prefill(&mut session, &feed)?.0;
                 }
             }
         }
