@@ -235,8 +235,7 @@ mod tests {
     use osprey_model::config::ModelConfig;
 
     /// A deterministic "model": the next token is a function of the sequence. `device`: it also
-    /// chooses tokens itself with the GPU backend's contract (step n runs its input and chooses,
-    /// the choice is handed over once step n + 1 has started).
+    /// chooses tokens itself, with the GPU backend's contract (`crate::decode_by_steps`).
     struct Counting {
         config: ModelConfig,
         device: bool,
@@ -284,27 +283,9 @@ mod tests {
             if !self.device {
                 return Ok(None);
             }
-            let mut seq = history.to_vec();
-            let mut consumed = Vec::new();
-            let (mut input, mut pending) = (first, None);
-            for _ in 0..max_steps {
-                seq.push(input);
-                consumed.push(input);
-                let chosen = next_after(&seq);
-                if let Some(prev) = pending.take() {
-                    if !on_token(prev) {
-                        state.position += consumed.len();
-                        return Ok(Some(consumed));
-                    }
-                }
-                pending = Some(chosen);
-                input = chosen;
-            }
-            if let Some(prev) = pending {
-                on_token(prev);
-            }
-            state.position += consumed.len();
-            Ok(Some(consumed))
+            let ran = crate::decode_by_steps(history, first, max_steps, &next_after, on_token);
+            state.position += ran.len();
+            Ok(Some(ran))
         }
     }
 

@@ -57,6 +57,40 @@ pub trait Backend: Send + Sync {
     }
 }
 
+/// The contract of `Backend::decode_on_device` for a backend whose next token is a function of
+/// the sequence so far (`choose`), as the test doubles of the engine and server implement it (the
+/// CUDA backend keeps it with steps on the device): step n runs its input (`first`, then each
+/// chosen token) and chooses the next, which is handed to `on_token` once step n + 1 has started,
+/// so a token the caller stops at has already run unless it was the last of `max_steps`. Returns
+/// the tokens that ran.
+pub fn decode_by_steps(
+    history: &[u32],
+    first: u32,
+    max_steps: usize,
+    choose: &dyn Fn(&[u32]) -> u32,
+    on_token: &mut dyn FnMut(u32) -> bool,
+) -> Vec<u32> {
+    let mut seq = history.to_vec();
+    let mut ran = Vec::new();
+    let (mut input, mut pending) = (first, None);
+    for _ in 0..max_steps {
+        seq.push(input);
+        ran.push(input);
+        let chosen = choose(&seq);
+        if let Some(prev) = pending.take() {
+            if !on_token(prev) {
+                return ran;
+            }
+        }
+        pending = Some(chosen);
+        input = chosen;
+    }
+    if let Some(prev) = pending {
+        on_token(prev);
+    }
+    ran
+}
+
 pub struct CpuBackend {
     model: CpuModel,
     gdn_form: GdnForm,

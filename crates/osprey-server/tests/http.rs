@@ -99,8 +99,7 @@ impl Backend for Scripted {
         })
     }
 
-    /// The CUDA backend's contract: step n runs its input and chooses the next token, which is
-    /// handed over after step n + 1 has started, so a stop seen by the caller has already run.
+    /// The CUDA backend's contract (`osprey_engine::decode_by_steps`).
     fn decode_on_device(
         &self,
         state: &mut SessionState,
@@ -113,28 +112,13 @@ impl Backend for Scripted {
         if !self.device {
             return Ok(None);
         }
-        let mut seq = history.to_vec();
-        let mut consumed = Vec::new();
-        let (mut input, mut pending) = (first, None);
-        for _ in 0..max_steps {
+        let choose = |seq: &[u32]| {
             std::thread::sleep(self.delay);
-            seq.push(input);
-            consumed.push(input);
-            let chosen = self.next_after(&seq);
-            if let Some(prev) = pending.take() {
-                if !on_token(prev) {
-                    state.position += consumed.len();
-                    return Ok(Some(consumed));
-                }
-            }
-            pending = Some(chosen);
-            input = chosen;
-        }
-        if let Some(prev) = pending {
-            on_token(prev);
-        }
-        state.position += consumed.len();
-        Ok(Some(consumed))
+            self.next_after(seq)
+        };
+        let ran = osprey_engine::decode_by_steps(history, first, max_steps, &choose, on_token);
+        state.position += ran.len();
+        Ok(Some(ran))
     }
 }
 
