@@ -7,11 +7,20 @@ ratio per length and the mean ratio.
 MLX-LM runs its fastest direct path: mlx_lm.stream_generate on token ids (prefill in steps of
 2048, greedy decoding), whose own prompt_tps and generation_tps figures are used. Osprey runs
 `osprey bench prefill|decode --backend cuda` (a fresh prefill from position 0; decode steps at the
-given context as CUDA-graph replays with the token chosen on the GPU). Every MLX shape is warmed up
-once before timing (MLX's CUDA build compiles kernels for each new shape on first use).
+given context as CUDA-graph replays with the token chosen on the GPU). Every MLX shape up to
+--warmup-max tokens is warmed up once before timing (MLX's CUDA build compiles kernels for each new
+shape on first use); longer prompts run in the same 2048-token steps as a --warmup-max prompt, so
+that one warm-up covers their kernels (a long prompt's own warm-up would double the run: MLX-LM
+prefills at ~230 tok/s here, 128K takes ~10 minutes).
 
     python3 tools/compare_mlx.py --model /tmp/full --osprey target/release/osprey \
         --lengths 256,1K,4K --rounds 2 --out bench/results/compare-mlx-h200.json
+
+Runs of different lengths (on different GPUs, or in different sessions) are joined into one report,
+which also writes the MLX-LM side as peer results for `osprey chart`:
+
+    python3 tools/compare_mlx.py --merge short.json long.json --out bench/results/compare-mlx-h200.json \
+        --peer-dir bench/results
 
 Needs: mlx + mlx-cuda + mlx-lm (see README), numpy.
 """
@@ -56,16 +65,79 @@ def mlx_run(model, tokenizer, ids, steps):
     return last.prompt_tps, last.generation_tps
 
 
+def summarise(rows):
+    """One result row per length from its per-round figures: medians and the two ratios."""
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    return {**med, "prefill_ratio": med["osprey_prefill"] / med["mlx_prefill"],
+            "decode_ratio": med["osprey_decode"] / med["mlx_decode"], "rounds": rows}
+
+
+def with_means(report, results):
+    report["mean_prefill_ratio"] = statistics.mean(r["prefill_ratio"] for r in results)
+    report["mean_decode_ratio"] = statistics.mean(r["decode_ratio"] for r in results)
+    report["results"] = results
+    return report
+
+
+def merge(paths, out, peer_dir):
+    """Joins compare reports of disjoint lengths; each row keeps the commit, date and command it came from."""
+    parts = []
+    for p in paths:
+        with open(p) as f:
+            parts.append(json.load(f))
+    by_tokens = {}
+    for part in parts:
+        if part.get("kind") != "compare":
+            sys.exit(f"{part}: not a compare report")
+        for r in part["results"]:
+            if r["tokens"] in by_tokens:
+                sys.exit(f"length {r['tokens']} appears in more than one input; merge disjoint runs")
+            by_tokens[r["tokens"]] = {**r, "commit": r.get("commit", part["commit"]), "date": r.get("date", part["date"]),
+                                      "command": r.get("command", part["command"])}
+    results = [by_tokens[n] for n in sorted(by_tokens)]
+    newest = max(parts, key=lambda p: p["date"])
+    report = {k: newest[k] for k in ("kind", "peer", "device", "commit", "date", "decode_steps", "method")}
+    report["command"] = "tools/compare_mlx.py --merge " + " ".join(paths)
+    report["rounds"] = "per length, see each row's rounds"
+    report["parts"] = [{"command": p["command"], "commit": p["commit"], "date": p["date"],
+                        "tokens": [r["tokens"] for r in p["results"]]} for p in parts]
+    with_means(report, results)
+    write(report, out)
+    if peer_dir:
+        for kind in ("prefill", "decode"):
+            peer = {"kind": kind, "backend": report["peer"], "device": report["device"],
+                    "source": f"the MLX-LM side of {os.path.basename(out)} (tools/compare_mlx.py, engines alternating, "
+                              "median of each length's rounds)",
+                    "commit": report["commit"], "date": report["date"],
+                    "results": [{"tokens": r["tokens"], "tokens_per_s": r[f"mlx_{kind}"]} for r in results]}
+            write(peer, os.path.join(peer_dir, f"peer-mlxlm-{kind}-h200.json"))
+
+
+def write(report, path):
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--osprey", required=True, help="path of the osprey binary (built with --features cuda)")
+    ap.add_argument("--model")
+    ap.add_argument("--osprey", help="path of the osprey binary (built with --features cuda)")
     ap.add_argument("--lengths", default="256,1K,4K")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=32, help="decode steps timed per length")
+    ap.add_argument("--warmup-max", default="4K", help="longest prompt warmed up on its own (longer ones share its warm-up)")
+    ap.add_argument("--merge", nargs="+", metavar="REPORT", help="join these compare reports instead of measuring")
+    ap.add_argument("--peer-dir", help="with --merge: also write peer-mlxlm-{prefill,decode}-h200.json here")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    if a.merge:
+        merge(a.merge, a.out, a.peer_dir)
+        return
+    if not a.model or not a.osprey:
+        ap.error("--model and --osprey are needed to measure (or --merge to join reports)")
     lengths = parse_lengths(a.lengths)
+    warmup_max = parse_lengths(a.warmup_max)[0]
 
     import mlx.core as mx
     import numpy as np
@@ -76,8 +148,11 @@ def main():
     vocab = 248_077  # ids the real tokenizer can produce
     rng = np.random.default_rng(0)
     prompts = {n: rng.integers(0, vocab, size=n).tolist() for n in lengths}
-    print(f"mlx-lm loaded in {time.time() - started:.1f} s; warming up every shape", flush=True)
-    for n in lengths:
+    warmups = sorted({min(n, warmup_max) for n in lengths})
+    for n in warmups:
+        prompts.setdefault(n, rng.integers(0, vocab, size=n).tolist())
+    print(f"mlx-lm loaded in {time.time() - started:.1f} s; warming up {warmups}", flush=True)
+    for n in warmups:
         t0 = time.time()
         mlx_run(model, tokenizer, prompts[n], a.steps)
         print(f"  warm-up {n}: {time.time() - t0:.1f} s", flush=True)
@@ -91,20 +166,20 @@ def main():
             rows[n]["osprey_prefill"].append(pre[n])
             rows[n]["osprey_decode"].append(dec[n])
         for n in lengths:
+            t0 = time.time()
             p, g = mlx_run(model, tokenizer, prompts[n], a.steps)
             rows[n]["mlx_prefill"].append(p)
             rows[n]["mlx_decode"].append(g)
+            print(f"  mlx {n}: {time.time() - t0:.1f} s", flush=True)
         print(f"round {r + 1}/{a.rounds} done", flush=True)
 
     results = []
     for n in lengths:
-        med = {k: statistics.median(v) for k, v in rows[n].items()}
-        results.append({"tokens": n, **{k: med[k] for k in med},
-                        "prefill_ratio": med["osprey_prefill"] / med["mlx_prefill"],
-                        "decode_ratio": med["osprey_decode"] / med["mlx_decode"], "rounds": rows[n]})
-        print(f"{n:>7}: prefill osprey {med['osprey_prefill']:>9.1f} mlx {med['mlx_prefill']:>8.1f} tok/s "
-              f"({results[-1]['prefill_ratio']:.1f}x); decode osprey {med['osprey_decode']:>7.1f} "
-              f"mlx {med['mlx_decode']:>6.1f} tok/s ({results[-1]['decode_ratio']:.1f}x)")
+        r = {"tokens": n, **summarise(rows[n])}
+        results.append(r)
+        print(f"{n:>7}: prefill osprey {r['osprey_prefill']:>9.1f} mlx {r['mlx_prefill']:>8.1f} tok/s "
+              f"({r['prefill_ratio']:.1f}x); decode osprey {r['osprey_decode']:>7.1f} "
+              f"mlx {r['mlx_decode']:>6.1f} tok/s ({r['decode_ratio']:.1f}x)")
     import mlx_lm
 
     report = {
@@ -116,13 +191,10 @@ def main():
         "method": "engines alternate within each round; median of rounds; MLX-LM prompt_tps/generation_tps "
                   "from stream_generate (greedy); Osprey bench prefill (fresh prefill) and bench decode "
                   "(CUDA-graph steps at the context length, token chosen on the GPU)",
-        "mean_prefill_ratio": statistics.mean(r["prefill_ratio"] for r in results),
-        "mean_decode_ratio": statistics.mean(r["decode_ratio"] for r in results),
-        "results": results,
+        "warmup": warmups,
     }
-    with open(a.out, "w") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
+    with_means(report, results)
+    write(report, a.out)
     print(f"mean ratio: prefill {report['mean_prefill_ratio']:.2f}x, decode {report['mean_decode_ratio']:.2f}x -> {a.out}")
 
 
