@@ -31,6 +31,8 @@ struct PrepArgs {
 };
 
 extern "C" __global__ void __launch_bounds__(D) attn_prep(PrepArgs a) {
+    step_overlap_begin();
+    step_inputs_ready();
     __shared__ float x[D], scratch[32];
     const int b = blockIdx.x, d = threadIdx.x, pos = *a.pos;
     const bool is_q = b < a.hq;
@@ -72,6 +74,8 @@ struct DecodeArgs {
 #define POS_BATCH 8
 
 extern "C" __global__ void __launch_bounds__(256) attn_decode(DecodeArgs a) {
+    step_overlap_begin();
+    step_inputs_ready();
     const int g = blockIdx.x, split = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int group = a.hq / a.hkv;
@@ -147,6 +151,8 @@ struct CombineArgs {
 };
 
 extern "C" __global__ void __launch_bounds__(D) attn_combine(CombineArgs a) {
+    step_overlap_begin();
+    step_inputs_ready();
     const int h = blockIdx.x, d = threadIdx.x;
     float M = -INFINITY;
 #pragma unroll 16

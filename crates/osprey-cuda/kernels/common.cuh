@@ -46,6 +46,32 @@ __device__ __forceinline__ float byte_code(uint32_t w, int n) {
 // reading consecutive 32-element chunks with float4 loads hit distinct banks.
 __device__ __forceinline__ int pad_idx(int i) { return i + ((i >> 5) << 2); }
 
+// ---- programmatic dependent launch (Hopper) ----
+// The decode step's kernels are launched with programmatic stream serialization (decoder.rs):
+// a kernel may be scheduled while its predecessor drains. Each one therefore
+//   1. lets its own successor be scheduled early (step_overlap_begin),
+//   2. may prefetch what no kernel of the step writes (weights; its own layer's recurrent state),
+//   3. waits for the predecessor's completion and memory flush (step_inputs_ready) before it
+//      reads or writes anything an earlier kernel touches.
+// Launched the ordinary way, both instructions do nothing.
+__device__ __forceinline__ void step_overlap_begin() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void step_inputs_ready() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
+// Asks L2 for this block's 1/gridDim share of [base, base + bytes), one 128-byte line per thread
+// per pass. A hint only: L2 is the GPU's point of coherence, so a prefetch can never yield stale data.
+__device__ __forceinline__ void prefetch_share_l2(const void* base, size_t bytes) {
+    const size_t per = ((bytes + gridDim.x - 1) / gridDim.x + 127) & ~(size_t)127;
+    const size_t lo = (size_t)blockIdx.x * per, hi = min(bytes, lo + per);
+    const char* p = static_cast<const char*>(base);
+    for (size_t o = lo + (size_t)threadIdx.x * 128; o < hi; o += (size_t)blockDim.x * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
+}
+
+// Bulk L2 prefetch by the copy engine (one instruction per range; address and size multiples of 16).
+__device__ __forceinline__ void prefetch_range_l2(const void* p, uint32_t bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
 // ---- tensor cores ----
 // D += A·B for one m16n8k16 tile: A 16x16 bf16 (row-major fragments), B 16x8 bf16, f32 accumulate.
 __device__ __forceinline__ void mma_bf16(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
@@ -78,4 +104,11 @@ __device__ __forceinline__ int perm64(int k) {
 struct TopK {
     int ids[MAX_TOPK];
     float w[MAX_TOPK];
+};
+
+// One stack of experts' matrices in the MLX layout: [E * rows, cols] codes, scales, biases.
+struct ExpertStack {
+    const uint32_t* codes;
+    const __nv_bfloat16* scales;
+    const __nv_bfloat16* biases;
 };

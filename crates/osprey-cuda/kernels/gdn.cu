@@ -56,10 +56,21 @@ extern "C" __global__ void __launch_bounds__(256) gdn_step(GdnArgs p) {
     __shared__ float q[DK], k[DK], v[COLS], part[ROW_GROUPS][COLS], scratch[32];
     const int h = blockIdx.x, split = blockIdx.y, t = threadIdx.x;
     const int rep = p.hv / p.hk, kh = h / rep, kd = p.hk * DK;
+    const int v0 = 2 * kd + h * DV + split * COLS;
+    const int jl = t & (COLS - 1), rg = t >> 5, i0 = rg * ROWS_PER, j = split * COLS + jl;
+    float* S = p.state + (size_t)h * DK * DV;
+
+    // Only this kernel, once per step, touches this layer's state: it is read before waiting on
+    // the in_proj GEMV, so its 64 KB per head stream in while that kernel drains.
+    step_overlap_begin();
+    float s[ROWS_PER];
+#pragma unroll
+    for (int r = 0; r < ROWS_PER; ++r) s[r] = S[(i0 + r) * DV + j];
+    step_inputs_ready();
+
     const int parity = *p.pos & 1;
     const float* cin = parity ? p.conv_out : p.conv_in;
     float* cout = parity ? const_cast<float*>(p.conv_in) : p.conv_out;
-    const int v0 = 2 * kd + h * DV + split * COLS;
 
     // conv + SiLU for this head's q, k (key head kh) and this block's v channels
     if (t < DK) {
@@ -92,13 +103,10 @@ extern "C" __global__ void __launch_bounds__(256) gdn_step(GdnArgs p) {
     const float softplus = xa > 20.f ? xa : log1pf(__expf(xa));
     const float decay = __expf(-__expf(p.a_log[h]) * softplus);
 
-    const int jl = t & (COLS - 1), rg = t >> 5, i0 = rg * ROWS_PER, j = split * COLS + jl;
-    float* S = p.state + (size_t)h * DK * DV;
-    float s[ROWS_PER];
     float m = 0.f;
 #pragma unroll
     for (int r = 0; r < ROWS_PER; ++r) {
-        s[r] = S[(i0 + r) * DV + j] * decay;
+        s[r] *= decay;
         m = fmaf(s[r], k[i0 + r], m);
     }
     part[rg][jl] = m;

@@ -20,12 +20,6 @@
 // routed + shared down activations: (k + 1) * I elements (11 * 512 for Qwen3-Next's top-10)
 #define MAX_KV 6144
 
-struct ExpertStack {
-    const uint32_t* codes;
-    const __nv_bfloat16* scales;
-    const __nv_bfloat16* biases;
-};
-
 struct GateUpArgs {
     ExpertStack gate, up;     // [E*I, H]
     const TopK* topk;         // from moe_topk
@@ -42,6 +36,9 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up(GateUpArgs a) {
     __shared__ float scratch[32];
     __shared__ int ids[MAX_TOPK];
     const int H = a.H;
+    step_overlap_begin();
+    // the selected experts' weights were asked of L2 by the router (gemv.cu); nothing to fetch ahead
+    step_inputs_ready();
     if (threadIdx.x < a.k) ids[threadIdx.x] = a.topk->ids[threadIdx.x];
     // thread t owns E = max(H/256, 4) consecutive elements, loaded in one batch (see gemv.cu)
     const int E = max(H / (int)blockDim.x, 4), t = threadIdx.x, base = t * E;
@@ -135,6 +132,11 @@ extern "C" __global__ void __launch_bounds__(256) moe_down(DownArgs a) {
     __shared__ float seg_w[MAX_TOPK];
     const int I = a.I, k = a.k, segs = k + 1, Kv = segs * I;
     const int gpr = I / 64, wpr = I / 8;
+    step_overlap_begin();
+    prefetch_share_l2(a.shared_down.codes, (size_t)a.H * I / 2);
+    prefetch_share_l2(a.shared_down.scales, (size_t)a.H * gpr * 2);
+    prefetch_share_l2(a.shared_down.biases, (size_t)a.H * gpr * 2);
+    step_inputs_ready();
     if (threadIdx.x < segs) {
         const int s = threadIdx.x;
         const size_t row0 = s < k ? (size_t)a.topk->ids[s] * a.H : 0;

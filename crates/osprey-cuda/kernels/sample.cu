@@ -26,6 +26,8 @@ struct EmbedArgs {
 };
 
 extern "C" __global__ void embed(EmbedArgs a) {
+    step_overlap_begin();
+    step_inputs_ready();
     const size_t row = (size_t)*a.token;
     const int per_word = 32 / a.bits, wpr = a.H / per_word, gpr = a.H / a.group;
     const uint32_t mask = (1u << a.bits) - 1;
@@ -57,6 +59,8 @@ struct ArgmaxArgs {
 };
 
 extern "C" __global__ void __launch_bounds__(256) argmax_partial(ArgmaxArgs a) {
+    step_overlap_begin();
+    step_inputs_ready();
     if (a.params->active) return;
     __shared__ float sv[256];
     __shared__ int si[256];
@@ -87,6 +91,8 @@ extern "C" __global__ void __launch_bounds__(256) argmax_partial(ArgmaxArgs a) {
 }
 
 extern "C" __global__ void argmax_final(ArgmaxArgs a, int parts) {
+    step_overlap_begin();
+    step_inputs_ready();
     if (threadIdx.x != 0 || a.params->active) return;
     float best = -INFINITY;
     int bi = 0;
@@ -134,6 +140,8 @@ __device__ __forceinline__ float uniform01(unsigned long long seed, unsigned lon
 __device__ __forceinline__ bool before(float xv, int xi, float yv, int yi) { return xv > yv || (xv == yv && xi < yi); }
 
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_token(SampleArgs a) {
+    step_overlap_begin();
+    step_inputs_ready();
     const SampleParams P = *a.params;
     if (!P.active) return;
     __shared__ unsigned hist[257];

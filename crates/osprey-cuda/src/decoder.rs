@@ -7,6 +7,7 @@
 //! graph generates greedily with no host round trip.
 
 use std::collections::HashMap;
+use std::ffi::c_void;
 use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -29,6 +30,11 @@ pub use prefill::GdnPrefill;
 const SPLITS: usize = 64;
 /// Blocks for the argmax's first pass.
 const ARGMAX_PARTS: usize = 256;
+/// Largest GEMV whose weights are prefetched into L2 (60 MB) while its predecessor drains.
+const PREFETCH_MAX_BYTES: usize = 32 << 20;
+/// Set to 0 to launch the decode step's kernels one after another, without programmatic
+/// dependent launch (for comparison, or a driver that mishandles it).
+const OVERLAP_ENV: &str = "OSPREY_CUDA_OVERLAP";
 
 /// A quantised matrix on the device, exactly as stored.
 struct DevMatrix {
@@ -212,6 +218,8 @@ pub struct CudaDecoder {
     /// Prefill activations, allocated for the chunk size of the first prefill.
     prefill: Option<prefill::PrefillScratch>,
     gdn_prefill: GdnPrefill,
+    /// Programmatic dependent launch between the decode step's kernels (see `launch_step`).
+    overlap: bool,
 }
 
 fn upload_f32(stream: &Arc<CudaStream>, v: &[f32]) -> Result<CudaSlice<f32>> {
@@ -510,6 +518,7 @@ impl CudaDecoder {
             pk,
             prefill: None,
             gdn_prefill: GdnPrefill::Auto,
+            overlap: std::env::var(OVERLAP_ENV).map_or(true, |v| v != "0"),
         })
     }
 
@@ -549,7 +558,7 @@ impl CudaDecoder {
         prologue: Prologue,
         k: usize,
         group: usize,
-        route: bool,
+        route: Option<&MoeDev>,
     ) -> Result<()> {
         let mut a = GemvArgs {
             x,
@@ -572,16 +581,29 @@ impl CudaDecoder {
                 a.head_dim = head_dim as i32;
             }
         }
-        if route {
-            // segment 0 holds the router logits: the last block selects the experts
+        if let Some(m) = route {
+            // segment 0 holds the router logits: the last block selects the experts and asks L2
+            // for their matrices
             let c = &self.cfg;
             a.experts = c.num_experts as i32;
             a.topk = self.p(&self.s.topk);
             a.done_counter = self.p(&self.s.done_counter);
             a.k_top = c.num_experts_per_tok as i32;
             a.renorm = c.norm_topk_prob as i32;
+            a.route_gate = m.gate.at(0, &self.stream);
+            a.route_up = m.up.at(0, &self.stream);
+            a.route_down = m.down.at(0, &self.stream);
+            a.route_inter = c.moe_intermediate_size as i32;
+            a.route_hidden = c.hidden_size as i32;
         }
         a.seg[..segs.len()].copy_from_slice(segs);
+        // weights that fit well inside the 60 MB L2 are prefetched while the predecessor drains;
+        // the lm_head (286 MB) would only evict its own lines
+        let weight_bytes: usize = segs
+            .iter()
+            .map(|s| s.rows as usize * (k * s.bits as usize / 8 + k / group * 4))
+            .sum();
+        a.prefetch = i32::from(self.overlap && weight_bytes <= PREFETCH_MAX_BYTES);
         // work units: 16-row tensor-core tiles (4-bit, group 64) when the launch has enough of
         // them to fill the GPU (measured: small launches are faster one row per warp), else rows;
         // a block takes two units at a time, the grid is what stays resident (3 blocks per SM)
@@ -603,12 +625,54 @@ impl CudaDecoder {
             .sum();
         let per_block = if a.tiles == 1 { 2 } else { 8 };
         let blocks = units.div_ceil(per_block).min(self.sms * 3) as u32;
-        unsafe {
-            self.stream
-                .launch_builder(&self.f.gemv)
-                .arg(&a)
-                .launch(launch_cfg((blocks, 1), 256))?
+        self.launch_step(&self.f.gemv, launch_cfg((blocks, 1), 256), &a)
+    }
+
+    /// Launches one kernel of the decode step. With `overlap` (programmatic dependent launch),
+    /// the kernel may be scheduled while its predecessor drains: every step kernel waits
+    /// (griddepcontrol.wait) before touching anything an earlier kernel writes, and before that
+    /// only prefetches what none of them writes (common.cuh).
+    fn launch_step<A>(&self, f: &CudaFunction, cfg: LaunchConfig, args: &A) -> Result<()> {
+        self.launch_step_params(f, cfg, &mut [args as *const A as *mut c_void])
+    }
+
+    fn launch_step_params(
+        &self,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        self.ctx.bind_to_thread()?;
+        // SAFETY: an all-zero attribute value is a valid (empty) union; the id selects its field
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: unsafe { std::mem::zeroed() },
         };
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: u32::from(self.overlap),
+        };
+        // SAFETY: `params` points at one parameter block per kernel argument, laid out as the
+        // kernel declares them (args.rs), alive for the duration of the call
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                f.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()?;
         Ok(())
     }
 
@@ -661,11 +725,10 @@ impl CudaDecoder {
             group: self.embed.group as i32,
             bits: self.embed.bits as i32,
         };
-        timed!("embed", unsafe {
-            st.launch_builder(&self.f.embed)
-                .arg(&ea)
-                .launch(launch_cfg((1, 1), 256))?
-        });
+        timed!(
+            "embed",
+            self.launch_step(&self.f.embed, launch_cfg((1, 1), 256), &ea)?
+        );
 
         for l in &self.layers {
             match &l.mixer {
@@ -696,7 +759,7 @@ impl CudaDecoder {
                             Prologue::RmsNorm(self.p(&l.input_norm)),
                             h,
                             qkv.m.group,
-                            false
+                            None
                         )?
                     );
                     let ga = GdnArgs {
@@ -716,11 +779,14 @@ impl CudaDecoder {
                         conv_dim: c.conv_dim() as i32,
                         kernel: c.conv_kernel as i32,
                     };
-                    timed!("gdn step (conv, l2, delta rule)", unsafe {
-                        st.launch_builder(&self.f.gdn)
-                            .arg(&ga)
-                            .launch(launch_cfg((c.linear_num_value_heads as u32, 4), 256))?
-                    });
+                    timed!(
+                        "gdn step (conv, l2, delta rule)",
+                        self.launch_step(
+                            &self.f.gdn,
+                            launch_cfg((c.linear_num_value_heads as u32, 4), 256),
+                            &ga
+                        )?
+                    );
                     let gated = Prologue::GatedHeadNorm {
                         weight: self.p(norm),
                         z: self.p(&s.z),
@@ -734,7 +800,7 @@ impl CudaDecoder {
                             gated,
                             c.linear_value_dim(),
                             out.m.group,
-                            false
+                            None
                         )?
                     );
                 }
@@ -761,7 +827,7 @@ impl CudaDecoder {
                             Prologue::RmsNorm(self.p(&l.input_norm)),
                             h,
                             q.m.group,
-                            false
+                            None
                         )?
                     );
                     let pa = PrepArgs {
@@ -781,11 +847,14 @@ impl CudaDecoder {
                         rotary: c.rotary_dim as i32,
                     };
                     let blocks = (c.num_attention_heads + c.num_key_value_heads) as u32;
-                    timed!("attn q/k norm + rope + kv append", unsafe {
-                        st.launch_builder(&self.f.prep)
-                            .arg(&pa)
-                            .launch(launch_cfg((blocks, 1), c.head_dim as u32))?
-                    });
+                    timed!(
+                        "attn q/k norm + rope + kv append",
+                        self.launch_step(
+                            &self.f.prep,
+                            launch_cfg((blocks, 1), c.head_dim as u32),
+                            &pa
+                        )?
+                    );
                     let da = DecodeArgs {
                         q: self.p(&s.q),
                         k_cache: self.p(k_cache),
@@ -798,12 +867,14 @@ impl CudaDecoder {
                         hkv: c.num_key_value_heads as i32,
                         splits: SPLITS as i32,
                     };
-                    timed!("attn decode (split-KV)", unsafe {
-                        st.launch_builder(&self.f.attn).arg(&da).launch(launch_cfg(
-                            (c.num_key_value_heads as u32, SPLITS as u32),
-                            256,
-                        ))?
-                    });
+                    timed!(
+                        "attn decode (split-KV)",
+                        self.launch_step(
+                            &self.f.attn,
+                            launch_cfg((c.num_key_value_heads as u32, SPLITS as u32), 256,),
+                            &da
+                        )?
+                    );
                     let ca = CombineArgs {
                         part_acc: self.p(&s.part_acc),
                         part_ml: self.p(&s.part_ml),
@@ -811,14 +882,14 @@ impl CudaDecoder {
                         out: self.p(&s.o),
                         splits: SPLITS as i32,
                     };
-                    timed!("attn combine + gate", unsafe {
-                        st.launch_builder(&self.f.combine)
-                            .arg(&ca)
-                            .launch(launch_cfg(
-                                (c.num_attention_heads as u32, 1),
-                                c.head_dim as u32,
-                            ))?
-                    });
+                    timed!(
+                        "attn combine + gate",
+                        self.launch_step(
+                            &self.f.combine,
+                            launch_cfg((c.num_attention_heads as u32, 1), c.head_dim as u32,),
+                            &ca
+                        )?
+                    );
                     timed!(
                         "attn o_proj + residual",
                         self.gemv(
@@ -827,7 +898,7 @@ impl CudaDecoder {
                             Prologue::None,
                             c.num_attention_heads * c.head_dim,
                             o.m.group,
-                            false
+                            None
                         )?
                     );
                 }
@@ -848,7 +919,7 @@ impl CudaDecoder {
                     Prologue::RmsNorm(self.p(&l.post_norm)),
                     h,
                     m.router.m.group,
-                    true
+                    Some(m)
                 )?
             );
             let gu = GateUpArgs {
@@ -864,11 +935,10 @@ impl CudaDecoder {
                 k: c.num_experts_per_tok as i32,
             };
             let blocks = (c.num_experts_per_tok * c.moe_intermediate_size).div_ceil(8) as u32;
-            timed!("moe expert gate/up + swiglu", unsafe {
-                st.launch_builder(&self.f.gate_up)
-                    .arg(&gu)
-                    .launch(launch_cfg((blocks, 1), 256))?
-            });
+            timed!(
+                "moe expert gate/up + swiglu",
+                self.launch_step(&self.f.gate_up, launch_cfg((blocks, 1), 256), &gu)?
+            );
             let da = DownArgs {
                 down: m.down.at(0, st),
                 shared_down: m.shared_down.m.at(m.shared_down.row0, st),
@@ -882,11 +952,14 @@ impl CudaDecoder {
                 inter: c.moe_intermediate_size as i32,
                 k: c.num_experts_per_tok as i32,
             };
-            timed!("moe down (8 experts + shared) + residual", unsafe {
-                st.launch_builder(&self.f.down)
-                    .arg(&da)
-                    .launch(launch_cfg((h.div_ceil(8) as u32, 1), 256))?
-            });
+            timed!(
+                "moe down (8 experts + shared) + residual",
+                self.launch_step(
+                    &self.f.down,
+                    launch_cfg((h.div_ceil(8) as u32, 1), 256),
+                    &da
+                )?
+            );
         }
         timed!(
             "lm_head (final norm + gemv)",
@@ -896,7 +969,7 @@ impl CudaDecoder {
                 Prologue::RmsNorm(self.p(&self.final_norm)),
                 h,
                 self.lm_head.m.group,
-                false
+                None
             )?
         );
         let aa = ArgmaxArgs {
@@ -912,24 +985,25 @@ impl CudaDecoder {
         };
         let parts = ARGMAX_PARTS as i32;
         timed!("argmax", {
-            unsafe {
-                st.launch_builder(&self.f.argmax_partial)
-                    .arg(&aa)
-                    .launch(launch_cfg((ARGMAX_PARTS as u32, 1), 256))?
-            };
-            unsafe {
-                st.launch_builder(&self.f.argmax_final)
-                    .arg(&aa)
-                    .arg(&parts)
-                    .launch(launch_cfg((1, 1), 32))?
-            };
+            self.launch_step(
+                &self.f.argmax_partial,
+                launch_cfg((ARGMAX_PARTS as u32, 1), 256),
+                &aa,
+            )?;
+            self.launch_step_params(
+                &self.f.argmax_final,
+                launch_cfg((1, 1), 32),
+                &mut [
+                    &aa as *const ArgmaxArgs as *mut c_void,
+                    &parts as *const i32 as *mut c_void,
+                ],
+            )?;
         });
         let sa = self.sample_args();
-        timed!("sample (when sampling)", unsafe {
-            st.launch_builder(&self.f.sample)
-                .arg(&sa)
-                .launch(launch_cfg((1, 1), 1024))?
-        });
+        timed!(
+            "sample (when sampling)",
+            self.launch_step(&self.f.sample, launch_cfg((1, 1), 1024), &sa)?
+        );
         Ok(())
     }
 
