@@ -1,8 +1,12 @@
 // Gated full attention, decode (model-spec §3.5):
 //   attn_prep    — q/k RMSNorm (zero-centred, already 1+w), partial RoPE on the first rotary dims,
 //                  K/V appended to the bf16 cache at the device-side position. Grid Hq + Hkv.
-//   attn_decode  — split-KV (flash-decoding) over a fixed grid (Hkv, SPLITS) so the CUDA graph
-//                  never changes: each block owns a contiguous range of positions for one KV head
+//   attn_decode  — split-KV (flash-decoding) over a fixed grid (Hkv, max splits) so the CUDA graph
+//                  never changes; the splits in use follow the device-side position: 64 up to 16K
+//                  positions, then one per 256 positions (up to 512 at 128K), blocks past them exit
+//                  at once. A long context so keeps enough blocks, each with its loads in flight,
+//                  to stream the cache; a short one pays for no extra partial results.
+//                  Each block owns a contiguous range of positions for one KV head
 //                  and all its query heads (one warp per query head, GQA: each K/V row is read from
 //                  HBM once and reused by the 8 warps through L1); each warp keeps 8 positions' K
 //                  and V loads in flight at once; online softmax in fp32.
@@ -14,7 +18,13 @@
 #include "common.cuh"
 
 #define D 256
-#define MAX_SPLITS 256
+#define MIN_SPLITS 64
+#define POSITIONS_PER_SPLIT 256
+
+// Splits in use for `len` visible positions (attn_decode and attn_combine agree through this).
+__device__ __forceinline__ int splits_in_use(int len, int max_splits) {
+    return min(max_splits, max(MIN_SPLITS, (len + POSITIONS_PER_SPLIT - 1) / POSITIONS_PER_SPLIT));
+}
 
 struct PrepArgs {
     const float* qg;     // [Hq, 2D]: per head, D query rows then D gate rows
@@ -63,11 +73,11 @@ struct DecodeArgs {
     const float* q;                // [Hq, D]
     const __nv_bfloat16* k_cache;  // [max_pos, Hkv, D]
     const __nv_bfloat16* v_cache;
-    float* part_acc;               // [Hq, SPLITS, D]
-    float* part_ml;                // [Hq, SPLITS, 2]
+    float* part_acc;               // [Hq, max splits, D]
+    float* part_ml;                // [Hq, max splits, 2]
     const int* pos;                // this token's position; positions 0..=pos are visible
     float scale;
-    int hq, hkv, splits;
+    int hq, hkv, splits;           // splits: the grid's (the most in use)
 };
 
 // positions handled together by a warp: their K and V loads are all in flight at once
@@ -79,8 +89,9 @@ extern "C" __global__ void __launch_bounds__(256) attn_decode(DecodeArgs a) {
     const int g = blockIdx.x, split = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int group = a.hq / a.hkv;
-    const int len = *a.pos + 1;
-    const int chunk = (len + a.splits - 1) / a.splits;
+    const int len = *a.pos + 1, used = splits_in_use(len, a.splits);
+    if (split >= used) return;
+    const int chunk = (len + used - 1) / used;
     const int p0 = split * chunk, p1 = min(len, p0 + chunk);
     for (int qh_local = warp; qh_local < group; qh_local += 8) {
         const int qh = g * group + qh_local;
@@ -147,19 +158,20 @@ struct CombineArgs {
     const float* part_ml;
     const float* qg;   // gate rows live at [h, D + d]
     float* out;        // [Hq, D]
-    int splits;
+    const int* pos;
+    int splits;        // the most splits (the partial results' stride)
 };
 
 extern "C" __global__ void __launch_bounds__(D) attn_combine(CombineArgs a) {
     step_overlap_begin();
     step_inputs_ready();
-    const int h = blockIdx.x, d = threadIdx.x;
+    const int h = blockIdx.x, d = threadIdx.x, used = splits_in_use(*a.pos + 1, a.splits);
     float M = -INFINITY;
 #pragma unroll 16
-    for (int s = 0; s < a.splits; ++s) M = fmaxf(M, a.part_ml[((size_t)h * a.splits + s) * 2]);
+    for (int s = 0; s < used; ++s) M = fmaxf(M, a.part_ml[((size_t)h * a.splits + s) * 2]);
     float L = 0.f, o = 0.f;
 #pragma unroll 16
-    for (int s = 0; s < a.splits; ++s) {
+    for (int s = 0; s < used; ++s) {
         size_t b = (size_t)h * a.splits + s;
         float m = a.part_ml[b * 2];
         if (m == -INFINITY) continue;

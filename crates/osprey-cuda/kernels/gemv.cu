@@ -232,15 +232,22 @@ __device__ __forceinline__ void tile_mma(const Segment& s, int row0, int K, int 
     const uint2* cb = reinterpret_cast<const uint2*>(s.codes + lb * wpr) + q;
     float yA = 0.f, yB = 0.f;
     uint2 wa = __ldcs(ca + 4 * g0), wb = __ldcs(cb + 4 * g0);
+    // scales and biases (read by the q == 0 lanes, which finish the rows) travel one group ahead
+    // with the codes, so no iteration waits on a load issued inside it
+    __nv_bfloat16 sa = s.scales[la * gpr + g0], ba = s.biases[la * gpr + g0];
+    __nv_bfloat16 sb = s.scales[lb * gpr + g0], bb = s.biases[lb * gpr + g0];
     for (int G = g0; G < g1; ++G) {
         // next group's codes in flight while this one is multiplied
         uint2 na = wa, nb = wb;
-        if (G + 1 < g1) { na = __ldcs(ca + 4 * (G + 1)); nb = __ldcs(cb + 4 * (G + 1)); }
-        float sA = 0.f, bA = 0.f, sB = 0.f, bB = 0.f;
-        if (q == 0) {
-            sA = bf16_to_f32(s.scales[la * gpr + G]); bA = bf16_to_f32(s.biases[la * gpr + G]);
-            sB = bf16_to_f32(s.scales[lb * gpr + G]); bB = bf16_to_f32(s.biases[lb * gpr + G]);
+        __nv_bfloat16 nsa = sa, nba = ba, nsb = sb, nbb = bb;
+        if (G + 1 < g1) {
+            na = __ldcs(ca + 4 * (G + 1)); nb = __ldcs(cb + 4 * (G + 1));
+            if (q == 0) {
+                nsa = s.scales[la * gpr + G + 1]; nba = s.biases[la * gpr + G + 1];
+                nsb = s.scales[lb * gpr + G + 1]; nbb = s.biases[lb * gpr + G + 1];
+            }
         }
+        const float sA = bf16_to_f32(sa), bA = bf16_to_f32(ba), sB = bf16_to_f32(sb), bB = bf16_to_f32(bb);
         float d[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
@@ -262,6 +269,7 @@ __device__ __forceinline__ void tile_mma(const Segment& s, int row0, int K, int 
         }
         wa = na;
         wb = nb;
+        sa = nsa; ba = nba; sb = nsb; bb = nbb;
     }
     outA = yA;
     outB = yB;

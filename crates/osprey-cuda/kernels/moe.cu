@@ -10,8 +10,10 @@
 // moe_down: one warp per output row; a row is 9 segments of I codes (8 experts + shared),
 //   activations h (k*I + I floats, pre-weighted) in shared memory, segment base pointers resolved
 //   once per block. Reads (k+1)*H*I/2 bytes (4.7 MB).
-// Loops over 16-byte chunks stay rolled: these kernels are short, and heavily unrolled variants
-// measured slower (instruction-cache misses and lower occupancy).
+// A lane requests all its 16-byte chunks of a row (2 for gate/up, 5 for down) before using any:
+// one memory round trip per row instead of one per chunk, which is what bounded these kernels.
+// The routed experts' matrices were asked of L2 by the router's last block (gemv.cu), and the
+// shared expert's down rows are prefetched here before the dependency wait (common.cuh).
 // Measured (H200, commit e06983b, launched alone with events): gate/up 8.4 MB in 12.0 us
 // = 0.70 TB/s (19% of 3.7 TB/s); down 4.7 MB in 17.7 us = 0.27 TB/s (7%).
 #include "common.cuh"
@@ -19,6 +21,10 @@
 #define MAX_K_H 4096
 // routed + shared down activations: (k + 1) * I elements (11 * 512 for Qwen3-Next's top-10)
 #define MAX_KV 6144
+// 16-byte chunks a lane loads at once: a whole gate/up row of H = 2048 (64 chunks), a whole
+// down row of 9 segments of I = 512 (144 chunks); longer rows take several such batches
+#define GU_CHUNKS 2
+#define DOWN_CHUNKS 5
 
 struct GateUpArgs {
     ExpertStack gate, up;     // [E*I, H]
@@ -30,7 +36,7 @@ struct GateUpArgs {
     int H, I, k;
 };
 
-extern "C" __global__ void __launch_bounds__(256) moe_gate_up(GateUpArgs a) {
+extern "C" __global__ void __launch_bounds__(256, 4) moe_gate_up(GateUpArgs a) {
     __shared__ __align__(16) float xs[MAX_K_H + MAX_K_H / 8];
     __shared__ float chunk_sum[MAX_K_H / 32];
     __shared__ float scratch[32];
@@ -80,30 +86,47 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up(GateUpArgs a) {
         const size_t row = (size_t)ids[slot] * a.I + f;
         const uint4* gc = reinterpret_cast<const uint4*>(a.gate.codes + row * wpr);
         const uint4* uc = reinterpret_cast<const uint4*>(a.up.codes + row * wpr);
+        // every chunk's codes, scales and biases requested before any is used: the loads of a
+        // row are in flight together (one memory round trip per row, not one per chunk)
         float g = 0.f, u = 0.f;
-        for (int c = lane; c < chunks; c += 32) {
-            uint4 wg = __ldcs(gc + c), wu = __ldcs(uc + c);
-            const int grp = c / 2;
-            const float sgl = bf16_to_f32(a.gate.scales[row * gpr + grp]), bgl = bf16_to_f32(a.gate.biases[row * gpr + grp]);
-            const float sul = bf16_to_f32(a.up.scales[row * gpr + grp]), bul = bf16_to_f32(a.up.biases[row * gpr + grp]);
-            const float4* xv = reinterpret_cast<const float4*>(xs + pad_idx(c * 32));
-            uint32_t g4[4] = {wg.x, wg.y, wg.z, wg.w}, u4[4] = {wu.x, wu.y, wu.z, wu.w};
-            float pg[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, pu[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int c0 = 0; c0 < chunks; c0 += 32 * GU_CHUNKS) {
+            uint4 wg[GU_CHUNKS], wu[GU_CHUNKS];
+            float sg[GU_CHUNKS], bg[GU_CHUNKS], su[GU_CHUNKS], bu[GU_CHUNKS];
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                float4 x0 = xv[2 * q], x1 = xv[2 * q + 1];
-                float xx[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-#pragma unroll
-                for (int n = 0; n < 8; ++n) {
-                    pg[n] = fmaf(nib(g4[q], n), xx[n], pg[n]);
-                    pu[n] = fmaf(nib(u4[q], n), xx[n], pu[n]);
+            for (int j = 0; j < GU_CHUNKS; ++j) {
+                const int c = c0 + lane + 32 * j, grp = c / 2;
+                if (c < chunks) {
+                    wg[j] = __ldcs(gc + c);
+                    wu[j] = __ldcs(uc + c);
+                    sg[j] = bf16_to_f32(a.gate.scales[row * gpr + grp]);
+                    bg[j] = bf16_to_f32(a.gate.biases[row * gpr + grp]);
+                    su[j] = bf16_to_f32(a.up.scales[row * gpr + grp]);
+                    bu[j] = bf16_to_f32(a.up.biases[row * gpr + grp]);
                 }
             }
-            const float dg = ((pg[0] + pg[1]) + (pg[2] + pg[3])) + ((pg[4] + pg[5]) + (pg[6] + pg[7]));
-            const float du = ((pu[0] + pu[1]) + (pu[2] + pu[3])) + ((pu[4] + pu[5]) + (pu[6] + pu[7]));
-            const float cs = chunk_sum[c];
-            g = fmaf(sgl, dg, fmaf(bgl, cs, g));
-            u = fmaf(sul, du, fmaf(bul, cs, u));
+#pragma unroll
+            for (int j = 0; j < GU_CHUNKS; ++j) {
+                const int c = c0 + lane + 32 * j;
+                if (c >= chunks) break;
+                const float4* xv = reinterpret_cast<const float4*>(xs + pad_idx(c * 32));
+                uint32_t g4[4] = {wg[j].x, wg[j].y, wg[j].z, wg[j].w}, u4[4] = {wu[j].x, wu[j].y, wu[j].z, wu[j].w};
+                float pg[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, pu[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    float4 x0 = xv[2 * q], x1 = xv[2 * q + 1];
+                    float xx[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+                    for (int n = 0; n < 8; ++n) {
+                        pg[n] = fmaf(nib(g4[q], n), xx[n], pg[n]);
+                        pu[n] = fmaf(nib(u4[q], n), xx[n], pu[n]);
+                    }
+                }
+                const float dg = ((pg[0] + pg[1]) + (pg[2] + pg[3])) + ((pg[4] + pg[5]) + (pg[6] + pg[7]));
+                const float du = ((pu[0] + pu[1]) + (pu[2] + pu[3])) + ((pu[4] + pu[5]) + (pu[6] + pu[7]));
+                const float cs = chunk_sum[c];
+                g = fmaf(sg[j], dg, fmaf(bg[j], cs, g));
+                u = fmaf(su[j], du, fmaf(bu[j], cs, u));
+            }
         }
         g = warp_sum(g);
         u = warp_sum(u);
@@ -165,25 +188,38 @@ extern "C" __global__ void __launch_bounds__(256) moe_down(DownArgs a) {
     const int cps = I / 32, chunks = segs * cps;
     // a warp owns one output row: `segs` segments of I codes, compact loop over chunks
     for (int n = blockIdx.x * 8 + warp; n < a.H; n += gridDim.x * 8) {
+        // all of this lane's chunks of the row requested before any is used (see moe_gate_up)
         float acc = 0.f;
-        for (int c = lane; c < chunks; c += 32) {
-            const int s = c / cps, cl = c % cps;
-            const size_t row = (size_t)n;
-            uint4 w = __ldcs(reinterpret_cast<const uint4*>(seg_codes[s] + row * wpr) + cl);
-            const float sc = bf16_to_f32(seg_scales[s][row * gpr + cl / 2]);
-            const float bi = bf16_to_f32(seg_biases[s][row * gpr + cl / 2]);
-            const float4* xv = reinterpret_cast<const float4*>(hs + pad_idx(c * 32));
-            uint32_t w4[4] = {w.x, w.y, w.z, w.w};
-            float pd[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int c0 = 0; c0 < chunks; c0 += 32 * DOWN_CHUNKS) {
+            uint4 w[DOWN_CHUNKS];
+            float sc[DOWN_CHUNKS], bi[DOWN_CHUNKS];
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                float4 x0 = xv[2 * q], x1 = xv[2 * q + 1];
-                float xx[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-#pragma unroll
-                for (int m = 0; m < 8; ++m) pd[m] = fmaf(nib(w4[q], m), xx[m], pd[m]);
+            for (int j = 0; j < DOWN_CHUNKS; ++j) {
+                const int c = c0 + lane + 32 * j;
+                if (c < chunks) {
+                    const int s = c / cps, cl = c % cps;
+                    w[j] = __ldcs(reinterpret_cast<const uint4*>(seg_codes[s] + (size_t)n * wpr) + cl);
+                    sc[j] = bf16_to_f32(seg_scales[s][(size_t)n * gpr + cl / 2]);
+                    bi[j] = bf16_to_f32(seg_biases[s][(size_t)n * gpr + cl / 2]);
+                }
             }
-            const float d = ((pd[0] + pd[1]) + (pd[2] + pd[3])) + ((pd[4] + pd[5]) + (pd[6] + pd[7]));
-            acc = fmaf(sc, d, fmaf(bi, chunk_sum[c], acc));
+#pragma unroll
+            for (int j = 0; j < DOWN_CHUNKS; ++j) {
+                const int c = c0 + lane + 32 * j;
+                if (c >= chunks) break;
+                const float4* xv = reinterpret_cast<const float4*>(hs + pad_idx(c * 32));
+                uint32_t w4[4] = {w[j].x, w[j].y, w[j].z, w[j].w};
+                float pd[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    float4 x0 = xv[2 * q], x1 = xv[2 * q + 1];
+                    float xx[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+                    for (int m = 0; m < 8; ++m) pd[m] = fmaf(nib(w4[q], m), xx[m], pd[m]);
+                }
+                const float d = ((pd[0] + pd[1]) + (pd[2] + pd[3])) + ((pd[4] + pd[5]) + (pd[6] + pd[7]));
+                acc = fmaf(sc[j], d, fmaf(bi[j], chunk_sum[c], acc));
+            }
         }
         acc = warp_sum(acc);
         if (lane == 0) a.x[n] += acc;

@@ -147,6 +147,7 @@ pub struct CombineArgs {
     pub part_ml: u64,
     pub qg: u64,
     pub out: u64,
+    pub pos: u64,
     pub splits: i32,
 }
 

@@ -26,8 +26,9 @@ use crate::args::*;
 mod prefill;
 pub use prefill::GdnPrefill;
 
-/// Attention splits over the context (flash-decoding); fixed so the graph never changes.
-const SPLITS: usize = 64;
+/// Most attention splits over the context (flash-decoding): the grid, fixed so the graph never
+/// changes; the kernel uses 64 up to 16K positions and one per 256 beyond (attention.cu).
+const SPLITS: usize = 512;
 /// Blocks for the argmax's first pass.
 const ARGMAX_PARTS: usize = 256;
 /// Largest GEMV whose weights are prefetched into L2 (60 MB) while its predecessor drains.
@@ -880,6 +881,7 @@ impl CudaDecoder {
                         part_ml: self.p(&s.part_ml),
                         qg: self.p(&s.qg),
                         out: self.p(&s.o),
+                        pos: self.p(&s.pos),
                         splits: SPLITS as i32,
                     };
                     timed!(
