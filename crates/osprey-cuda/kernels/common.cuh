@@ -67,11 +67,6 @@ __device__ __forceinline__ void prefetch_share_l2(const void* base, size_t bytes
         asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
 }
 
-// Bulk L2 prefetch by the copy engine (one instruction per range; address and size multiples of 16).
-__device__ __forceinline__ void prefetch_range_l2(const void* p, uint32_t bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-}
-
 // ---- tensor cores ----
 // D += A·B for one m16n8k16 tile: A 16x16 bf16 (row-major fragments), B 16x8 bf16, f32 accumulate.
 __device__ __forceinline__ void mma_bf16(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {

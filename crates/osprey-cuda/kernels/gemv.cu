@@ -51,10 +51,6 @@ struct GemvArgs {
     int renorm;
     int tiles;  // 1: 4-bit group-64 segments run as tensor-core tiles (the host sets it for big launches)
     int prefetch;  // 1: ask L2 for this block's share of the weights before waiting on the predecessor
-    // with `topk`: the routed experts' stacks (4-bit, group 64), whose selected matrices the last
-    // block asks L2 for, so they stream in while the expert kernels launch (null: none)
-    ExpertStack route_gate, route_up, route_down;
-    int route_inter, route_hidden;
 };
 
 // Thread t owns the E consecutive elements [E·t, E·t + E) of the input, E = max(K/256, 4) (so
@@ -275,28 +271,6 @@ __device__ __forceinline__ void tile_mma(const Segment& s, int row0, int K, int 
     outB = yB;
 }
 
-// The selected experts' gate, up and down matrices, asked of L2 by the copy engine in 32 KB
-// pieces (per expert and matrix: I·H/2 bytes of codes, I·H/32 of scales and of biases).
-#define PREFETCH_PIECE 32768
-__device__ __forceinline__ void prefetch_experts(const GemvArgs& a, const int* ids) {
-    const size_t cb = (size_t)a.route_inter * a.route_hidden / 2, mb = (size_t)a.route_inter * (a.route_hidden / 64) * 2;
-    const int cp = (int)((cb + PREFETCH_PIECE - 1) / PREFETCH_PIECE), mp = (int)((mb + PREFETCH_PIECE - 1) / PREFETCH_PIECE);
-    const int per_matrix = cp + 2 * mp;
-    for (int i = threadIdx.x; i < a.k * 3 * per_matrix; i += blockDim.x) {
-        const int slot = i / (3 * per_matrix), m = (i / per_matrix) % 3, j = i % per_matrix;
-        const ExpertStack& st = m == 0 ? a.route_gate : (m == 1 ? a.route_up : a.route_down);
-        const size_t e = (size_t)ids[slot];
-        const char* base;
-        size_t bytes;
-        int piece;
-        if (j < cp) { base = reinterpret_cast<const char*>(st.codes) + e * cb; bytes = cb; piece = j; }
-        else if (j < cp + mp) { base = reinterpret_cast<const char*>(st.scales) + e * mb; bytes = mb; piece = j - cp; }
-        else { base = reinterpret_cast<const char*>(st.biases) + e * mb; bytes = mb; piece = j - cp - mp; }
-        const size_t off = (size_t)piece * PREFETCH_PIECE;
-        prefetch_range_l2(base + off, (uint32_t)min((size_t)PREFETCH_PIECE, bytes - off));
-    }
-}
-
 // Work units: 16-row tiles for 4-bit group-64 segments, single rows otherwise.
 __device__ __forceinline__ bool tiled(const GemvArgs& a, const Segment& s) { return a.tiles && s.bits == 4 && a.group == 64; }
 __device__ __forceinline__ int seg_units(const GemvArgs& a, const Segment& s) { return tiled(a, s) ? (s.rows + 15) / 16 : s.rows; }
@@ -421,7 +395,6 @@ extern "C" __global__ void __launch_bounds__(256, 3) gemv_q(GemvArgs a) {
         all += __expf(v - mx);
     }
     all = block_sum(all, scratch);
-    if (a.route_gate.codes) prefetch_experts(a, sel_id);
     if (threadIdx.x == 0) {
         float p[MAX_TOPK], chosen = 0.f;
         for (int r = 0; r < a.k; ++r) {

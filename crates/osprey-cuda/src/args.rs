@@ -39,12 +39,6 @@ pub struct GemvArgs {
     pub tiles: i32,
     /// 1: each block asks L2 for its share of the weights before waiting on its predecessor.
     pub prefetch: i32,
-    /// With `topk`: the routed experts' stacks, whose selected matrices the last block prefetches.
-    pub route_gate: ExpertStack,
-    pub route_up: ExpertStack,
-    pub route_down: ExpertStack,
-    pub route_inter: i32,
-    pub route_hidden: i32,
 }
 
 #[repr(C)]

@@ -559,7 +559,7 @@ impl CudaDecoder {
         prologue: Prologue,
         k: usize,
         group: usize,
-        route: Option<&MoeDev>,
+        route: bool,
     ) -> Result<()> {
         let mut a = GemvArgs {
             x,
@@ -582,20 +582,14 @@ impl CudaDecoder {
                 a.head_dim = head_dim as i32;
             }
         }
-        if let Some(m) = route {
-            // segment 0 holds the router logits: the last block selects the experts and asks L2
-            // for their matrices
+        if route {
+            // segment 0 holds the router logits: the last block selects the experts
             let c = &self.cfg;
             a.experts = c.num_experts as i32;
             a.topk = self.p(&self.s.topk);
             a.done_counter = self.p(&self.s.done_counter);
             a.k_top = c.num_experts_per_tok as i32;
             a.renorm = c.norm_topk_prob as i32;
-            a.route_gate = m.gate.at(0, &self.stream);
-            a.route_up = m.up.at(0, &self.stream);
-            a.route_down = m.down.at(0, &self.stream);
-            a.route_inter = c.moe_intermediate_size as i32;
-            a.route_hidden = c.hidden_size as i32;
         }
         a.seg[..segs.len()].copy_from_slice(segs);
         // weights that fit well inside the 60 MB L2 are prefetched while the predecessor drains;
@@ -760,7 +754,7 @@ impl CudaDecoder {
                             Prologue::RmsNorm(self.p(&l.input_norm)),
                             h,
                             qkv.m.group,
-                            None
+                            false
                         )?
                     );
                     let ga = GdnArgs {
@@ -801,7 +795,7 @@ impl CudaDecoder {
                             gated,
                             c.linear_value_dim(),
                             out.m.group,
-                            None
+                            false
                         )?
                     );
                 }
@@ -828,7 +822,7 @@ impl CudaDecoder {
                             Prologue::RmsNorm(self.p(&l.input_norm)),
                             h,
                             q.m.group,
-                            None
+                            false
                         )?
                     );
                     let pa = PrepArgs {
@@ -900,7 +894,7 @@ impl CudaDecoder {
                             Prologue::None,
                             c.num_attention_heads * c.head_dim,
                             o.m.group,
-                            None
+                            false
                         )?
                     );
                 }
@@ -921,7 +915,7 @@ impl CudaDecoder {
                     Prologue::RmsNorm(self.p(&l.post_norm)),
                     h,
                     m.router.m.group,
-                    Some(m)
+                    true
                 )?
             );
             let gu = GateUpArgs {
@@ -971,7 +965,7 @@ impl CudaDecoder {
                 Prologue::RmsNorm(self.p(&self.final_norm)),
                 h,
                 self.lm_head.m.group,
-                None
+                false
             )?
         );
         let aa = ArgmaxArgs {
