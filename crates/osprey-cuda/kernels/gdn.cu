@@ -60,8 +60,8 @@ extern "C" __global__ void __launch_bounds__(256) gdn_step(GdnArgs p) {
     const int jl = t & (COLS - 1), rg = t >> 5, i0 = rg * ROWS_PER, j = split * COLS + jl;
     float* S = p.state + (size_t)h * DK * DV;
 
-    // Only this kernel, once per step, touches this layer's state: it is read before waiting on
-    // the in_proj GEMV, so its 64 KB per head stream in while that kernel drains.
+    // Only this kernel, once per step, touches this layer's state, so it is read first: before the
+    // dependency wait when the step's kernels overlap (common.cuh), and in any case under the conv.
     step_overlap_begin();
     float s[ROWS_PER];
 #pragma unroll

@@ -11,11 +11,12 @@
 //   activations h (k*I + I floats, pre-weighted) in shared memory, segment base pointers resolved
 //   once per block. Reads (k+1)*H*I/2 bytes (4.7 MB).
 // A lane requests all its 16-byte chunks of a row (2 for gate/up, 5 for down) before using any:
-// one memory round trip per row instead of one per chunk, which is what bounded these kernels.
-// The routed experts' matrices were asked of L2 by the router's last block (gemv.cu), and the
-// shared expert's down rows are prefetched here before the dependency wait (common.cuh).
-// Measured (H200, commit e06983b, launched alone with events): gate/up 8.4 MB in 12.0 us
-// = 0.70 TB/s (19% of 3.7 TB/s); down 4.7 MB in 17.7 us = 0.27 TB/s (7%).
+// one memory round trip per row instead of one per chunk. With OSPREY_CUDA_OVERLAP=1 the shared
+// expert's down rows are prefetched before the dependency wait (common.cuh).
+// Measured (H200, launched alone with events, full-size model): commit e06983b, rolled loops:
+// gate/up 8.4 MB in 12.0 us = 0.70 TB/s (19% of 3.7 TB/s); down 4.7 MB in 17.7 us = 0.27 TB/s (7%).
+// Commit 3885b19, whole rows in flight: gate/up 12.6 us, down 17.0 us: no better. The launch's
+// latency chain (prologue, one round trip, tail) dominates, not the loads' batching.
 #include "common.cuh"
 
 #define MAX_K_H 4096
@@ -43,7 +44,7 @@ extern "C" __global__ void __launch_bounds__(256, 4) moe_gate_up(GateUpArgs a) {
     __shared__ int ids[MAX_TOPK];
     const int H = a.H;
     step_overlap_begin();
-    // the selected experts' weights were asked of L2 by the router (gemv.cu); nothing to fetch ahead
+    // which experts' weights to read is only known from the router's output: nothing to fetch ahead
     step_inputs_ready();
     if (threadIdx.x < a.k) ids[threadIdx.x] = a.topk->ids[threadIdx.x];
     // thread t owns E = max(H/256, 4) consecutive elements, loaded in one batch (see gemv.cu)
