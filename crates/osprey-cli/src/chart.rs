@@ -57,7 +57,10 @@ pub fn write_chart(
     for (s, l) in series.iter_mut().zip(labels) {
         s.label = l.clone();
     }
-    let (w, h, left, right, top, bottom) = (760.0, 420.0, 70.0, 20.0, 40.0, 110.0);
+    // the plot keeps its size; the space below it grows with the legend (one line per series)
+    let (w, left, right, top, plot_height) = (760.0, 70.0, 20.0, 40.0, 270.0);
+    let bottom = 70.0 + 16.0 * series.len() as f64;
+    let h = top + plot_height + bottom;
     let xs: Vec<f64> = series
         .iter()
         .flat_map(|s| s.points.iter().map(|p| p.0.log2()))
