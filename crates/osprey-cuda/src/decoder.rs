@@ -34,7 +34,7 @@ const ARGMAX_PARTS: usize = 256;
 /// Largest GEMV whose weights are prefetched into L2 (60 MB) while its predecessor drains.
 const PREFETCH_MAX_BYTES: usize = 32 << 20;
 /// Set to 1 to launch the decode step's kernels with programmatic dependent launch and the GEMVs'
-/// L2 prefetches. Off by default: measured 2-4% slower on the H200 as the kernels stand
+/// L2 prefetches. Off by default: measured 1-7% slower on the H200 as the kernels stand
 /// (bench/results/cuda-decode-overlap-h200.json); kept for the next steps (finer triggers, a
 /// persistent step kernel), which need the same launch path.
 const OVERLAP_ENV: &str = "OSPREY_CUDA_OVERLAP";
