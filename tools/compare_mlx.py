@@ -100,7 +100,8 @@ def merge(paths, out, peer_dir):
     report["command"] = "tools/compare_mlx.py --merge " + " ".join(paths)
     report["rounds"] = "per length, see each row's rounds"
     report["parts"] = [{"command": p["command"], "commit": p["commit"], "date": p["date"],
-                        "tokens": [r["tokens"] for r in p["results"]]} for p in parts]
+                        "machine": p.get("machine", "nvidia-h200"), "tokens": [r["tokens"] for r in p["results"]]}
+                       for p in parts]
     with_means(report, results)
     write(report, out)
     if peer_dir:
@@ -184,8 +185,8 @@ def main():
 
     report = {
         "kind": "compare", "peer": f"mlx-lm {mlx_lm.__version__} (mlx {mx.__version__}, CUDA build)",
-        "device": subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                                 capture_output=True, text=True).stdout.strip() or "unknown",
+        "device": (subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                                  capture_output=True, text=True).stdout.strip() or "unknown").splitlines()[0],
         "commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": " ".join(sys.argv), "model": a.model, "rounds": a.rounds, "decode_steps": a.steps,
         "method": "engines alternate within each round; median of rounds; MLX-LM prompt_tps/generation_tps "

@@ -104,13 +104,25 @@ def checks():
 
 def compare():
     d = load("compare-mlx-h200.json")
-    rows = ["| tokens | Osprey prefill tok/s | MLX-LM prefill | ratio | Osprey decode tok/s | MLX-LM decode | ratio |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| tokens | Osprey prefill tok/s | MLX-LM prefill | ratio | Osprey decode tok/s | MLX-LM decode | ratio | rounds | commit |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    notes = []
     for r in d["results"]:
+        mark = ""
+        if r.get("caveat"):
+            if r["caveat"] not in notes:
+                notes.append(r["caveat"])
+            mark = "†" * (notes.index(r["caveat"]) + 1)
         rows.append(f"| {r['tokens']:,} | {n0(r['osprey_prefill'])} | {r['mlx_prefill']:.0f} | {r['prefill_ratio']:.0f}× | "
-                    f"{r['osprey_decode']:.0f} | {r['mlx_decode']:.1f} | {r['decode_ratio']:.1f}× |")
-    rows.append(f"| **mean ratio** | | | **{d['mean_prefill_ratio']:.0f}×** | | | **{d['mean_decode_ratio']:.1f}×** |")
-    return "\n".join(rows) + source(d, "compare-mlx-h200.json")
+                    f"{r['osprey_decode']:.0f}{mark} | {r['mlx_decode']:.1f} | {r['decode_ratio']:.1f}×{mark} | "
+                    f"{len(r['rounds']['mlx_prefill'])} | `{r.get('commit', d.get('commit'))}` |")
+    rows.append(f"| **mean ratio** | | | **{d['mean_prefill_ratio']:.0f}×** | | | **{d['mean_decode_ratio']:.1f}×** | | |")
+    for i, n in enumerate(notes):
+        rows.append("")
+        rows.append(f"{'†' * (i + 1)} {n}.")
+    commits = ", ".join(f"`{c}`" for c in dict.fromkeys(p["commit"] for p in d.get("parts", [d])))
+    return "\n".join(rows) + (f"\n\n<sub>compare-mlx-h200.json: joined from runs at commits {commits}, "
+                              f"{d.get('device')}, {str(d.get('date'))[:10]}</sub>")
 
 
 def fidelity_rows(files):
