@@ -1,0 +1,57 @@
+"""tools/compare_mlx.py --merge: runs of disjoint lengths join into one report whose rows keep their
+own commit, whose means are recomputed over all rows, and which also writes the peer results that
+`osprey chart` draws. Overlapping runs are refused.
+
+Run by .ci/run:  python -m pytest tests/python
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+TOOL = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "compare_mlx.py")
+
+
+def part(path, commit, date, rows):
+    results = []
+    for n, (op, mp, od, md) in rows.items():
+        results.append({"tokens": n, "osprey_prefill": op, "mlx_prefill": mp, "osprey_decode": od, "mlx_decode": md,
+                        "prefill_ratio": op / mp, "decode_ratio": od / md,
+                        "rounds": {"osprey_prefill": [op], "mlx_prefill": [mp], "osprey_decode": [od], "mlx_decode": [md]}})
+    report = {"kind": "compare", "peer": "mlx-lm test", "device": "GPU", "commit": commit, "date": date,
+              "command": f"compare {commit}", "decode_steps": 32, "method": "test", "results": results}
+    path.write_text(json.dumps(report))
+    return str(path)
+
+
+def merge(tmp_path, *inputs):
+    out = tmp_path / "merged.json"
+    run = subprocess.run([sys.executable, TOOL, "--merge", *inputs, "--out", str(out), "--peer-dir", str(tmp_path)],
+                         capture_output=True, text=True)
+    return run, out
+
+
+def test_merge_joins_disjoint_runs(tmp_path):
+    a = part(tmp_path / "a.json", "aaaaaaa", "2026-01-01T00:00:00Z", {4096: (400.0, 100.0, 30.0, 10.0)})
+    b = part(tmp_path / "b.json", "bbbbbbb", "2026-01-02T00:00:00Z", {256: (200.0, 100.0, 40.0, 10.0)})
+    run, out = merge(tmp_path, a, b)
+    assert run.returncode == 0, run.stderr
+    d = json.loads(out.read_text())
+    assert [r["tokens"] for r in d["results"]] == [256, 4096]
+    assert [r["commit"] for r in d["results"]] == ["bbbbbbb", "aaaaaaa"]
+    assert d["mean_prefill_ratio"] == pytest.approx(3.0)
+    assert d["mean_decode_ratio"] == pytest.approx(3.5)
+    assert d["commit"] == "bbbbbbb"  # the newest part
+    assert [p["tokens"] for p in d["parts"]] == [[4096], [256]]
+    peer = json.loads((tmp_path / "peer-mlxlm-decode-h200.json").read_text())
+    assert [(r["tokens"], r["tokens_per_s"]) for r in peer["results"]] == [(256, 10.0), (4096, 10.0)]
+
+
+def test_merge_refuses_overlapping_lengths(tmp_path):
+    a = part(tmp_path / "a.json", "aaaaaaa", "2026-01-01T00:00:00Z", {256: (400.0, 100.0, 30.0, 10.0)})
+    b = part(tmp_path / "b.json", "bbbbbbb", "2026-01-02T00:00:00Z", {256: (200.0, 100.0, 40.0, 10.0)})
+    run, out = merge(tmp_path, a, b)
+    assert run.returncode != 0
+    assert "256" in run.stderr and not out.exists()
