@@ -9,7 +9,7 @@ use osprey_engine::sampler::argmax;
 use osprey_engine::{CpuBackend, Engine};
 use osprey_model::ModelWeights;
 use serde_json::json;
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::bench::{cpu_name, git_commit, utc_now};
 
@@ -414,15 +414,27 @@ pub fn bench_decode(
             gpu.set_position(ctx)?;
             let p = gpu.profile_step()?;
             let total: f64 = p.iter().map(|k| k.micros).sum();
-            info!("per-kernel time of one step at {ctx} (launched one by one with events, {total:.0} us in all):");
+            // the same families inside the graph: each one issued twice, the extra time per step
+            let in_graph = gpu.profile_step_in_graph(ctx, steps).unwrap_or_else(|e| {
+                warn!("in-graph profile skipped: {e:#}");
+                Vec::new()
+            });
+            let graph_us =
+                |name: &str| in_graph.iter().find(|k| k.kernel == name).map(|k| k.micros);
+            let step_us = 1e6 / med;
+            info!("per-kernel time of one step at {ctx} ({step_us:.0} us as a graph): launched one by one with events ({total:.0} us in all), and inside the graph (what issuing the family twice adds to a step):");
             for k in &p {
+                let g = graph_us(k.kernel).map_or("-".to_string(), |u| format!("{u:.1} us"));
                 info!(
-                    "  {:<44} {:>4} launches {:>9.1} us",
-                    k.kernel, k.launches, k.micros
+                    "  {:<44} {:>4} launches {:>9.1} us {:>11}",
+                    k.kernel, k.launches, k.micros, g
                 );
             }
-            profile = Some(json!({"context": ctx, "total_us": total,
-                "kernels": p.iter().map(|k| json!({"kernel": k.kernel, "launches": k.launches, "us": k.micros})).collect::<Vec<_>>()}));
+            profile = Some(
+                json!({"context": ctx, "total_us": total, "graph_step_us": step_us,
+                "kernels": p.iter().map(|k| json!({"kernel": k.kernel, "launches": k.launches, "us": k.micros,
+                    "graph_us": graph_us(k.kernel)})).collect::<Vec<_>>()}),
+            );
         }
     }
     let report = json!({

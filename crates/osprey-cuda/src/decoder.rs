@@ -38,6 +38,8 @@ const PREFETCH_MAX_BYTES: usize = 32 << 20;
 /// (bench/results/cuda-decode-overlap-h200.json); kept for the next steps (finer triggers, a
 /// persistent step kernel), which need the same launch path.
 const OVERLAP_ENV: &str = "OSPREY_CUDA_OVERLAP";
+/// Kernel families that choose the token and advance the position (never issued twice).
+const TOKEN_CHOICE_FAMILIES: [&str; 2] = ["argmax", "sample (when sampling)"];
 
 /// A quantised matrix on the device, exactly as stored.
 struct DevMatrix {
@@ -675,6 +677,7 @@ impl CudaDecoder {
 
     /// Issues every kernel of one decode step on the stream (recorded into the graph once).
     /// With `profile`, each launch is bracketed by events and its time returned by kernel family.
+    /// With `doubled`, that kernel family's launches are issued twice (for `profile_step_in_graph`).
     fn issue_step(
         &self,
         mut profile: Option<
@@ -684,6 +687,7 @@ impl CudaDecoder {
                 cudarc::driver::CudaEvent,
             )>,
         >,
+        doubled: Option<&str>,
     ) -> Result<()> {
         let c = &self.cfg;
         let st = &self.stream;
@@ -702,7 +706,9 @@ impl CudaDecoder {
                 if let Some(e) = &start {
                     e.record(st)?;
                 }
-                $body;
+                for _ in 0..if doubled == Some($name) { 2 } else { 1 } {
+                    $body;
+                }
                 if let (Some(p), Some(e0)) = (profile.as_deref_mut(), start) {
                     let e1 = self
                         .ctx
@@ -982,7 +988,7 @@ impl CudaDecoder {
             n: self.valid_vocab as i32,
         };
         let parts = ARGMAX_PARTS as i32;
-        timed!("argmax", {
+        timed!(TOKEN_CHOICE_FAMILIES[0], {
             self.launch_step(
                 &self.f.argmax_partial,
                 launch_cfg((ARGMAX_PARTS as u32, 1), 256),
@@ -999,7 +1005,7 @@ impl CudaDecoder {
         });
         let sa = self.sample_args();
         timed!(
-            "sample (when sampling)",
+            TOKEN_CHOICE_FAMILIES[1],
             self.launch_step(&self.f.sample, launch_cfg((1, 1), 1024), &sa)?
         );
         Ok(())
@@ -1044,17 +1050,22 @@ impl CudaDecoder {
     /// Runs one decode step by replaying the captured graph (captured on first use).
     pub fn step(&mut self) -> Result<()> {
         if self.graph.is_none() {
-            self.stream
-                .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-            let issued = self.issue_step(None);
-            let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0))?;
-            issued?;
-            self.graph = Some(graph.ok_or_else(|| anyhow!("graph capture produced no graph"))?);
+            self.graph = Some(self.capture_step(None)?);
         }
         if let Some(g) = &self.graph {
             g.launch()?;
         }
         Ok(())
+    }
+
+    /// Captures one decode step as a CUDA graph (`doubled`: see `issue_step`).
+    fn capture_step(&self, doubled: Option<&str>) -> Result<CudaGraph> {
+        self.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        let issued = self.issue_step(None, doubled);
+        let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0))?;
+        issued?;
+        graph.ok_or_else(|| anyhow!("graph capture produced no graph"))
     }
 
     /// Whether the GPU can choose tokens with these settings (greedy, or top-k of at most 256;
@@ -1197,6 +1208,15 @@ impl CudaDecoder {
     /// Times `steps` graph replays with CUDA events; returns seconds.
     pub fn time_steps(&mut self, steps: usize) -> Result<f64> {
         self.step()?;
+        match &self.graph {
+            Some(g) => self.time_replays(g, steps),
+            None => bail!("no decode graph"),
+        }
+    }
+
+    /// Seconds for `steps` replays of `graph` (after one untimed replay).
+    fn time_replays(&self, graph: &CudaGraph, steps: usize) -> Result<f64> {
+        graph.launch()?;
         self.synchronize()?;
         let start = self
             .ctx
@@ -1206,9 +1226,7 @@ impl CudaDecoder {
             .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
         start.record(&self.stream)?;
         for _ in 0..steps {
-            if let Some(g) = &self.graph {
-                g.launch()?;
-            }
+            graph.launch()?;
         }
         end.record(&self.stream)?;
         end.synchronize()?;
@@ -1218,9 +1236,43 @@ impl CudaDecoder {
     /// One step launched kernel by kernel with events around each: time per kernel family.
     pub fn profile_step(&mut self) -> Result<Vec<KernelTime>> {
         let mut events = Vec::new();
-        self.issue_step(Some(&mut events))?;
+        self.issue_step(Some(&mut events), None)?;
         self.synchronize()?;
         sum_events(&events)
+    }
+
+    /// Each kernel family's cost inside the graph: the step is captured again with that family's
+    /// launches issued twice, and the extra time per replay is what the family costs there,
+    /// dependency gaps included and without the per-launch event overhead of `profile_step`. The
+    /// token choice is left out (issued twice it would advance the position twice). Every timing
+    /// starts from a reset session at position `context`, so neither the cache nor the token
+    /// record grows past `context + steps + 1` (clears the session).
+    pub fn profile_step_in_graph(
+        &mut self,
+        context: usize,
+        steps: usize,
+    ) -> Result<Vec<KernelTime>> {
+        self.reset()?;
+        self.set_position(context)?;
+        let families = self.profile_step()?;
+        self.reset()?;
+        self.set_position(context)?;
+        let base = self.time_steps(steps)?;
+        let mut costs = Vec::new();
+        for k in families {
+            if TOKEN_CHOICE_FAMILIES.contains(&k.kernel) {
+                continue;
+            }
+            let graph = self.capture_step(Some(k.kernel))?;
+            self.reset()?;
+            self.set_position(context)?;
+            let doubled = self.time_replays(&graph, steps)?;
+            costs.push(KernelTime {
+                micros: (doubled - base) / steps as f64 * 1e6,
+                ..k
+            });
+        }
+        Ok(costs)
     }
 
     /// Bytes one step must read at `context` positions: weights touched (projections, router,
