@@ -47,7 +47,7 @@ __device__ __forceinline__ float byte_code(uint32_t w, int n) {
 __device__ __forceinline__ int pad_idx(int i) { return i + ((i >> 5) << 2); }
 
 // ---- programmatic dependent launch (Hopper) ----
-// With OSPREY_CUDA_OVERLAP=1 the decode step's kernels are launched with programmatic stream
+// With OSPREY_CUDA_OVERLAP=1 or =pdl the decode step's kernels are launched with programmatic stream
 // serialization (decoder.rs): a kernel may be scheduled while its predecessor drains. Each one
 //   1. lets its own successor be scheduled early (step_overlap_begin),
 //   2. may prefetch what no kernel of the step writes (weights; its own layer's recurrent state),

@@ -11,8 +11,8 @@
 //   activations h (k*I + I floats, pre-weighted) in shared memory, segment base pointers resolved
 //   once per block. Reads (k+1)*H*I/2 bytes (4.7 MB).
 // A lane requests all its 16-byte chunks of a row (2 for gate/up, 5 for down) before using any:
-// one memory round trip per row instead of one per chunk. With OSPREY_CUDA_OVERLAP=1 the shared
-// expert's down rows are prefetched before the dependency wait (common.cuh).
+// one memory round trip per row instead of one per chunk. The shared expert's down rows, known
+// before routing, are asked of L2 first thing (before the dependency wait, common.cuh).
 // Measured (H200, launched alone with events, full-size model): commit e06983b, rolled loops:
 // gate/up 8.4 MB in 12.0 us = 0.70 TB/s (19% of 3.7 TB/s); down 4.7 MB in 17.7 us = 0.27 TB/s (7%).
 // Commit 3885b19, whole rows in flight: gate/up 12.6 us, down 17.0 us: no better. The launch's

@@ -33,11 +33,41 @@ const SPLITS: usize = 512;
 const ARGMAX_PARTS: usize = 256;
 /// Largest GEMV whose weights are prefetched into L2 (60 MB) while its predecessor drains.
 const PREFETCH_MAX_BYTES: usize = 32 << 20;
-/// Set to 1 to launch the decode step's kernels with programmatic dependent launch and the GEMVs'
-/// L2 prefetches. Off by default: measured 1-7% slower on the H200 as the kernels stand
-/// (bench/results/cuda-decode-overlap-h200.json); kept for the next steps (finer triggers, a
-/// persistent step kernel), which need the same launch path.
+/// How the decode step's kernels may overlap: `1` programmatic dependent launch with the GEMVs'
+/// L2 prefetches, `pdl` the launch alone, `prefetch` the prefetches alone (at kernel start, under
+/// the prologue). Off by default: `1` measured 1-7% slower on the H200 as the kernels stand
+/// (bench/results/cuda-decode-overlap-h200.json); the parts are there to be measured apart, and
+/// for the next steps (finer triggers, a persistent step kernel) that need the same launch path.
 const OVERLAP_ENV: &str = "OSPREY_CUDA_OVERLAP";
+
+/// See `OVERLAP_ENV`.
+#[derive(Clone, Copy, Debug, Default)]
+struct StepOverlap {
+    /// Launch with programmatic stream serialization (griddepcontrol in the kernels).
+    pdl: bool,
+    /// GEMVs of at most PREFETCH_MAX_BYTES ask L2 for their weights first thing.
+    prefetch: bool,
+}
+
+impl StepOverlap {
+    fn from_env() -> Self {
+        match std::env::var(OVERLAP_ENV).as_deref() {
+            Ok("1") => StepOverlap {
+                pdl: true,
+                prefetch: true,
+            },
+            Ok("pdl") => StepOverlap {
+                pdl: true,
+                prefetch: false,
+            },
+            Ok("prefetch") => StepOverlap {
+                pdl: false,
+                prefetch: true,
+            },
+            _ => StepOverlap::default(),
+        }
+    }
+}
 /// Kernel families that choose the token and advance the position (never issued twice).
 const TOKEN_CHOICE_FAMILIES: [&str; 2] = ["argmax", "sample (when sampling)"];
 
@@ -223,8 +253,8 @@ pub struct CudaDecoder {
     /// Prefill activations, allocated for the chunk size of the first prefill.
     prefill: Option<prefill::PrefillScratch>,
     gdn_prefill: GdnPrefill,
-    /// Programmatic dependent launch between the decode step's kernels (see `launch_step`).
-    overlap: bool,
+    /// Programmatic dependent launch and prefetches in the decode step (see `launch_step`).
+    overlap: StepOverlap,
 }
 
 fn upload_f32(stream: &Arc<CudaStream>, v: &[f32]) -> Result<CudaSlice<f32>> {
@@ -523,7 +553,7 @@ impl CudaDecoder {
             pk,
             prefill: None,
             gdn_prefill: GdnPrefill::Auto,
-            overlap: std::env::var(OVERLAP_ENV).is_ok_and(|v| v == "1"),
+            overlap: StepOverlap::from_env(),
         })
     }
 
@@ -602,7 +632,7 @@ impl CudaDecoder {
             .iter()
             .map(|s| s.rows as usize * (k * s.bits as usize / 8 + k / group * 4))
             .sum();
-        a.prefetch = i32::from(self.overlap && weight_bytes <= PREFETCH_MAX_BYTES);
+        a.prefetch = i32::from(self.overlap.prefetch && weight_bytes <= PREFETCH_MAX_BYTES);
         // work units: 16-row tensor-core tiles (4-bit, group 64) when the launch has enough of
         // them to fill the GPU (measured: small launches are faster one row per warp), else rows;
         // a block takes two units at a time, the grid is what stays resident (3 blocks per SM)
@@ -627,7 +657,7 @@ impl CudaDecoder {
         self.launch_step(&self.f.gemv, launch_cfg((blocks, 1), 256), &a)
     }
 
-    /// Launches one kernel of the decode step. With `overlap` (programmatic dependent launch),
+    /// Launches one kernel of the decode step. With `overlap.pdl` (programmatic dependent launch),
     /// the kernel may be scheduled while its predecessor drains: every step kernel waits
     /// (griddepcontrol.wait) before touching anything an earlier kernel writes, and before that
     /// only prefetches what none of them writes (common.cuh).
@@ -659,7 +689,7 @@ impl CudaDecoder {
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.stream.cu_stream(),
             attrs: &mut attr,
-            numAttrs: u32::from(self.overlap),
+            numAttrs: u32::from(self.overlap.pdl),
         };
         // SAFETY: `params` points at one parameter block per kernel argument, laid out as the
         // kernel declares them (args.rs), alive for the duration of the call
