@@ -13,7 +13,7 @@ use std::sync::Arc;
 use anyhow::{anyhow, bail, Context, Result};
 use cudarc::driver::{
     sys, CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr,
-    LaunchConfig, PushKernelArg,
+    LaunchConfig,
 };
 use cudarc::nvrtc::Ptx;
 use osprey_engine::sampler::{Sampler, SamplingParams};
@@ -662,14 +662,27 @@ impl CudaDecoder {
     /// (griddepcontrol.wait) before touching anything an earlier kernel writes, and before that
     /// only prefetches what none of them writes (common.cuh).
     fn launch_step<A>(&self, f: &CudaFunction, cfg: LaunchConfig, args: &A) -> Result<()> {
-        self.launch_step_params(f, cfg, &mut [args as *const A as *mut c_void])
+        self.launch_params(
+            f,
+            cfg,
+            &mut [args as *const A as *mut c_void],
+            self.overlap.pdl,
+        )
     }
 
-    fn launch_step_params(
+    /// Launches a kernel that takes one parameter block, the ordinary way (prefill, and kernels
+    /// run outside the decode step).
+    fn launch<A>(&self, f: &CudaFunction, cfg: LaunchConfig, args: &A) -> Result<()> {
+        self.launch_params(f, cfg, &mut [args as *const A as *mut c_void], false)
+    }
+
+    /// `params`: one pointer per kernel argument; `pdl`: programmatic dependent launch.
+    fn launch_params(
         &self,
         f: &CudaFunction,
         cfg: LaunchConfig,
         params: &mut [*mut c_void],
+        pdl: bool,
     ) -> Result<()> {
         self.ctx.bind_to_thread()?;
         // SAFETY: an all-zero attribute value is a valid (empty) union; the id selects its field
@@ -689,7 +702,7 @@ impl CudaDecoder {
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.stream.cu_stream(),
             attrs: &mut attr,
-            numAttrs: u32::from(self.overlap.pdl),
+            numAttrs: u32::from(pdl),
         };
         // SAFETY: `params` points at one parameter block per kernel argument, laid out as the
         // kernel declares them (args.rs), alive for the duration of the call
@@ -1024,13 +1037,14 @@ impl CudaDecoder {
                 launch_cfg((ARGMAX_PARTS as u32, 1), 256),
                 &aa,
             )?;
-            self.launch_step_params(
+            self.launch_params(
                 &self.f.argmax_final,
                 launch_cfg((1, 1), 32),
                 &mut [
                     &aa as *const ArgmaxArgs as *mut c_void,
                     &parts as *const i32 as *mut c_void,
                 ],
+                self.overlap.pdl,
             )?;
         });
         let sa = self.sample_args();
@@ -1202,12 +1216,7 @@ impl CudaDecoder {
         self.stream.memcpy_htod(&[0i32], &mut self.s.step)?;
         let sa = self.sample_args();
         for _ in 0..n {
-            unsafe {
-                self.stream
-                    .launch_builder(&self.f.sample)
-                    .arg(&sa)
-                    .launch(launch_cfg((1, 1), 1024))?
-            };
+            self.launch(&self.f.sample, launch_cfg((1, 1), 1024), &sa)?;
         }
         self.history(n)
     }

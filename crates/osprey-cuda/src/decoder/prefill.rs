@@ -6,7 +6,7 @@
 //! the chunk size, whatever the prompt length.
 
 use anyhow::{bail, Result};
-use cudarc::driver::{sys, CudaEvent, CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{sys, CudaEvent, CudaFunction, CudaSlice, LaunchConfig};
 
 use super::{launch_cfg, CudaDecoder, DevLinear, DevMatrix, LayerDev, Prologue};
 use crate::args::*;
@@ -464,24 +464,22 @@ impl CudaDecoder {
             g.ldo = reduce.n;
             g.epilogue = EPI_STORE;
         }
-        unsafe {
-            self.stream
-                .launch_builder(func)
-                .arg(&g)
-                .launch(LaunchConfig {
-                    grid_dim: (blocks_x as u32, blocks_y as u32, splits as u32),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: 0,
-                })?
-        };
+        self.launch(
+            func,
+            LaunchConfig {
+                grid_dim: (blocks_x as u32, blocks_y as u32, splits as u32),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &g,
+        )?;
         if splits > 1 {
             let cells = positions * w[0].rows;
-            unsafe {
-                self.stream
-                    .launch_builder(&self.pk.gemm_reduce)
-                    .arg(&reduce)
-                    .launch(launch_cfg((cells.div_ceil(256) as u32, 1), 256))?
-            };
+            self.launch(
+                &self.pk.gemm_reduce,
+                launch_cfg((cells.div_ceil(256) as u32, 1), 256),
+                &reduce,
+            )?;
         }
         Ok(())
     }
@@ -504,12 +502,7 @@ impl CudaDecoder {
             ldx: ldx as i32,
             ..Default::default()
         };
-        unsafe {
-            self.stream
-                .launch_builder(&self.pk.norm_bf16)
-                .arg(&na)
-                .launch(launch_cfg((rows as u32, 1), 256))?
-        };
+        self.launch(&self.pk.norm_bf16, launch_cfg((rows as u32, 1), 256), &na)?;
         Ok(())
     }
 
@@ -536,11 +529,7 @@ impl CudaDecoder {
             bits: self.embed.bits as i32,
         };
         timed(self, events, "embed", |dd| {
-            unsafe {
-                st.launch_builder(&dd.pk.embed_rows)
-                    .arg(&ea)
-                    .launch(launch_cfg((t as u32, 1), 256))?
-            };
+            dd.launch(&dd.pk.embed_rows, launch_cfg((t as u32, 1), 256), &ea)?;
             Ok(())
         })?;
 
@@ -590,18 +579,9 @@ impl CudaDecoder {
                     };
                     let ch_blocks = conv_dim.div_ceil(256) as u32;
                     timed(self, events, "gdn conv + state, qk norm, gates", |dd| {
-                        let p = &dd.pk;
-                        unsafe {
-                            st.launch_builder(&p.gdn_conv)
-                                .arg(&ga)
-                                .launch(launch_cfg((t as u32, ch_blocks), 256))?;
-                            st.launch_builder(&p.gdn_conv_state)
-                                .arg(&ga)
-                                .launch(launch_cfg((ch_blocks, 1), 256))?;
-                            st.launch_builder(&p.gdn_qk_gates)
-                                .arg(&ga)
-                                .launch(launch_cfg((t as u32, 1), 256))?;
-                        }
+                        dd.launch(&dd.pk.gdn_conv, launch_cfg((t as u32, ch_blocks), 256), &ga)?;
+                        dd.launch(&dd.pk.gdn_conv_state, launch_cfg((ch_blocks, 1), 256), &ga)?;
+                        dd.launch(&dd.pk.gdn_qk_gates, launch_cfg((t as u32, 1), 256), &ga)?;
                         Ok(())
                     })?;
                     if self.gdn_prefill == GdnPrefill::Chunked {
@@ -620,43 +600,36 @@ impl CudaDecoder {
                             hv: hv as i32,
                         };
                         timed(self, events, "gdn chunked (WY) prep", |dd| {
-                            unsafe {
-                                st.launch_builder(&dd.pk.gdn_chunk_prep).arg(&ca).launch(
-                                    LaunchConfig {
-                                        grid_dim: (t.div_ceil(GDN_CHUNK) as u32, hv as u32, 1),
-                                        block_dim: (256, 1, 1),
-                                        shared_mem_bytes: GDN_CHUNK_PREP_SMEM_BYTES as u32,
-                                    },
-                                )?
-                            };
+                            dd.launch(
+                                &dd.pk.gdn_chunk_prep,
+                                LaunchConfig {
+                                    grid_dim: (t.div_ceil(GDN_CHUNK) as u32, hv as u32, 1),
+                                    block_dim: (256, 1, 1),
+                                    shared_mem_bytes: GDN_CHUNK_PREP_SMEM_BYTES as u32,
+                                },
+                                &ca,
+                            )?;
                             Ok(())
                         })?;
                         timed(self, events, "gdn chunked (WY) scan", |dd| {
-                            unsafe {
-                                st.launch_builder(&dd.pk.gdn_chunk_scan).arg(&ca).launch(
-                                    LaunchConfig {
-                                        grid_dim: (
-                                            hv as u32,
-                                            (c.linear_value_head_dim / 32) as u32,
-                                            1,
-                                        ),
-                                        block_dim: (256, 1, 1),
-                                        shared_mem_bytes: GDN_CHUNK_SCAN_SMEM_BYTES as u32,
-                                    },
-                                )?
-                            };
+                            dd.launch(
+                                &dd.pk.gdn_chunk_scan,
+                                LaunchConfig {
+                                    grid_dim: (hv as u32, (c.linear_value_head_dim / 32) as u32, 1),
+                                    block_dim: (256, 1, 1),
+                                    shared_mem_bytes: GDN_CHUNK_SCAN_SMEM_BYTES as u32,
+                                },
+                                &ca,
+                            )?;
                             Ok(())
                         })?;
                     } else {
                         timed(self, events, "gdn scan (delta rule)", |dd| {
-                            unsafe {
-                                st.launch_builder(&dd.pk.gdn_scan)
-                                    .arg(&ga)
-                                    .launch(launch_cfg(
-                                        (hv as u32, (c.linear_value_head_dim / 16) as u32),
-                                        256,
-                                    ))?
-                            };
+                            dd.launch(
+                                &dd.pk.gdn_scan,
+                                launch_cfg((hv as u32, (c.linear_value_head_dim / 16) as u32), 256),
+                                &ga,
+                            )?;
                             Ok(())
                         })?;
                     }
@@ -671,11 +644,7 @@ impl CudaDecoder {
                         head_dim: c.linear_value_head_dim as i32,
                     };
                     timed(self, events, "gdn gated norm -> bf16", |dd| {
-                        unsafe {
-                            st.launch_builder(&dd.pk.gated_norm_bf16)
-                                .arg(&na)
-                                .launch(launch_cfg((t as u32, 1), 256))?
-                        };
+                        dd.launch(&dd.pk.gated_norm_bf16, launch_cfg((t as u32, 1), 256), &na)?;
                         Ok(())
                     })?;
                     timed(self, events, "gemm gdn out_proj + residual", |dd| {
@@ -714,11 +683,11 @@ impl CudaDecoder {
                         rotary: c.rotary_dim as i32,
                     };
                     timed(self, events, "attn q/k norm + rope + kv append", |dd| {
-                        unsafe {
-                            st.launch_builder(&dd.pk.attn_prep_rows)
-                                .arg(&pa)
-                                .launch(launch_cfg((t as u32, (hq + hkv) as u32), d as u32))?
-                        };
+                        dd.launch(
+                            &dd.pk.attn_prep_rows,
+                            launch_cfg((t as u32, (hq + hkv) as u32), d as u32),
+                            &pa,
+                        )?;
                         Ok(())
                     })?;
                     let fa = AttnPrefillArgs {
@@ -734,15 +703,15 @@ impl CudaDecoder {
                         hkv: hkv as i32,
                     };
                     timed(self, events, "attn flash prefill + gate", |dd| {
-                        unsafe {
-                            st.launch_builder(&dd.pk.attn_prefill).arg(&fa).launch(
-                                LaunchConfig {
-                                    grid_dim: (t.div_ceil(ATTN_QUERY_TILE) as u32, hq as u32, 1),
-                                    block_dim: (256, 1, 1),
-                                    shared_mem_bytes: ATTN_SMEM_BYTES as u32,
-                                },
-                            )?
-                        };
+                        dd.launch(
+                            &dd.pk.attn_prefill,
+                            LaunchConfig {
+                                grid_dim: (t.div_ceil(ATTN_QUERY_TILE) as u32, hq as u32, 1),
+                                block_dim: (256, 1, 1),
+                                shared_mem_bytes: ATTN_SMEM_BYTES as u32,
+                            },
+                            &fa,
+                        )?;
                         Ok(())
                     })?;
                     timed(self, events, "gemm attn o_proj + residual", |dd| {
@@ -837,7 +806,7 @@ impl CudaDecoder {
             max_tiles: s.max_tiles as i32,
         };
         timed(self, events, "routing (top-k, plan, scatter)", |dd| {
-            let p = &dd.pk;
+            // SAFETY: `counts` holds num_experts i32 on this stream's device
             unsafe {
                 cudarc::driver::result::memset_d8_async(
                     dd.p(&s.counts),
@@ -845,25 +814,25 @@ impl CudaDecoder {
                     4 * c.num_experts,
                     st.cu_stream(),
                 )?;
-                st.launch_builder(&p.route_topk)
-                    .arg(&ra)
-                    .launch(launch_cfg((t.div_ceil(8) as u32, 1), 256))?;
-                st.launch_builder(&p.route_plan)
-                    .arg(&ra)
-                    .launch(launch_cfg((1, 1), 512))?;
-                let down_plan = RouteArgs {
-                    tiles: dd.p(&s.tiles[1]),
-                    tile_count: dd.p(&s.tile_count[1]),
-                    bm: (8 * mt_down) as i32,
-                    ..ra
-                };
-                st.launch_builder(&p.route_plan)
-                    .arg(&down_plan)
-                    .launch(launch_cfg((1, 1), 512))?;
-                st.launch_builder(&p.route_scatter)
-                    .arg(&ra)
-                    .launch(launch_cfg(((t * k).div_ceil(256) as u32, 1), 256))?;
             }
+            dd.launch(
+                &dd.pk.route_topk,
+                launch_cfg((t.div_ceil(8) as u32, 1), 256),
+                &ra,
+            )?;
+            dd.launch(&dd.pk.route_plan, launch_cfg((1, 1), 512), &ra)?;
+            let down_plan = RouteArgs {
+                tiles: dd.p(&s.tiles[1]),
+                tile_count: dd.p(&s.tile_count[1]),
+                bm: (8 * mt_down) as i32,
+                ..ra
+            };
+            dd.launch(&dd.pk.route_plan, launch_cfg((1, 1), 512), &down_plan)?;
+            dd.launch(
+                &dd.pk.route_scatter,
+                launch_cfg(((t * k).div_ceil(256) as u32, 1), 256),
+                &ra,
+            )?;
             Ok(())
         })?;
         let inter = c.moe_intermediate_size;
@@ -927,11 +896,7 @@ impl CudaDecoder {
             k: k as i32,
         };
         timed(self, events, "moe combine + residual", |dd| {
-            unsafe {
-                st.launch_builder(&dd.pk.moe_combine)
-                    .arg(&ca)
-                    .launch(launch_cfg((t as u32, 1), 256))?
-            };
+            dd.launch(&dd.pk.moe_combine, launch_cfg((t as u32, 1), 256), &ca)?;
             Ok(())
         })
     }
