@@ -415,10 +415,12 @@ pub fn bench_decode(
             let p = gpu.profile_step()?;
             let total: f64 = p.iter().map(|k| k.micros).sum();
             // the same families inside the graph: each one issued twice, the extra time per step
-            let in_graph = gpu.profile_step_in_graph(ctx, steps).unwrap_or_else(|e| {
-                warn!("in-graph profile skipped: {e:#}");
-                Vec::new()
-            });
+            let in_graph = gpu
+                .profile_step_in_graph(&p, ctx, steps)
+                .unwrap_or_else(|e| {
+                    warn!("in-graph profile skipped: {e:#}");
+                    Vec::new()
+                });
             let graph_us =
                 |name: &str| in_graph.iter().find(|k| k.kernel == name).map(|k| k.micros);
             let step_us = 1e6 / med;

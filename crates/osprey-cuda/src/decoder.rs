@@ -1282,18 +1282,17 @@ impl CudaDecoder {
 
     /// Each kernel family's cost inside the graph: the step is captured again with that family's
     /// launches issued twice, and the extra time per replay is what the family costs there,
-    /// dependency gaps included and without the per-launch event overhead of `profile_step`. The
-    /// token choice is left out (issued twice it would advance the position twice). Every timing
-    /// starts from a reset session at position `context`, so neither the cache nor the token
-    /// record grows past `context + steps + 1` (clears the session).
+    /// dependency gaps included and without the per-launch event overhead of `profile_step`
+    /// (whose result names the families). The token choice is left out (issued twice it would
+    /// advance the position twice). Every timing starts from a reset session at position
+    /// `context`, so neither the cache nor the token record grows past `context + steps + 1`
+    /// (clears the session).
     pub fn profile_step_in_graph(
         &mut self,
+        families: &[KernelTime],
         context: usize,
         steps: usize,
     ) -> Result<Vec<KernelTime>> {
-        self.reset()?;
-        self.set_position(context)?;
-        let families = self.profile_step()?;
         self.reset()?;
         self.set_position(context)?;
         let base = self.time_steps(steps)?;
@@ -1307,8 +1306,9 @@ impl CudaDecoder {
             self.set_position(context)?;
             let doubled = self.time_replays(&graph, steps)?;
             costs.push(KernelTime {
+                kernel: k.kernel,
+                launches: k.launches,
                 micros: (doubled - base) / steps as f64 * 1e6,
-                ..k
             });
         }
         Ok(costs)
