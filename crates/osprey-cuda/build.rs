@@ -68,6 +68,7 @@ fn main() {
                 "-gencode=arch=compute_90a,code=sm_90a",
                 "-cubin",
                 "-O3",
+                "-lineinfo",
                 "-std=c++17",
                 "-o",
             ])

@@ -5,18 +5,20 @@
 // Shapes: hidden H (2048), expert intermediate I (512), E experts (256), top-k (8), 4-bit g64.
 // The experts are selected (softmax, top-k, renormalise) once per layer by the last block of the
 //   router GEMV (gemv.cu); doing it in every warp here cost more than the expert GEMVs themselves.
-// moe_gate_up: 256 threads; each warp computes the gate and up rows f of one slot. Reads
-//   k*2*I*H/2 bytes (8.4 MB).
-// moe_down: one warp per output row; a row is 9 segments of I codes (8 experts + shared),
-//   activations h (k*I + I floats, pre-weighted) in shared memory, segment base pointers resolved
-//   once per block. Reads (k+1)*H*I/2 bytes (4.7 MB).
-// A lane requests all its 16-byte chunks of a row (2 for gate/up, 5 for down) before using any:
-// one memory round trip per row instead of one per chunk. The shared expert's down rows, known
-// before routing, are asked of L2 first thing (before the dependency wait, common.cuh).
-// Measured (H200, launched alone with events, full-size model): commit e06983b, rolled loops:
-// gate/up 8.4 MB in 12.0 us = 0.70 TB/s (19% of 3.7 TB/s); down 4.7 MB in 17.7 us = 0.27 TB/s (7%).
-// Commit 3885b19, whole rows in flight: gate/up 12.6 us, down 17.0 us: no better. The launch's
-// latency chain (prologue, one round trip, tail) dominates, not the loads' batching.
+// moe_gate_up: 256 threads; each warp computes the gate and up rows f of one slot and writes
+//   w_slot · silu(g)·u; the first I threads of the grid also write the shared expert's
+//   sigmoid(gate logit) · silu(g)·u after them, so h is the down projections' whole input.
+//   Reads k*2*I*H/2 bytes (8.4 MB).
+// moe_down: h (k*I + I floats) copied into shared memory with its 32-element chunk sums (warp
+//   shuffles); each warp owns DOWN_ROWS output rows, a row being 9 segments of I codes (8 experts
+//   + shared), segment base pointers resolved once per block. Reads (k+1)*H*I/2 bytes (4.7 MB).
+// A lane requests all its 16-byte chunks of a row (2 for gate/up, 5 per row for down) before
+// using any. The shared expert's down rows, known before routing, are asked of L2 first thing.
+// Measured (H200, full-size model, inside the decode graph: what issuing the kernel twice adds
+// to a step): commit 1c5da43 gate/up 8.4 us, down 12.0 us (every block weighted h itself: 256
+// blocks x 4608 activations with exp); with h finished by gate/up and 2 rows per warp, down
+// 8.5 us for 4.7 MB = 0.55 TB/s (15% of 3.7 TB/s): the launch, the copy of h and the chunk sums
+// before the first weight request dominate.
 #include "common.cuh"
 
 #define MAX_K_H 4096
@@ -29,11 +31,15 @@
 
 struct GateUpArgs {
     ExpertStack gate, up;     // [E*I, H]
-    const TopK* topk;         // from moe_topk
+    const TopK* topk;         // from the router's last block (gemv.cu)
     const float* x;           // residual stream
     const float* norm_weight; // post-attention norm
     float eps;
-    float* h;                 // [k, I] SwiGLU outputs
+    const float* shared_gate_proj;  // [I] shared expert's gate projection (pre-activation)
+    const float* shared_up_proj;    // [I]
+    const float* shared_gate_logit; // [1]
+    float* h;                 // [k + 1, I] down-projection inputs: w_slot · SwiGLU per routed slot,
+                              // then sigmoid(shared gate) · SwiGLU of the shared expert
     int H, I, k;
 };
 
@@ -42,11 +48,19 @@ extern "C" __global__ void __launch_bounds__(256, 4) moe_gate_up(GateUpArgs a) {
     __shared__ float chunk_sum[MAX_K_H / 32];
     __shared__ float scratch[32];
     __shared__ int ids[MAX_TOPK];
+    __shared__ float wts[MAX_TOPK];
     const int H = a.H;
     step_overlap_begin();
     // which experts' weights to read is only known from the router's output: nothing to fetch ahead
     step_inputs_ready();
-    if (threadIdx.x < a.k) ids[threadIdx.x] = a.topk->ids[threadIdx.x];
+    if (threadIdx.x < a.k) {
+        ids[threadIdx.x] = a.topk->ids[threadIdx.x];
+        wts[threadIdx.x] = a.topk->w[threadIdx.x];
+    }
+    // the shared expert's down-projection input, finished here so moe_down only copies h
+    const int gi = blockIdx.x * blockDim.x + threadIdx.x;
+    if (gi < a.I)
+        a.h[a.k * a.I + gi] = sigmoidf(a.shared_gate_logit[0]) * siluf(a.shared_gate_proj[gi]) * a.shared_up_proj[gi];
     // thread t owns E = max(H/256, 4) consecutive elements, loaded in one batch (see gemv.cu)
     const int E = max(H / (int)blockDim.x, 4), t = threadIdx.x, base = t * E;
     const bool active = base < H;
@@ -131,21 +145,22 @@ extern "C" __global__ void __launch_bounds__(256, 4) moe_gate_up(GateUpArgs a) {
         }
         g = warp_sum(g);
         u = warp_sum(u);
-        if (lane == 0) a.h[slot * a.I + f] = siluf(g) * u;
+        if (lane == 0) a.h[slot * a.I + f] = wts[slot] * (siluf(g) * u);
     }
 }
 
 struct DownArgs {
     ExpertStack down;          // routed experts [E*H, I]
-    ExpertStack shared_down;   // [H, Is]
-    const float* h;            // [k, I]
-    const float* shared_gate_proj;  // [Is] (pre-activation)
-    const float* shared_up_proj;    // [Is]
-    const float* shared_gate_logit; // [1]
+    ExpertStack shared_down;   // [H, I]
+    const float* h;            // [k + 1, I] weighted activations (moe_gate_up)
     const TopK* topk;
     float* x;                  // residual stream, += result
     int H, I, k;
 };
+
+// Output rows per warp: their loads are in flight together, and the block's prologue (h into
+// shared memory, chunk sums) is paid once per 8·DOWN_ROWS rows.
+#define DOWN_ROWS 2
 
 extern "C" __global__ void __launch_bounds__(256) moe_down(DownArgs a) {
     __shared__ __align__(16) float hs[MAX_KV + MAX_KV / 8];
@@ -153,9 +168,9 @@ extern "C" __global__ void __launch_bounds__(256) moe_down(DownArgs a) {
     __shared__ const uint32_t* seg_codes[MAX_TOPK + 1];
     __shared__ const __nv_bfloat16* seg_scales[MAX_TOPK + 1];
     __shared__ const __nv_bfloat16* seg_biases[MAX_TOPK + 1];
-    __shared__ float seg_w[MAX_TOPK];
     const int I = a.I, k = a.k, segs = k + 1, Kv = segs * I;
     const int gpr = I / 64, wpr = I / 8;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     step_overlap_begin();
     prefetch_share_l2(a.shared_down.codes, (size_t)a.H * I / 2);
     prefetch_share_l2(a.shared_down.scales, (size_t)a.H * gpr * 2);
@@ -168,40 +183,36 @@ extern "C" __global__ void __launch_bounds__(256) moe_down(DownArgs a) {
         seg_codes[s] = st.codes + row0 * wpr;
         seg_scales[s] = st.scales + row0 * gpr;
         seg_biases[s] = st.biases + row0 * gpr;
-        if (s < k) seg_w[s] = a.topk->w[s];
+    }
+    // h is already weighted: a warp copies 32-element chunks and sums each with shuffles
+#pragma unroll 6
+    for (int c = warp; c < Kv / 32; c += 8) {
+        const float v = __ldcg(a.h + c * 32 + lane);
+        hs[pad_idx(c * 32 + lane)] = v;
+        const float cs = warp_sum(v);
+        if (lane == 0) chunk_sum[c] = cs;
     }
     __syncthreads();
-    const float sg = sigmoidf(a.shared_gate_logit[0]);
-#pragma unroll 8
-    for (int i = threadIdx.x; i < Kv; i += blockDim.x) {
-        int s = i / I, j = i % I;
-        float v = s < k ? seg_w[s] * a.h[i] : sg * siluf(a.shared_gate_proj[j]) * a.shared_up_proj[j];
-        hs[pad_idx(i)] = v;
-    }
-    __syncthreads();
-    for (int c = threadIdx.x; c < Kv / 32; c += blockDim.x) {
-        float s = 0.f;
-        for (int j = 0; j < 32; ++j) s += hs[pad_idx(c * 32 + j)];
-        chunk_sum[c] = s;
-    }
-    __syncthreads();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int cps = I / 32, chunks = segs * cps;
-    // a warp owns one output row: `segs` segments of I codes, compact loop over chunks
-    for (int n = blockIdx.x * 8 + warp; n < a.H; n += gridDim.x * 8) {
-        // all of this lane's chunks of the row requested before any is used (see moe_gate_up)
-        float acc = 0.f;
+    // a warp owns DOWN_ROWS output rows: `segs` segments of I codes each, compact loop over chunks
+    for (int n0 = (blockIdx.x * 8 + warp) * DOWN_ROWS; n0 < a.H; n0 += gridDim.x * 8 * DOWN_ROWS) {
+        float acc[DOWN_ROWS] = {};
         for (int c0 = 0; c0 < chunks; c0 += 32 * DOWN_CHUNKS) {
-            uint4 w[DOWN_CHUNKS];
-            float sc[DOWN_CHUNKS], bi[DOWN_CHUNKS];
+            // all chunks of all DOWN_ROWS rows requested before any is used
+            uint4 w[DOWN_ROWS][DOWN_CHUNKS];
+            float sc[DOWN_ROWS][DOWN_CHUNKS], bi[DOWN_ROWS][DOWN_CHUNKS];
 #pragma unroll
-            for (int j = 0; j < DOWN_CHUNKS; ++j) {
-                const int c = c0 + lane + 32 * j;
-                if (c < chunks) {
-                    const int s = c / cps, cl = c % cps;
-                    w[j] = __ldcs(reinterpret_cast<const uint4*>(seg_codes[s] + (size_t)n * wpr) + cl);
-                    sc[j] = bf16_to_f32(seg_scales[s][(size_t)n * gpr + cl / 2]);
-                    bi[j] = bf16_to_f32(seg_biases[s][(size_t)n * gpr + cl / 2]);
+            for (int r = 0; r < DOWN_ROWS; ++r) {
+                const size_t n = min(n0 + r, a.H - 1);
+#pragma unroll
+                for (int j = 0; j < DOWN_CHUNKS; ++j) {
+                    const int c = c0 + lane + 32 * j;
+                    if (c < chunks) {
+                        const int s = c / cps, cl = c % cps;
+                        w[r][j] = __ldcs(reinterpret_cast<const uint4*>(seg_codes[s] + n * wpr) + cl);
+                        sc[r][j] = bf16_to_f32(seg_scales[s][n * gpr + cl / 2]);
+                        bi[r][j] = bf16_to_f32(seg_biases[s][n * gpr + cl / 2]);
+                    }
                 }
             }
 #pragma unroll
@@ -209,20 +220,29 @@ extern "C" __global__ void __launch_bounds__(256) moe_down(DownArgs a) {
                 const int c = c0 + lane + 32 * j;
                 if (c >= chunks) break;
                 const float4* xv = reinterpret_cast<const float4*>(hs + pad_idx(c * 32));
-                uint32_t w4[4] = {w[j].x, w[j].y, w[j].z, w[j].w};
-                float pd[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+                float xx[32];
 #pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    float4 x0 = xv[2 * q], x1 = xv[2 * q + 1];
-                    float xx[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-#pragma unroll
-                    for (int m = 0; m < 8; ++m) pd[m] = fmaf(nib(w4[q], m), xx[m], pd[m]);
+                for (int q = 0; q < 8; ++q) {
+                    const float4 v = xv[q];
+                    xx[4 * q] = v.x; xx[4 * q + 1] = v.y; xx[4 * q + 2] = v.z; xx[4 * q + 3] = v.w;
                 }
-                const float d = ((pd[0] + pd[1]) + (pd[2] + pd[3])) + ((pd[4] + pd[5]) + (pd[6] + pd[7]));
-                acc = fmaf(sc[j], d, fmaf(bi[j], chunk_sum[c], acc));
+#pragma unroll
+                for (int r = 0; r < DOWN_ROWS; ++r) {
+                    const uint32_t w4[4] = {w[r][j].x, w[r][j].y, w[r][j].z, w[r][j].w};
+                    float pd[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                    for (int q = 0; q < 4; ++q)
+#pragma unroll
+                        for (int m = 0; m < 8; ++m) pd[m] = fmaf(nib(w4[q], m), xx[8 * q + m], pd[m]);
+                    const float d = ((pd[0] + pd[1]) + (pd[2] + pd[3])) + ((pd[4] + pd[5]) + (pd[6] + pd[7]));
+                    acc[r] = fmaf(sc[r][j], d, fmaf(bi[r][j], chunk_sum[c], acc[r]));
+                }
             }
         }
-        acc = warp_sum(acc);
-        if (lane == 0) a.x[n] += acc;
+#pragma unroll
+        for (int r = 0; r < DOWN_ROWS; ++r) {
+            const float y = warp_sum(acc[r]);
+            if (lane == 0 && n0 + r < a.H) a.x[n0 + r] += y;
+        }
     }
 }

@@ -27,10 +27,12 @@ mod prefill;
 pub use prefill::GdnPrefill;
 
 /// Most attention splits over the context (flash-decoding): the grid, fixed so the graph never
-/// changes; the kernel uses 64 up to 16K positions and one per 256 beyond (attention.cu).
+/// changes; the kernel uses 128 up to 32K positions and one per 256 beyond (attention.cu).
 const SPLITS: usize = 512;
 /// Blocks for the argmax's first pass.
 const ARGMAX_PARTS: usize = 256;
+/// Output rows each warp of moe_down owns (DOWN_ROWS in moe.cu).
+const DOWN_ROWS_PER_WARP: usize = 2;
 /// Largest GEMV whose weights are prefetched into L2 (60 MB) while its predecessor drains.
 const PREFETCH_MAX_BYTES: usize = 32 << 20;
 /// How the decode step's kernels may overlap: `1` programmatic dependent launch with the GEMVs'
@@ -492,7 +494,8 @@ impl CudaDecoder {
             shared_gate_logit: stream.alloc_zeros(1)?,
             shared_g: stream.alloc_zeros(c.shared_expert_intermediate_size)?,
             shared_u: stream.alloc_zeros(c.shared_expert_intermediate_size)?,
-            h: stream.alloc_zeros(c.num_experts_per_tok * c.moe_intermediate_size)?,
+            // routed slots, then the shared expert (moe_down reads it as one more segment)
+            h: stream.alloc_zeros((c.num_experts_per_tok + 1) * c.moe_intermediate_size)?,
             topk: stream.alloc_zeros(32)?,
             done_counter: stream.alloc_zeros(1)?,
             logits: stream.alloc_zeros(c.vocab_size)?,
@@ -976,6 +979,9 @@ impl CudaDecoder {
                 x,
                 norm_weight: self.p(&l.post_norm),
                 eps,
+                shared_gate_proj: self.p(&s.shared_g),
+                shared_up_proj: self.p(&s.shared_u),
+                shared_gate_logit: self.p(&s.shared_gate_logit),
                 h: self.p(&s.h),
                 hidden: h as i32,
                 inter: c.moe_intermediate_size as i32,
@@ -990,9 +996,6 @@ impl CudaDecoder {
                 down: m.down.at(0, st),
                 shared_down: m.shared_down.m.at(m.shared_down.row0, st),
                 h: self.p(&s.h),
-                shared_gate_proj: self.p(&s.shared_g),
-                shared_up_proj: self.p(&s.shared_u),
-                shared_gate_logit: self.p(&s.shared_gate_logit),
                 topk: self.p(&s.topk),
                 x,
                 hidden: h as i32,
@@ -1003,7 +1006,7 @@ impl CudaDecoder {
                 "moe down (8 experts + shared) + residual",
                 self.launch_step(
                     &self.f.down,
-                    launch_cfg((h.div_ceil(8) as u32, 1), 256),
+                    launch_cfg((h.div_ceil(8 * DOWN_ROWS_PER_WARP) as u32, 1), 256),
                     &da
                 )?
             );
@@ -1417,6 +1420,12 @@ fn check_shapes(c: &ModelConfig) -> Result<()> {
         problems.push(
             "MoE shape beyond the kernels' limits (512 experts, top-16, (k+1)·I ≤ 6144)".into(),
         );
+    }
+    if c.shared_expert_intermediate_size != c.moe_intermediate_size {
+        problems.push(format!(
+            "shared expert width {} differs from the experts' {} (moe_down reads it as one more expert)",
+            c.shared_expert_intermediate_size, c.moe_intermediate_size
+        ));
     }
     if !c.moe_intermediate_size.is_multiple_of(64) {
         problems.push(format!("moe_intermediate_size {}", c.moe_intermediate_size));
