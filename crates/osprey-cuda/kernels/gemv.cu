@@ -3,18 +3,27 @@
 // mixed (the router and shared-expert gate are 8-bit).
 //
 // Shapes: K (input width) a multiple of 64 up to 4096, group 32/64/128.
-// Geometry: 256 threads = 8 warps, grid = resident blocks (3 per SM); a warp walks rows
-// grid-stride, lane l reading 16-byte chunks l, l+32, ... of each row (whole 512-byte spans per
-// warp), with the next row's codes, scales and biases in flight while the current row is summed.
+// Geometry: 256 threads = 8 warps, grid = resident blocks (3 per SM). Two kernels:
+//   gemv_q_tiles — launches with enough 4-bit group-64 rows (>= 2 tiles per SM): 16-row tiles on
+//     the tensor cores (mma.sync m16n8k16), 4 warps per tile splitting K, two tiles per block at
+//     a time; a warp requests its groups 4 at a time, the next batch (of this tile or its next)
+//     in flight while this one is multiplied, and the very first batch before the prologue; the
+//     4 partial sums of a tile meet in a double buffer behind one slot barrier (no block barrier).
+//   gemv_q — the rest (the router's 8-bit rows, the 2048-row output projections): a warp per row,
+//     lane l reading 16-byte chunks l, l+32, ... (whole 512-byte spans per warp).
 // Prologue: x is loaded once per block into padded shared memory and, optionally, RMS-normalised
 // with a weight (the layer's pre-norm), or per-head RMS-normalised and gated by silu(z) (the GDN
 // output norm), fused here instead of separate kernels; sums of x per 16 elements are precomputed
 // so the affine bias costs one FMA per chunk: y = Σ s·(q·x) + b·Σx.
 // Epilogue: write, or add into the output (residual add fused).
-// Ceiling: bytes of codes + scales + biases / ~3.7 TB/s streaming read (budget.md).
-// Measured (H200, commit 6b35d2c, launched alone with events, full-size model): GDN in_proj
-// 14.2 MB in 17.4 us = 0.82 TB/s (22% of 3.7 TB/s); lm_head 286 MB in 194 us = 1.47 TB/s (40%).
-// Row path: ~4.3 instructions per weight; tile path: ~1; both limited by short-kernel latency.
+// Ceiling: bytes of codes + scales + biases / ~3.7 TB/s streaming read (budget.md); a plain
+// streaming read of in_proj's 12.6 MB of codes takes 4.6 us in a graph (launch included).
+// Measured (H200, full-size model, inside the decode graph: what issuing the family twice adds
+// to a step): commit 1c5da43 (tiles with one group in flight per warp, block barriers per tile):
+// GDN in_proj 12.9 us, lm_head 170 us (286 MB = 1.68 TB/s); this layout: GDN in_proj 12.9 us
+// (14.2 MB = 1.1 TB/s: the prologue and the launch dominate), lm_head 129 us (2.2 TB/s, 60%).
+// A standalone bench of the same tile code (random weights, 20 launches in a graph) measured
+// in_proj 9.3 us and lm_head 117 us, against 12.2 and 170 for the old layout.
 #include "common.cuh"
 
 #define MAX_SEGS 4
@@ -217,67 +226,116 @@ __device__ __forceinline__ void build_x_fragments(const float* xs, int K, uint4*
     }
 }
 
-// Partial dot products of rows row0+g and row0+g+8 over groups [g0, g1) (valid in lanes q == 0).
-__device__ __forceinline__ void tile_mma(const Segment& s, int row0, int K, int g0, int g1, const uint4* xb,
-                                         const float* chunk_sum, float& outA, float& outB) {
+// A warp's share of one tile: K is split 4 ways (TILE_KPARTS warps per tile, two tiles per block
+// at a time), and a warp's groups are requested TILE_BATCH at a time, the next batch (of this
+// tile or the warp's next one) in flight while this one is multiplied. Lane (g, q) holds one
+// 8-byte pair of code words per row and group, and the scales and biases of groups Gb + 2q,
+// Gb + 2q + 1 (one bf16 pair each), which every lane takes by shuffles.
+#define TILE_KPARTS 4
+#define TILE_BATCH 4
+#define TILE_SLOTS (8 / TILE_KPARTS)
+
+struct TileBatch {
+    uint2 wa[TILE_BATCH], wb[TILE_BATCH];
+    __nv_bfloat162 sA, bA, sB, bB;
+};
+
+__device__ __forceinline__ __nv_bfloat162 shfl_bf162(__nv_bfloat162 v, int src) {
+    const uint32_t u = __shfl_sync(FULL_MASK, *reinterpret_cast<uint32_t*>(&v), src);
+    return *reinterpret_cast<const __nv_bfloat162*>(&u);
+}
+
+// (w & 0x000F000F) | 0x43004300 in one LOP3: two codes as bf16 128 + q
+__device__ __forceinline__ uint32_t code_pair_bf16(uint32_t w) {
+    uint32_t r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "r"(0x000F000Fu), "r"(0x43004300u));
+    return r;
+}
+
+// Requests groups [Gb, min(Gb + TILE_BATCH, g1)) of rows row0 + g and row0 + g + 8.
+__device__ __forceinline__ void tile_load(const Segment& s, int K, int row0, int Gb, int g1, TileBatch& b) {
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int wpr = K / 8, gpr = K / 64;
-    const int rA = row0 + g, rB = row0 + g + 8;
-    const size_t la = (size_t)min(rA, s.rows - 1), lb = (size_t)min(rB, s.rows - 1);
-    const uint2* ca = reinterpret_cast<const uint2*>(s.codes + la * wpr) + q;
-    const uint2* cb = reinterpret_cast<const uint2*>(s.codes + lb * wpr) + q;
-    float yA = 0.f, yB = 0.f;
-    uint2 wa = __ldcs(ca + 4 * g0), wb = __ldcs(cb + 4 * g0);
-    // scales and biases (read by the q == 0 lanes, which finish the rows) travel one group ahead
-    // with the codes, so no iteration waits on a load issued inside it
-    __nv_bfloat16 sa = s.scales[la * gpr + g0], ba = s.biases[la * gpr + g0];
-    __nv_bfloat16 sb = s.scales[lb * gpr + g0], bb = s.biases[lb * gpr + g0];
-    for (int G = g0; G < g1; ++G) {
-        // next group's codes in flight while this one is multiplied
-        uint2 na = wa, nb = wb;
-        __nv_bfloat16 nsa = sa, nba = ba, nsb = sb, nbb = bb;
-        if (G + 1 < g1) {
-            na = __ldcs(ca + 4 * (G + 1)); nb = __ldcs(cb + 4 * (G + 1));
-            if (q == 0) {
-                nsa = s.scales[la * gpr + G + 1]; nba = s.biases[la * gpr + G + 1];
-                nsb = s.scales[lb * gpr + G + 1]; nbb = s.biases[lb * gpr + G + 1];
-            }
+    const size_t la = (size_t)min(row0 + g, s.rows - 1), lb = (size_t)min(row0 + g + 8, s.rows - 1);
+    const uint2* ca = reinterpret_cast<const uint2*>(s.codes + la * wpr) + q + 4 * Gb;
+    const uint2* cb = reinterpret_cast<const uint2*>(s.codes + lb * wpr) + q + 4 * Gb;
+#pragma unroll
+    for (int j = 0; j < TILE_BATCH; ++j) {
+        if (Gb + j < g1) {
+            b.wa[j] = __ldcs(ca + 4 * j);
+            b.wb[j] = __ldcs(cb + 4 * j);
         }
-        const float sA = bf16_to_f32(sa), bA = bf16_to_f32(ba), sB = bf16_to_f32(sb), bB = bf16_to_f32(bb);
+    }
+    const int pair = (Gb >> 1) + q;
+    const __nv_bfloat162 zero2 = __floats2bfloat162_rn(0.f, 0.f);
+    const bool has = Gb + 2 * q < g1;
+    b.sA = has ? reinterpret_cast<const __nv_bfloat162*>(s.scales + la * gpr)[pair] : zero2;
+    b.bA = has ? reinterpret_cast<const __nv_bfloat162*>(s.biases + la * gpr)[pair] : zero2;
+    b.sB = has ? reinterpret_cast<const __nv_bfloat162*>(s.scales + lb * gpr)[pair] : zero2;
+    b.bB = has ? reinterpret_cast<const __nv_bfloat162*>(s.biases + lb * gpr)[pair] : zero2;
+}
+
+// Adds groups [Gb, min(Gb + TILE_BATCH, g1)) to the dot products of rows g (yA) and g + 8 (yB);
+// every lane holds them (column 0 of the mma; x sits in all 8 columns, so no lane masks it).
+__device__ __forceinline__ void tile_compute(const TileBatch& b, int Gb, int g1, const uint4* xq, const float* chunk_sum,
+                                             float& yA, float& yB) {
+    const int g = (threadIdx.x & 31) >> 2;
+#pragma unroll
+    for (int j = 0; j < TILE_BATCH; ++j) {
+        const int G = Gb + j;
+        if (G >= g1) break;
+        const int src = g * 4 + j / 2;
+        const __nv_bfloat162 sA2 = shfl_bf162(b.sA, src), bA2 = shfl_bf162(b.bA, src);
+        const __nv_bfloat162 sB2 = shfl_bf162(b.sB, src), bB2 = shfl_bf162(b.bB, src);
         float d[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
-            const uint32_t wA = (t >> 1) ? wa.y : wa.x, wB = (t >> 1) ? wb.y : wb.x;
-            const int sh = (t & 1) * 2;
-            const uint32_t a0 = ((wA >> (4 * sh)) & 0x000F000Fu) | 0x43004300u;
-            const uint32_t a1 = ((wB >> (4 * sh)) & 0x000F000Fu) | 0x43004300u;
-            const uint32_t a2 = ((wA >> (4 * sh + 4)) & 0x000F000Fu) | 0x43004300u;
-            const uint32_t a3 = ((wB >> (4 * sh + 4)) & 0x000F000Fu) | 0x43004300u;
-            uint4 xf = make_uint4(0, 0, 0, 0);
-            if (g == 0) xf = xb[(G * 4 + t) * 4 + q];
+            const uint32_t wA = (t >> 1) ? b.wa[j].y : b.wa[j].x, wB = (t >> 1) ? b.wb[j].y : b.wb[j].x;
+            const int sh = (t & 1) * 8;
+            const uint4 xf = xq[(G * 4 + t) * 4];
+            const uint32_t a0 = code_pair_bf16(wA >> sh), a1 = code_pair_bf16(wB >> sh);
+            const uint32_t a2 = code_pair_bf16(wA >> (sh + 4)), a3 = code_pair_bf16(wB >> (sh + 4));
             mma_bf16(d, a0, a1, a2, a3, xf.x, xf.y);
             mma_bf16(d, a0, a1, a2, a3, xf.z, xf.w);
         }
-        if (q == 0) {
-            const float xsum = (chunk_sum[4 * G] + chunk_sum[4 * G + 1]) + (chunk_sum[4 * G + 2] + chunk_sum[4 * G + 3]);
-            yA = fmaf(sA, d[0] - 128.f * xsum, fmaf(bA, xsum, yA));
-            yB = fmaf(sB, d[2] - 128.f * xsum, fmaf(bB, xsum, yB));
-        }
-        wa = na;
-        wb = nb;
-        sa = nsa; ba = nba; sb = nsb; bb = nbb;
+        const float sA = (j & 1) ? __high2float(sA2) : __low2float(sA2);
+        const float bA = (j & 1) ? __high2float(bA2) : __low2float(bA2);
+        const float sB = (j & 1) ? __high2float(sB2) : __low2float(sB2);
+        const float bB = (j & 1) ? __high2float(bB2) : __low2float(bB2);
+        const float xsum = (chunk_sum[4 * G] + chunk_sum[4 * G + 1]) + (chunk_sum[4 * G + 2] + chunk_sum[4 * G + 3]);
+        yA = fmaf(sA, d[0] - 128.f * xsum, fmaf(bA, xsum, yA));
+        yB = fmaf(sB, d[2] - 128.f * xsum, fmaf(bB, xsum, yB));
     }
-    outA = yA;
-    outB = yB;
+}
+
+// The TILE_KPARTS warps of one slot meet (barrier ids are immediates, so only these are reserved).
+__device__ __forceinline__ void slot_barrier(int slot) {
+    if (slot == 0) asm volatile("bar.sync 1, %0;" ::"n"(32 * TILE_KPARTS) : "memory");
+    else asm volatile("bar.sync 2, %0;" ::"n"(32 * TILE_KPARTS) : "memory");
 }
 
 // Work units: 16-row tiles for 4-bit group-64 segments, single rows otherwise.
 __device__ __forceinline__ bool tiled(const GemvArgs& a, const Segment& s) { return a.tiles && s.bits == 4 && a.group == 64; }
-__device__ __forceinline__ int seg_units(const GemvArgs& a, const Segment& s) { return tiled(a, s) ? (s.rows + 15) / 16 : s.rows; }
+
+// Tile `t` of the launch's tiled segments: its segment and first row.
+__device__ __forceinline__ int locate_tile(const GemvArgs& a, int t, int& row0) {
+    int si = 0;
+    for (; si < a.nseg; ++si) {
+        if (!tiled(a, a.seg[si])) continue;
+        const int n = (a.seg[si].rows + 15) / 16;
+        if (t < n) break;
+        t -= n;
+    }
+    row0 = t * 16;
+    return si;
+}
 
 // The grid is sized to the resident blocks (the prologue is paid once per block); each warp walks
 // work units: 16-row tensor-core tiles (4-bit, group 64) or single rows (8-bit, other groups).
-extern "C" __global__ void __launch_bounds__(256, 3) gemv_q(GemvArgs a) {
+// TILES: the launch has tiles (a.tiles); compiled apart so row-only launches (the router, the
+// output projections) carry none of the tile path's registers through their prologue.
+template <bool TILES>
+__device__ __forceinline__ void gemv_body(const GemvArgs& a) {
     __shared__ __align__(16) float xs[MAX_K + MAX_K / 8];
     __shared__ float chunk_sum[MAX_K / 16];
     __shared__ uint4 xb[MAX_K / 16 * 4];
@@ -293,66 +351,79 @@ extern "C" __global__ void __launch_bounds__(256, 3) gemv_q(GemvArgs a) {
         }
     }
     step_inputs_ready();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    // tiles: slot `slot` of block b takes tiles b·SLOTS + slot, then every gridDim·SLOTS on; warp
+    // kp of the slot owns groups [g0, g1) of them. Its first batch of weights is requested before
+    // the prologue (weights depend on no earlier kernel), so the prologue hides under that latency.
+    int total_tiles = 0;
+    for (int i = 0; i < a.nseg; ++i) total_tiles += tiled(a, a.seg[i]) ? (a.seg[i].rows + 15) / 16 : 0;
+    const int slot = warp / TILE_KPARTS, kp = warp % TILE_KPARTS, gpr = a.K / 64;
+    const int g0 = kp * gpr / TILE_KPARTS, g1 = (kp + 1) * gpr / TILE_KPARTS;
+    int tile = blockIdx.x * TILE_SLOTS + slot, row0;
+    int si = locate_tile(a, tile, row0);
+    TileBatch cur, nxt;
+    if (TILES && tile < total_tiles) tile_load(a.seg[si], a.K, row0, g0, g1, cur);
     load_input(a, xs, chunk_sum, scratch);
-    if (a.tiles) {
+    if (TILES) {
         build_x_fragments(xs, a.K, xb);
         __syncthreads();
     }
 
-    int total = 0;
-    for (int i = 0; i < a.nseg; ++i) total += seg_units(a, a.seg[i]);
-    // a block takes 2 units at a time; the 4 warps of a unit split its K range (tiles) and their
-    // partial sums meet in shared memory
-    __shared__ float part[2][4][16];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, slot = warp >> 2, kpart = warp & 3;
-    const int gpr = a.K / 64;
-    if (!a.tiles) {
-        // one row per warp
-        for (int u = blockIdx.x * 8 + warp; u < total; u += gridDim.x * 8) {
-            int si = 0, local = u;
-            while (local >= a.seg[si].rows) { local -= a.seg[si].rows; ++si; }
-            const Segment& s = a.seg[si];
-            RowLoads L;
-            load_row(s, local, a.K, a.group, L);
-            const float y = row_dot(s, L, a.K, xs, chunk_sum);
-            if (lane == 0) {
-                if (s.accumulate) s.out[local] += y; else s.out[local] = y;
+    if (TILES) {
+        // partial sums of a slot's tiles meet in a double buffer, one slot barrier per tile
+        __shared__ float part[2][TILE_SLOTS][TILE_KPARTS][16];
+        const int batches = (g1 - g0 + TILE_BATCH - 1) / TILE_BATCH;
+        const int stride = gridDim.x * TILE_SLOTS;
+        int bi = 0, it = 0;
+        const uint4* xq = xb + (lane & 3);
+        float yA = 0.f, yB = 0.f;
+        while (tile < total_tiles) {
+            // the next (tile, batch) requested before this one is used
+            int nt = tile, nbi = bi + 1, nrow0 = row0, nsi = si;
+            if (nbi == batches) {
+                nbi = 0;
+                nt += stride;
+                nsi = locate_tile(a, nt, nrow0);
             }
+            if (nt < total_tiles) tile_load(a.seg[nsi], a.K, nrow0, g0 + nbi * TILE_BATCH, g1, nxt);
+            tile_compute(cur, g0 + bi * TILE_BATCH, g1, xq, chunk_sum, yA, yB);
+            if (nbi == 0) {
+                float* mine = part[it & 1][slot][kp];
+                if ((lane & 3) == 0) {
+                    mine[lane >> 2] = yA;
+                    mine[(lane >> 2) + 8] = yB;
+                }
+                slot_barrier(slot);
+                const Segment& s = a.seg[si];
+                if (kp == 0 && lane < 16 && row0 + lane < s.rows) {
+                    float y = 0.f;
+#pragma unroll
+                    for (int k = 0; k < TILE_KPARTS; ++k) y += part[it & 1][slot][k][lane];
+                    if (s.accumulate) s.out[row0 + lane] += y; else s.out[row0 + lane] = y;
+                }
+                yA = yB = 0.f;
+                ++it;
+            }
+            tile = nt; bi = nbi; row0 = nrow0; si = nsi; cur = nxt;
         }
     }
-    for (int base = blockIdx.x * 2; a.tiles && base < total; base += gridDim.x * 2) {
-        const int u = base + slot;
+    // rows: every unit of the untiled segments, one per warp (requesting the first row before
+    // the prologue, as the tiles do, measured no faster for the row-only launches)
+    int rows_total = 0;
+    for (int i = 0; i < a.nseg; ++i) rows_total += tiled(a, a.seg[i]) ? 0 : a.seg[i].rows;
+    for (int u = blockIdx.x * 8 + warp; u < rows_total; u += gridDim.x * 8) {
         int si = 0, local = u;
-        bool is_tile = false;
-        if (u < total) {
-            while (local >= seg_units(a, a.seg[si])) { local -= seg_units(a, a.seg[si]); ++si; }
-            is_tile = tiled(a, a.seg[si]);
+        while (tiled(a, a.seg[si]) || local >= a.seg[si].rows) {
+            if (!tiled(a, a.seg[si])) local -= a.seg[si].rows;
+            ++si;
         }
         const Segment& s = a.seg[si];
-        if (u < total && is_tile) {
-            float yA, yB;
-            tile_mma(s, local * 16, a.K, kpart * gpr / 4, (kpart + 1) * gpr / 4, xb, chunk_sum, yA, yB);
-            if ((lane & 3) == 0) {
-                part[slot][kpart][lane >> 2] = yA;
-                part[slot][kpart][(lane >> 2) + 8] = yB;
-            }
-        } else if (u < total && kpart == 0) {
-            RowLoads L;
-            load_row(s, local, a.K, a.group, L);
-            const float y = row_dot(s, L, a.K, xs, chunk_sum);
-            if (lane == 0) {
-                if (s.accumulate) s.out[local] += y; else s.out[local] = y;
-            }
+        RowLoads L;
+        load_row(s, local, a.K, a.group, L);
+        const float y = row_dot(s, L, a.K, xs, chunk_sum);
+        if (lane == 0) {
+            if (s.accumulate) s.out[local] += y; else s.out[local] = y;
         }
-        __syncthreads();
-        if (u < total && is_tile && kpart == 0 && lane < 16) {
-            const int row = local * 16 + lane;
-            if (row < s.rows) {
-                const float y = (part[slot][0][lane] + part[slot][1][lane]) + (part[slot][2][lane] + part[slot][3][lane]);
-                if (s.accumulate) s.out[row] += y; else s.out[row] = y;
-            }
-        }
-        __syncthreads();
     }
     if (a.topk == nullptr) return;
     // last block done: every block's writes are visible after its fence and the counter
@@ -409,3 +480,6 @@ extern "C" __global__ void __launch_bounds__(256, 3) gemv_q(GemvArgs a) {
         *a.done_counter = 0;
     }
 }
+
+extern "C" __global__ void __launch_bounds__(256, 3) gemv_q(GemvArgs a) { gemv_body<false>(a); }
+extern "C" __global__ void __launch_bounds__(256, 3) gemv_q_tiles(GemvArgs a) { gemv_body<true>(a); }

@@ -210,6 +210,7 @@ struct Scratch {
 
 struct Functions {
     gemv: CudaFunction,
+    gemv_tiles: CudaFunction,
     gate_up: CudaFunction,
     down: CudaFunction,
     gdn: CudaFunction,
@@ -368,6 +369,7 @@ impl CudaDecoder {
         let func = |m: &str, f: &str| -> Result<CudaFunction> { Ok(modules[m].load_function(f)?) };
         let f = Functions {
             gemv: func("gemv", "gemv_q")?,
+            gemv_tiles: func("gemv", "gemv_q_tiles")?,
             gate_up: func("moe", "moe_gate_up")?,
             down: func("moe", "moe_down")?,
             gdn: func("gdn", "gdn_step")?,
@@ -657,7 +659,12 @@ impl CudaDecoder {
             .sum();
         let per_block = if a.tiles == 1 { 2 } else { 8 };
         let blocks = units.div_ceil(per_block).min(self.sms * 3) as u32;
-        self.launch_step(&self.f.gemv, launch_cfg((blocks, 1), 256), &a)
+        let f = if a.tiles == 1 {
+            &self.f.gemv_tiles
+        } else {
+            &self.f.gemv
+        };
+        self.launch_step(f, launch_cfg((blocks, 1), 256), &a)
     }
 
     /// Launches one kernel of the decode step. With `overlap.pdl` (programmatic dependent launch),
