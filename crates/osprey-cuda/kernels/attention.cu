@@ -1,23 +1,25 @@
 // Gated full attention, decode (model-spec §3.5):
 //   attn_prep    — q/k RMSNorm (zero-centred, already 1+w), partial RoPE on the first rotary dims,
 //                  K/V appended to the bf16 cache at the device-side position. Grid Hq + Hkv.
-//   attn_decode  — split-KV (flash-decoding) over a fixed grid (Hkv, max splits) so the CUDA graph
-//                  never changes; the splits in use follow the device-side position: 128 up to 32K
-//                  positions, then one per 256 (up to 512 at 128K), blocks past them exit at once.
-//                  A block owns a contiguous range of positions of one KV head for all of its
-//                  (up to 8) query heads: its 8 warps take batches of 4 positions each (every K/V
-//                  row read once, by one warp), the next batch's loads in flight while this one is
-//                  used; a lane holds 8 dims of all 8 heads, the 32 partial scores of a batch are
-//                  summed by a transposing butterfly (31 shuffles, lane l ends with score l); online
-//                  softmax in fp32; the warps merge through shared memory in a fixed order.
+//   attn_decode  — split-KV (flash-decoding); the splits in use follow the device-side position:
+//                  128 up to 32K positions, then one per 256 (up to 512 at 128K). The grid is the
+//                  resident blocks (2 per SM, fixed so the CUDA graph never changes), walking the
+//                  (KV head, split) items. An item is a contiguous range of positions of one KV
+//                  head for all of its (up to 8) query heads: the block's 4 warps take batches
+//                  of 4 positions each (every K/V row read once, by one warp), the next batch's
+//                  loads in flight while this one is used; a lane holds 8 dims of all 8 heads, the
+//                  32 partial scores of a batch are summed by a transposing butterfly (31
+//                  shuffles, lane l ends with score l); online softmax in fp32; the warps merge
+//                  through shared memory in a fixed order.
 //   attn_combine — merges the splits (warps over splits, lanes over dims, several splits' loads in
 //                  flight), applies the sigmoid output gate. Grid Hq.
 // Shapes: head_dim D = 256 (8 dims per lane), Hq = 16, Hkv = 2.
 // Bytes: 2 KiB of K/V per position (bf16), e.g. 8 MB at 4K context, 268 MB at 128K.
 // Measured (H200, full-size model, inside the decode graph): commit 1c5da43 (a warp per query
-// head, each K/V row read by 8 warps through L1): 22.1 us at 4K; this layout 19.3 us at 4K
-// (the launch and the merge dominate there); whole decode step at 128K 154 -> 213 tok/s,
-// 32K 248 -> 306.
+// head, each K/V row read by 8 warps through L1; grid (Hkv, 512)): 22.1 us at 4K; warps over
+// positions on that grid (8 warps, 1 block per SM, so the 256 busy blocks ran in two waves
+// among 768 idle ones): 19.3 us; resident blocks walking items: 11.8 us at 4K (8 MB, 0.7 TB/s:
+// launch, q staging and the merge dominate). Whole decode step at 128K: 154 -> 213 -> 257 tok/s.
 #include "common.cuh"
 
 #define D 256
@@ -130,159 +132,166 @@ __device__ __forceinline__ void load_kv(const DecodeArgs& a, int g, int p, int p
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) attn_decode(DecodeArgs a) {
+// Warps per block: 4, so two blocks fit on an SM (the kernel holds ~225 registers per thread).
+#define WARPS 4
+
+extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) attn_decode(DecodeArgs a) {
     __shared__ __align__(16) float qs[G][D];
-    __shared__ __align__(16) float merge_acc[4][G][D];
-    __shared__ float merge_ml[8][G][2];
+    __shared__ __align__(16) float merge_acc[WARPS / 2][G][D];
+    __shared__ float merge_ml[WARPS][G][2];
     step_overlap_begin();
     step_inputs_ready();
-    const int g = blockIdx.x, split = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int group = a.hq / a.hkv;
     const int len = *a.pos + 1, used = splits_in_use(len, a.splits);
-    if (split >= used) return;
     const int chunk = (len + used - 1) / used;
-    const int p0 = split * chunk, p1 = min(len, p0 + chunk);
-    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
-        const int h = i / D;
-        qs[h][i % D] = h < group ? a.q[(g * group + h) * D + i % D] * a.scale : 0.f;
-    }
-    __syncthreads();
-    // lane l's running softmax state is that of head l / PB (replicated over its PB lanes);
-    // acc[h][i] is dim lane·8 + i of head h
-    float m = -INFINITY, l = 0.f, acc[G][8];
-#pragma unroll
-    for (int h = 0; h < G; ++h)
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[h][i] = 0.f;
-    // warp w takes batches of PB consecutive positions, 8·PB apart; the next batch's K/V is
-    // in flight while this one is used
-    const int stride = 8 * PB;
-    int p = p0 + warp * PB;
-    KvBatch cur, nxt;
-    if (p < p1) load_kv(a, g, p, p1, cur);
-    for (; p < p1; p += stride) {
-        if (p + stride < p1) load_kv(a, g, p + stride, p1, nxt);
-        float kf[PB][8];
-#pragma unroll
-        for (int j = 0; j < PB; ++j) {
-            const __nv_bfloat162* hk = reinterpret_cast<const __nv_bfloat162*>(&cur.k[j]);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const float2 f = __bfloat1622float2(hk[i]);
-                kf[j][2 * i] = f.x;
-                kf[j][2 * i + 1] = f.y;
-            }
+    // work items (KV head, split) over a grid of resident blocks: no block waits for a slot
+    // behind blocks with nothing to do, whatever the context
+    for (int item = blockIdx.x; item < a.hkv * used; item += gridDim.x) {
+        const int g = item % a.hkv, split = item / a.hkv;
+        const int p0 = split * chunk, p1 = min(len, p0 + chunk);
+        for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
+            const int h = i / D;
+            qs[h][i % D] = h < group ? a.q[(g * group + h) * D + i % D] * a.scale : 0.f;
         }
-        float part[G * PB];
+        __syncthreads();
+        // lane l's running softmax state is that of head l / PB (replicated over its PB lanes);
+        // acc[h][i] is dim lane·8 + i of head h
+        float m = -INFINITY, l = 0.f, acc[G][8];
 #pragma unroll
-        for (int h = 0; h < G; ++h) {
-            const float4 q0 = *reinterpret_cast<const float4*>(&qs[h][lane * 8]);
-            const float4 q1 = *reinterpret_cast<const float4*>(&qs[h][lane * 8 + 4]);
+        for (int h = 0; h < G; ++h)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[h][i] = 0.f;
+        // warp w takes batches of PB consecutive positions, WARPS·PB apart; the next batch's K/V is
+        // in flight while this one is used
+        const int stride = WARPS * PB;
+        int p = p0 + warp * PB;
+        KvBatch cur, nxt;
+        if (p < p1) load_kv(a, g, p, p1, cur);
+        for (; p < p1; p += stride) {
+            if (p + stride < p1) load_kv(a, g, p + stride, p1, nxt);
+            float kf[PB][8];
 #pragma unroll
             for (int j = 0; j < PB; ++j) {
-                float d = q0.x * kf[j][0];
-                d = fmaf(q0.y, kf[j][1], d); d = fmaf(q0.z, kf[j][2], d); d = fmaf(q0.w, kf[j][3], d);
-                d = fmaf(q1.x, kf[j][4], d); d = fmaf(q1.y, kf[j][5], d); d = fmaf(q1.z, kf[j][6], d);
-                d = fmaf(q1.w, kf[j][7], d);
-                part[h * PB + j] = d;
+                const __nv_bfloat162* hk = reinterpret_cast<const __nv_bfloat162*>(&cur.k[j]);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float2 f = __bfloat1622float2(hk[i]);
+                    kf[j][2 * i] = f.x;
+                    kf[j][2 * i + 1] = f.y;
+                }
             }
+            float part[G * PB];
+#pragma unroll
+            for (int h = 0; h < G; ++h) {
+                const float4 q0 = *reinterpret_cast<const float4*>(&qs[h][lane * 8]);
+                const float4 q1 = *reinterpret_cast<const float4*>(&qs[h][lane * 8 + 4]);
+#pragma unroll
+                for (int j = 0; j < PB; ++j) {
+                    float d = q0.x * kf[j][0];
+                    d = fmaf(q0.y, kf[j][1], d); d = fmaf(q0.z, kf[j][2], d); d = fmaf(q0.w, kf[j][3], d);
+                    d = fmaf(q1.x, kf[j][4], d); d = fmaf(q1.y, kf[j][5], d); d = fmaf(q1.z, kf[j][6], d);
+                    d = fmaf(q1.w, kf[j][7], d);
+                    part[h * PB + j] = d;
+                }
+            }
+            // lane l now holds the score of head l / PB at position p + l % PB
+            float s = butterfly_sum32(part);
+            if (p + lane % PB >= p1) s = -INFINITY;
+            float bm = s;
+#pragma unroll
+            for (int o = 1; o < PB; o <<= 1) bm = fmaxf(bm, __shfl_xor_sync(FULL_MASK, bm, o));
+            const float m_new = fmaxf(m, bm);
+            const float corr = __expf(m - m_new), w = __expf(s - m_new);
+            float wsum = w;
+#pragma unroll
+            for (int o = 1; o < PB; o <<= 1) wsum += __shfl_xor_sync(FULL_MASK, wsum, o);
+            l = l * corr + wsum;
+            m = m_new;
+#pragma unroll
+            for (int h = 0; h < G; ++h) {
+                const float ch = __shfl_sync(FULL_MASK, corr, h * PB);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[h][i] *= ch;
+            }
+#pragma unroll
+            for (int j = 0; j < PB; ++j) {
+                const __nv_bfloat162* hv = reinterpret_cast<const __nv_bfloat162*>(&cur.v[j]);
+                float vf[8];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float2 f = __bfloat1622float2(hv[i]);
+                    vf[2 * i] = f.x;
+                    vf[2 * i + 1] = f.y;
+                }
+#pragma unroll
+                for (int h = 0; h < G; ++h) {
+                    const float wh = __shfl_sync(FULL_MASK, w, h * PB + j);
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[h][i] = fmaf(wh, vf[i], acc[h][i]);
+                }
+            }
+            cur = nxt;
         }
-        // lane l now holds the score of head l / PB at position p + l % PB
-        float s = butterfly_sum32(part);
-        if (p + lane % PB >= p1) s = -INFINITY;
-        float bm = s;
-#pragma unroll
-        for (int o = 1; o < PB; o <<= 1) bm = fmaxf(bm, __shfl_xor_sync(FULL_MASK, bm, o));
-        const float m_new = fmaxf(m, bm);
-        const float corr = __expf(m - m_new), w = __expf(s - m_new);
-        float wsum = w;
-#pragma unroll
-        for (int o = 1; o < PB; o <<= 1) wsum += __shfl_xor_sync(FULL_MASK, wsum, o);
-        l = l * corr + wsum;
-        m = m_new;
+        // merge the warps: common maximum per head, then a fixed-order tree over shared memory
+        if (lane % PB == 0) {
+            merge_ml[warp][lane / PB][0] = m;
+            merge_ml[warp][lane / PB][1] = l;
+        }
+        __syncthreads();
+        float scale_h[G];
+        float M[G], L[G];
 #pragma unroll
         for (int h = 0; h < G; ++h) {
-            const float ch = __shfl_sync(FULL_MASK, corr, h * PB);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) acc[h][i] *= ch;
+            M[h] = -INFINITY;
+            for (int w2 = 0; w2 < WARPS; ++w2) M[h] = fmaxf(M[h], merge_ml[w2][h][0]);
+            L[h] = 0.f;
+            for (int w2 = 0; w2 < WARPS; ++w2) {
+                const float mw = merge_ml[w2][h][0];
+                L[h] += mw == -INFINITY ? 0.f : merge_ml[w2][h][1] * __expf(mw - M[h]);
+            }
+            const float mine = merge_ml[warp][h][0];
+            scale_h[h] = mine == -INFINITY ? 0.f : __expf(mine - M[h]);
         }
 #pragma unroll
-        for (int j = 0; j < PB; ++j) {
-            const __nv_bfloat162* hv = reinterpret_cast<const __nv_bfloat162*>(&cur.v[j]);
-            float vf[8];
+        for (int h = 0; h < G; ++h)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const float2 f = __bfloat1622float2(hv[i]);
-                vf[2 * i] = f.x;
-                vf[2 * i + 1] = f.y;
+            for (int i = 0; i < 8; ++i) acc[h][i] *= scale_h[h];
+#pragma unroll
+        for (int half = WARPS / 2; half >= 1; half >>= 1) {
+            if (warp >= half && warp < 2 * half) {
+#pragma unroll
+                for (int h = 0; h < G; ++h) {
+                    float4* dst = reinterpret_cast<float4*>(&merge_acc[warp - half][h][lane * 8]);
+                    dst[0] = make_float4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
+                    dst[1] = make_float4(acc[h][4], acc[h][5], acc[h][6], acc[h][7]);
+                }
             }
+            __syncthreads();
+            if (warp < half) {
+#pragma unroll
+                for (int h = 0; h < G; ++h) {
+                    const float4* src = reinterpret_cast<const float4*>(&merge_acc[warp][h][lane * 8]);
+                    const float4 u0 = src[0], u1 = src[1];
+                    acc[h][0] += u0.x; acc[h][1] += u0.y; acc[h][2] += u0.z; acc[h][3] += u0.w;
+                    acc[h][4] += u1.x; acc[h][5] += u1.y; acc[h][6] += u1.z; acc[h][7] += u1.w;
+                }
+            }
+            __syncthreads();
+        }
+        if (warp == 0) {
 #pragma unroll
             for (int h = 0; h < G; ++h) {
-                const float wh = __shfl_sync(FULL_MASK, w, h * PB + j);
-#pragma unroll
-                for (int i = 0; i < 8; ++i) acc[h][i] = fmaf(wh, vf[i], acc[h][i]);
-            }
-        }
-        cur = nxt;
-    }
-    // merge the 8 warps: common maximum per head, then a fixed-order tree over shared memory
-    if (lane % PB == 0) {
-        merge_ml[warp][lane / PB][0] = m;
-        merge_ml[warp][lane / PB][1] = l;
-    }
-    __syncthreads();
-    float scale_h[G];
-    float M[G], L[G];
-#pragma unroll
-    for (int h = 0; h < G; ++h) {
-        M[h] = -INFINITY;
-        for (int w2 = 0; w2 < 8; ++w2) M[h] = fmaxf(M[h], merge_ml[w2][h][0]);
-        L[h] = 0.f;
-        for (int w2 = 0; w2 < 8; ++w2) {
-            const float mw = merge_ml[w2][h][0];
-            L[h] += mw == -INFINITY ? 0.f : merge_ml[w2][h][1] * __expf(mw - M[h]);
-        }
-        const float mine = merge_ml[warp][h][0];
-        scale_h[h] = mine == -INFINITY ? 0.f : __expf(mine - M[h]);
-    }
-#pragma unroll
-    for (int h = 0; h < G; ++h)
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[h][i] *= scale_h[h];
-#pragma unroll
-    for (int half = 4; half >= 1; half >>= 1) {
-        if (warp >= half && warp < 2 * half) {
-#pragma unroll
-            for (int h = 0; h < G; ++h) {
-                float4* dst = reinterpret_cast<float4*>(&merge_acc[warp - half][h][lane * 8]);
+                if (h >= group) continue;
+                const size_t base = (size_t)(g * group + h) * a.splits + split;
+                float4* dst = reinterpret_cast<float4*>(a.part_acc + base * D + lane * 8);
                 dst[0] = make_float4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
                 dst[1] = make_float4(acc[h][4], acc[h][5], acc[h][6], acc[h][7]);
+                if (lane == 0) {
+                    a.part_ml[base * 2] = M[h];
+                    a.part_ml[base * 2 + 1] = L[h];
+                }
             }
-        }
-        __syncthreads();
-        if (warp < half) {
-#pragma unroll
-            for (int h = 0; h < G; ++h) {
-                const float4* src = reinterpret_cast<const float4*>(&merge_acc[warp][h][lane * 8]);
-                const float4 u0 = src[0], u1 = src[1];
-                acc[h][0] += u0.x; acc[h][1] += u0.y; acc[h][2] += u0.z; acc[h][3] += u0.w;
-                acc[h][4] += u1.x; acc[h][5] += u1.y; acc[h][6] += u1.z; acc[h][7] += u1.w;
-            }
-        }
-        __syncthreads();
-    }
-    if (warp != 0) return;
-#pragma unroll
-    for (int h = 0; h < G; ++h) {
-        if (h >= group) continue;
-        const size_t base = (size_t)(g * group + h) * a.splits + split;
-        float4* dst = reinterpret_cast<float4*>(a.part_acc + base * D + lane * 8);
-        dst[0] = make_float4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
-        dst[1] = make_float4(acc[h][4], acc[h][5], acc[h][6], acc[h][7]);
-        if (lane == 0) {
-            a.part_ml[base * 2] = M[h];
-            a.part_ml[base * 2 + 1] = L[h];
         }
     }
 }

@@ -26,8 +26,8 @@ use crate::args::*;
 mod prefill;
 pub use prefill::GdnPrefill;
 
-/// Most attention splits over the context (flash-decoding): the grid, fixed so the graph never
-/// changes; the kernel uses 128 up to 32K positions and one per 256 beyond (attention.cu).
+/// Most attention splits over the context (flash-decoding; sizes the partial results): the kernel
+/// uses 128 up to 32K positions and one per 256 beyond (attention.cu), over a fixed grid.
 const SPLITS: usize = 512;
 /// Blocks for the argmax's first pass.
 const ARGMAX_PARTS: usize = 256;
@@ -927,7 +927,8 @@ impl CudaDecoder {
                         "attn decode (split-KV)",
                         self.launch_step(
                             &self.f.attn,
-                            launch_cfg((c.num_key_value_heads as u32, SPLITS as u32), 256,),
+                            // resident blocks (2 per SM) walking (KV head, split) items
+                            launch_cfg(((self.sms * 2) as u32, 1), 128),
                             &da
                         )?
                     );
