@@ -51,13 +51,6 @@ struct GemvArgs {
     int K;
     int group;
     int head_dim;
-    // routing: when `topk` is set, the last block to finish selects the experts from segment 0's
-    // output (the router logits), so no separate launch is needed
-    int experts;
-    TopK* topk;
-    int* done_counter;
-    int k;
-    int renorm;
     int tiles;  // 1: 4-bit group-64 segments run as tensor-core tiles (the host sets it for big launches)
     int prefetch;  // 1: ask L2 for this block's share of the weights before waiting on the predecessor
 };
@@ -340,7 +333,6 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
     __shared__ float chunk_sum[MAX_K / 16];
     __shared__ uint4 xb[MAX_K / 16 * 4];
     __shared__ float scratch[32];
-    __shared__ int last_block;
     step_overlap_begin();
     if (a.prefetch) {
         for (int i = 0; i < a.nseg; ++i) {
@@ -424,60 +416,6 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
         if (lane == 0) {
             if (s.accumulate) s.out[local] += y; else s.out[local] = y;
         }
-    }
-    if (a.topk == nullptr) return;
-    // last block done: every block's writes are visible after its fence and the counter
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        last_block = atomicAdd(a.done_counter, 1) == (int)gridDim.x - 1;
-    }
-    __syncthreads();
-    if (!last_block) return;
-    // block-parallel top-k: each thread ranks its logits against all others (ties: lower index),
-    // so selection costs one pass over E values from shared memory instead of k serial rounds
-    __threadfence();
-    float* sl = xs;  // the input is no longer needed
-    __shared__ int sel_id[MAX_TOPK];
-    __shared__ float sel_logit[MAX_TOPK];
-    const int E = a.experts;
-    float mx = -INFINITY;
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        sl[e] = __ldcg(a.seg[0].out + e);
-        mx = fmaxf(mx, sl[e]);
-    }
-    mx = warp_max(mx);
-    if (lane == 0) scratch[warp] = mx;
-    __syncthreads();
-    mx = scratch[0];
-    for (int w = 1; w < (int)(blockDim.x >> 5); ++w) mx = fmaxf(mx, scratch[w]);
-    float all = 0.f;
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        const float v = sl[e];
-        int rank = 0;
-        for (int j = 0; j < E; ++j) {
-            const float u = sl[j];
-            rank += (u > v) || (u == v && j < e);
-        }
-        if (rank < a.k) {
-            sel_id[rank] = e;
-            sel_logit[rank] = v;
-        }
-        all += __expf(v - mx);
-    }
-    all = block_sum(all, scratch);
-    if (threadIdx.x == 0) {
-        float p[MAX_TOPK], chosen = 0.f;
-        for (int r = 0; r < a.k; ++r) {
-            p[r] = __expf(sel_logit[r] - mx);
-            chosen += p[r];
-        }
-        const float denom = a.renorm ? chosen : all;
-        for (int r = 0; r < a.k; ++r) {
-            a.topk->ids[r] = sel_id[r];
-            a.topk->w[r] = p[r] / denom;
-        }
-        *a.done_counter = 0;
     }
 }
 

@@ -3,8 +3,10 @@
 // the shared expert's sigmoid gate folded into the activations, and the residual add fused.
 //
 // Shapes: hidden H (2048), expert intermediate I (512), E experts (256), top-k (8), 4-bit g64.
-// The experts are selected (softmax, top-k, renormalise) once per layer by the last block of the
-//   router GEMV (gemv.cu); doing it in every warp here cost more than the expert GEMVs themselves.
+// The experts are selected (softmax, top-k, renormalise) by warp 0 of every moe_gate_up block
+//   from the router's logits (k rounds of a warp arg-max); block 0 also writes the selection for
+//   moe_down. Selecting in the router GEMV's last block (after a fence and a counter) cost 7 us
+//   of serial tail per layer; a block-wide rank of all E logits in every block cost 10 us here.
 // moe_gate_up: 256 threads; each warp computes the gate and up rows f of one slot and writes
 //   w_slot · silu(g)·u; the first I threads of the grid also write the shared expert's
 //   sigmoid(gate logit) · silu(g)·u after them, so h is the down projections' whole input.
@@ -31,10 +33,13 @@
 
 struct GateUpArgs {
     ExpertStack gate, up;     // [E*I, H]
-    const TopK* topk;         // from the router's last block (gemv.cu)
+    TopK* topk;               // the selection, written by block 0 for moe_down
     const float* x;           // residual stream
     const float* norm_weight; // post-attention norm
     float eps;
+    const float* router_logits;  // [E], from the router GEMV
+    int experts;
+    int renorm;               // 1: the top-k weights are renormalised to sum to 1
     const float* shared_gate_proj;  // [I] shared expert's gate projection (pre-activation)
     const float* shared_up_proj;    // [I]
     const float* shared_gate_logit; // [1]
@@ -42,6 +47,63 @@ struct GateUpArgs {
                               // then sigmoid(shared gate) · SwiGLU of the shared expert
     int H, I, k;
 };
+
+// Softmax top-k of E (<= 512) router logits by one warp: lane l holds logits l, l + 32, ...;
+// k rounds each take the largest remaining logit (ties: the lower index) by a warp reduction.
+// Leaves the k expert ids and weights in ids/wts (visible after the caller's next barrier).
+#define MAX_E_PER_LANE (MAX_E / 32)
+__device__ __forceinline__ void select_experts(const GateUpArgs& a, int* ids, float* wts) {
+    const int lane = threadIdx.x & 31, E = a.experts;
+    float lv[MAX_E_PER_LANE];
+#pragma unroll
+    for (int i = 0; i < MAX_E_PER_LANE; ++i) lv[i] = lane + 32 * i < E ? a.router_logits[lane + 32 * i] : -INFINITY;
+    uint32_t taken = 0;
+    float mx = 0.f, chosen = 0.f, my_logit = 0.f;
+    int my_id = 0;
+    for (int r = 0; r < a.k; ++r) {
+        float bv = -INFINITY;
+        int be = INT_MAX;
+#pragma unroll
+        for (int i = 0; i < MAX_E_PER_LANE; ++i) {
+            const int e = lane + 32 * i;
+            if (e < E && !(taken >> i & 1u) && (lv[i] > bv || (lv[i] == bv && e < be))) {
+                bv = lv[i];
+                be = e;
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(FULL_MASK, bv, o);
+            const int oe = __shfl_xor_sync(FULL_MASK, be, o);
+            if (ov > bv || (ov == bv && oe < be)) {
+                bv = ov;
+                be = oe;
+            }
+        }
+        if ((be & 31) == lane) taken |= 1u << (be >> 5);
+        if (r == 0) mx = bv;
+        const float p = __expf(bv - mx);
+        chosen += p;
+        if (lane == r) {
+            my_id = be;
+            my_logit = p;
+        }
+    }
+    float all = 0.f;
+#pragma unroll
+    for (int i = 0; i < MAX_E_PER_LANE; ++i)
+        if (lane + 32 * i < E) all += __expf(lv[i] - mx);
+    all = warp_sum(all);
+    if (lane < a.k) {
+        const float w = my_logit / (a.renorm ? chosen : all);
+        ids[lane] = my_id;
+        wts[lane] = w;
+        if (blockIdx.x == 0) {
+            a.topk->ids[lane] = my_id;
+            a.topk->w[lane] = w;
+        }
+    }
+}
 
 extern "C" __global__ void __launch_bounds__(256, 4) moe_gate_up(GateUpArgs a) {
     __shared__ __align__(16) float xs[MAX_K_H + MAX_K_H / 8];
@@ -53,10 +115,6 @@ extern "C" __global__ void __launch_bounds__(256, 4) moe_gate_up(GateUpArgs a) {
     step_overlap_begin();
     // which experts' weights to read is only known from the router's output: nothing to fetch ahead
     step_inputs_ready();
-    if (threadIdx.x < a.k) {
-        ids[threadIdx.x] = a.topk->ids[threadIdx.x];
-        wts[threadIdx.x] = a.topk->w[threadIdx.x];
-    }
     // the shared expert's down-projection input, finished here so moe_down only copies h
     const int gi = blockIdx.x * blockDim.x + threadIdx.x;
     if (gi < a.I)
@@ -91,6 +149,7 @@ extern "C" __global__ void __launch_bounds__(256, 4) moe_gate_up(GateUpArgs a) {
     // 32-element chunks: 32/E threads share one
     for (int o = 1; o < 32 / E; o <<= 1) cs += __shfl_xor_sync(FULL_MASK, cs, o);
     if (active && (t % (32 / E)) == 0) chunk_sum[base / 32] = cs;
+    if (threadIdx.x < 32) select_experts(a, ids, wts);
     __syncthreads();
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;

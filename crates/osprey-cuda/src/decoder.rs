@@ -194,7 +194,6 @@ struct Scratch {
     shared_u: CudaSlice<f32>,
     h: CudaSlice<f32>,
     topk: CudaSlice<i32>,
-    done_counter: CudaSlice<i32>,
     logits: CudaSlice<f32>,
     part_val: CudaSlice<f32>,
     part_idx: CudaSlice<i32>,
@@ -499,7 +498,6 @@ impl CudaDecoder {
             // routed slots, then the shared expert (moe_down reads it as one more segment)
             h: stream.alloc_zeros((c.num_experts_per_tok + 1) * c.moe_intermediate_size)?,
             topk: stream.alloc_zeros(32)?,
-            done_counter: stream.alloc_zeros(1)?,
             logits: stream.alloc_zeros(c.vocab_size)?,
             part_val: stream.alloc_zeros(ARGMAX_PARTS)?,
             part_idx: stream.alloc_zeros(ARGMAX_PARTS)?,
@@ -598,7 +596,6 @@ impl CudaDecoder {
         prologue: Prologue,
         k: usize,
         group: usize,
-        route: bool,
     ) -> Result<()> {
         let mut a = GemvArgs {
             x,
@@ -620,15 +617,6 @@ impl CudaDecoder {
                 a.gate_z = z;
                 a.head_dim = head_dim as i32;
             }
-        }
-        if route {
-            // segment 0 holds the router logits: the last block selects the experts
-            let c = &self.cfg;
-            a.experts = c.num_experts as i32;
-            a.topk = self.p(&self.s.topk);
-            a.done_counter = self.p(&self.s.done_counter);
-            a.k_top = c.num_experts_per_tok as i32;
-            a.renorm = c.norm_topk_prob as i32;
         }
         a.seg[..segs.len()].copy_from_slice(segs);
         // weights that fit well inside the 60 MB L2 are prefetched while the predecessor drains;
@@ -814,8 +802,7 @@ impl CudaDecoder {
                             x,
                             Prologue::RmsNorm(self.p(&l.input_norm)),
                             h,
-                            qkv.m.group,
-                            false
+                            qkv.m.group
                         )?
                     );
                     let ga = GdnArgs {
@@ -855,8 +842,7 @@ impl CudaDecoder {
                             self.p(&s.y),
                             gated,
                             c.linear_value_dim(),
-                            out.m.group,
-                            false
+                            out.m.group
                         )?
                     );
                 }
@@ -882,8 +868,7 @@ impl CudaDecoder {
                             x,
                             Prologue::RmsNorm(self.p(&l.input_norm)),
                             h,
-                            q.m.group,
-                            false
+                            q.m.group
                         )?
                     );
                     let pa = PrepArgs {
@@ -955,8 +940,7 @@ impl CudaDecoder {
                             self.p(&s.o),
                             Prologue::None,
                             c.num_attention_heads * c.head_dim,
-                            o.m.group,
-                            false
+                            o.m.group
                         )?
                     );
                 }
@@ -970,14 +954,13 @@ impl CudaDecoder {
                 m.shared_up.segment(self.p(&s.shared_u), false, st),
             ];
             timed!(
-                "moe router (+ top-k) + shared gate/up",
+                "moe router + shared gate/up",
                 self.gemv(
                     &segs,
                     x,
                     Prologue::RmsNorm(self.p(&l.post_norm)),
                     h,
-                    m.router.m.group,
-                    true
+                    m.router.m.group
                 )?
             );
             let gu = GateUpArgs {
@@ -987,6 +970,9 @@ impl CudaDecoder {
                 x,
                 norm_weight: self.p(&l.post_norm),
                 eps,
+                router_logits: self.p(&s.router),
+                experts: c.num_experts as i32,
+                renorm: i32::from(c.norm_topk_prob),
                 shared_gate_proj: self.p(&s.shared_g),
                 shared_up_proj: self.p(&s.shared_u),
                 shared_gate_logit: self.p(&s.shared_gate_logit),
@@ -997,7 +983,7 @@ impl CudaDecoder {
             };
             let blocks = (c.num_experts_per_tok * c.moe_intermediate_size).div_ceil(8) as u32;
             timed!(
-                "moe expert gate/up + swiglu",
+                "moe top-k + expert gate/up + swiglu",
                 self.launch_step(&self.f.gate_up, launch_cfg((blocks, 1), 256), &gu)?
             );
             let da = DownArgs {
@@ -1026,8 +1012,7 @@ impl CudaDecoder {
                 x,
                 Prologue::RmsNorm(self.p(&self.final_norm)),
                 h,
-                self.lm_head.m.group,
-                false
+                self.lm_head.m.group
             )?
         );
         let aa = ArgmaxArgs {

@@ -351,7 +351,6 @@ impl CudaDecoder {
                 Prologue::RmsNorm(d.p(&d.final_norm)),
                 d.cfg.hidden_size,
                 group,
-                false,
             )
         })?;
         self.set_position(end.min(self.max_context - 1))?;
