@@ -4,7 +4,7 @@
 //
 // Shapes: hidden H (2048), expert intermediate I (512), E experts (256), top-k (8), 4-bit g64.
 // The experts are selected (softmax, top-k, renormalise) by warp 0 of every moe_gate_up block
-//   from the router's logits (k rounds of a warp arg-max); block 0 also writes the selection for
+//   from the router's logits (k rounds of a warp arg-max by redux.sync); block 0 also writes the selection for
 //   moe_down. Selecting in the router GEMV's last block (after a fence and a counter) cost 7 us
 //   of serial tail per layer; a block-wide rank of all E logits in every block cost 10 us here.
 // moe_gate_up: 256 threads; each warp computes the gate and up rows f of one slot and writes
@@ -48,45 +48,55 @@ struct GateUpArgs {
     int H, I, k;
 };
 
-// Softmax top-k of E (<= 512) router logits by one warp: lane l holds logits l, l + 32, ...;
-// k rounds each take the largest remaining logit (ties: the lower index) by a warp reduction.
+// Softmax top-k of E (<= 512) router logits by one warp: lane l holds logits l, l + 32, ...
+// as order-preserving integer keys; k rounds each take the largest remaining logit (ties: the
+// lower index) with two single-instruction warp reductions (redux.sync max of the key, then
+// min of the index among the lanes holding it) instead of shuffle trees.
 // Leaves the k expert ids and weights in ids/wts (visible after the caller's next barrier).
 #define MAX_E_PER_LANE (MAX_E / 32)
+__device__ __forceinline__ uint32_t order_key(float f) {
+    const uint32_t b = __float_as_uint(f);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ float key_value(uint32_t k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
+}
+
 __device__ __forceinline__ void select_experts(const GateUpArgs& a, int* ids, float* wts) {
     const int lane = threadIdx.x & 31, E = a.experts;
     float lv[MAX_E_PER_LANE];
+    uint32_t key[MAX_E_PER_LANE];  // 0: not a candidate (no finite logit has key 0)
 #pragma unroll
-    for (int i = 0; i < MAX_E_PER_LANE; ++i) lv[i] = lane + 32 * i < E ? a.router_logits[lane + 32 * i] : -INFINITY;
-    uint32_t taken = 0;
-    float mx = 0.f, chosen = 0.f, my_logit = 0.f;
+    for (int i = 0; i < MAX_E_PER_LANE; ++i) {
+        lv[i] = lane + 32 * i < E ? a.router_logits[lane + 32 * i] : -INFINITY;
+        key[i] = lane + 32 * i < E ? order_key(lv[i]) : 0u;
+    }
+    float mx = 0.f, chosen = 0.f, my_p = 0.f;
     int my_id = 0;
     for (int r = 0; r < a.k; ++r) {
-        float bv = -INFINITY;
-        int be = INT_MAX;
+        uint32_t bk = 0u;
+        int bi = 0;
 #pragma unroll
         for (int i = 0; i < MAX_E_PER_LANE; ++i) {
-            const int e = lane + 32 * i;
-            if (e < E && !(taken >> i & 1u) && (lv[i] > bv || (lv[i] == bv && e < be))) {
-                bv = lv[i];
-                be = e;
+            if (key[i] > bk) {
+                bk = key[i];
+                bi = i;
             }
         }
+        const uint32_t top = __reduce_max_sync(FULL_MASK, bk);
+        const uint32_t e = __reduce_min_sync(FULL_MASK, bk == top ? (uint32_t)(lane + 32 * bi) : 0xFFFFFFFFu);
+        if ((int)(e & 31) == lane) {
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(FULL_MASK, bv, o);
-            const int oe = __shfl_xor_sync(FULL_MASK, be, o);
-            if (ov > bv || (ov == bv && oe < be)) {
-                bv = ov;
-                be = oe;
-            }
+            for (int i = 0; i < MAX_E_PER_LANE; ++i)
+                if (i == (int)(e >> 5)) key[i] = 0u;
         }
-        if ((be & 31) == lane) taken |= 1u << (be >> 5);
-        if (r == 0) mx = bv;
-        const float p = __expf(bv - mx);
+        const float v = key_value(top);
+        if (r == 0) mx = v;
+        const float p = __expf(v - mx);
         chosen += p;
         if (lane == r) {
-            my_id = be;
-            my_logit = p;
+            my_id = (int)e;
+            my_p = p;
         }
     }
     float all = 0.f;
@@ -95,7 +105,7 @@ __device__ __forceinline__ void select_experts(const GateUpArgs& a, int* ids, fl
         if (lane + 32 * i < E) all += __expf(lv[i] - mx);
     all = warp_sum(all);
     if (lane < a.k) {
-        const float w = my_logit / (a.renorm ? chosen : all);
+        const float w = my_p / (a.renorm ? chosen : all);
         ids[lane] = my_id;
         wts[lane] = w;
         if (blockIdx.x == 0) {
