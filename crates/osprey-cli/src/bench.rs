@@ -11,9 +11,10 @@ use rand_chacha::ChaCha8Rng;
 use serde_json::json;
 use tracing::info;
 
-use crate::commands::load_engine;
-use crate::ModelArgs;
-use osprey_engine::sampler::argmax;
+use crate::commands::{load_engine, sampling_params};
+use crate::{ModelArgs, SamplingArgs};
+use osprey_engine::sampler::{argmax, Sampler, SamplingParams};
+use osprey_prompt::PromptFormat;
 
 #[derive(Subcommand)]
 pub enum BenchKind {
@@ -40,6 +41,10 @@ pub enum BenchKind {
         /// Decode steps timed per round.
         #[arg(long, default_value_t = 32)]
         steps: usize,
+        /// Choose each token by sampling with the checkpoint's generation_config.json (e.g.
+        /// temperature 1.0, top-k 20, top-p 0.95) instead of greedily.
+        #[arg(long)]
+        sample: bool,
         #[arg(long, default_value_t = 3)]
         rounds: usize,
         #[arg(long)]
@@ -160,10 +165,23 @@ pub fn run(kind: BenchKind) -> Result<()> {
     if rounds == 0 {
         bail!("--rounds must be at least 1");
     }
+    let sampling = match &kind {
+        BenchKind::Decode { sample: true, .. } => {
+            let dir = crate::commands::model_dir(model)?;
+            let format = PromptFormat::from_dir(&dir)?;
+            let p = sampling_params(&SamplingArgs::default(), &format);
+            info!(
+                "sampling: temperature {}, top-k {}, top-p {}, min-p {}",
+                p.temperature, p.top_k, p.top_p, p.min_p
+            );
+            Some(p)
+        }
+        _ => None,
+    };
     if model.backend == "cuda" {
         return match &kind {
             BenchKind::Decode { steps, .. } => {
-                cuda_decode(model, &lengths, *steps, rounds, out.as_deref())
+                cuda_decode(model, &lengths, *steps, rounds, sampling, out.as_deref())
             }
             BenchKind::Prefill { .. } => cuda_prefill(model, &lengths, rounds, out.as_deref()),
         };
@@ -194,14 +212,23 @@ pub fn run(kind: BenchKind) -> Result<()> {
                 let (first, _) = engine.prefill(&mut s, &tokens)?;
                 let snapshot = s.snapshot();
                 engine.decode(&mut s, argmax(&first) as u32)?; // warm-up
+                let mut sampler = sampling.clone().map(|p| Sampler::new(p, vocab, &tokens));
+                let mut choose = |logits: &[f32]| match sampler.as_mut() {
+                    Some(sm) => {
+                        let t = sm.sample(logits);
+                        sm.observe(t);
+                        t
+                    }
+                    None => argmax(logits) as u32,
+                };
                 for _ in 0..rounds {
                     s.restore(&snapshot);
                     // the first step after a restore is untimed: a backend that keeps the state on
                     // a device rebuilds it there from the session's tokens
-                    let mut next = argmax(&engine.decode(&mut s, argmax(&first) as u32)?) as u32;
+                    let mut next = choose(&engine.decode(&mut s, argmax(&first) as u32)?);
                     let start = Instant::now();
                     for _ in 0..*steps {
-                        next = argmax(&engine.decode(&mut s, next)?) as u32;
+                        next = choose(&engine.decode(&mut s, next)?);
                     }
                     per_round.push(*steps as f64 / start.elapsed().as_secs_f64());
                 }
@@ -233,6 +260,7 @@ pub fn run(kind: BenchKind) -> Result<()> {
             "vocab_size": c.vocab_size,
         },
         "prefill_chunk": engine.prefill_chunk,
+        "sampling": sampling.as_ref().map(sampling_json),
         "results": results,
     });
     let text = serde_json::to_string_pretty(&report)?;
@@ -250,21 +278,28 @@ pub fn run(kind: BenchKind) -> Result<()> {
     Ok(())
 }
 
+/// How a decode benchmark chose its tokens, for the JSON report.
+pub fn sampling_json(p: &SamplingParams) -> serde_json::Value {
+    json!({"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p,
+           "repetition_penalty": p.repetition_penalty, "seed": p.seed})
+}
+
 fn cuda_decode(
     model: &ModelArgs,
     contexts: &[usize],
     steps: usize,
     rounds: usize,
+    sampling: Option<SamplingParams>,
     out: Option<&std::path::Path>,
 ) -> Result<()> {
     let dir = crate::commands::model_dir(model)?;
     #[cfg(feature = "cuda")]
     {
-        crate::gpu::bench_decode(&dir, contexts, steps, rounds, out)
+        crate::gpu::bench_decode(&dir, contexts, steps, rounds, sampling, out)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (dir, contexts, steps, rounds, out);
+        let _ = (dir, contexts, steps, rounds, sampling, out);
         bail!("this build has no CUDA backend (rebuild with --features cuda)")
     }
 }

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use anyhow::{bail, Result};
 use osprey_cuda::{CudaDecoder, GdnPrefill};
-use osprey_engine::sampler::argmax;
+use osprey_engine::sampler::{argmax, Sampler, SamplingParams};
 use osprey_engine::{CpuBackend, Engine};
 use osprey_model::ModelWeights;
 use serde_json::json;
@@ -375,14 +375,20 @@ pub fn bench_decode(
     contexts: &[usize],
     steps: usize,
     rounds: usize,
+    sampling: Option<SamplingParams>,
     out: Option<&Path>,
 ) -> Result<()> {
     let command = std::env::args().collect::<Vec<_>>().join(" ");
     let weights = ModelWeights::load(dir)?;
     let c = weights.config.clone();
     let max_ctx = contexts.iter().copied().max().unwrap_or(0) + steps * (rounds + 1) + 8;
-    let mut gpu = CudaDecoder::new(&weights, max_ctx, c.vocab_size.min(TOKENIZER_VOCAB))?;
+    let valid_vocab = c.vocab_size.min(TOKENIZER_VOCAB);
+    let mut gpu = CudaDecoder::new(&weights, max_ctx, valid_vocab)?;
     drop(weights);
+    if let Some(p) = &sampling {
+        // the token is sampled on the GPU, inside the replayed graph
+        gpu.set_sampling(Some(&Sampler::new(p.clone(), valid_vocab, &[])))?;
+    }
     info!("loaded on {}: {}", gpu.device_name(), memory_line(&gpu));
     let mut results = Vec::new();
     let mut profile = None;
@@ -444,6 +450,7 @@ pub fn bench_decode(
         "command": command, "model": {"dir": dir.display().to_string(), "layers": c.num_layers(), "hidden_size": c.hidden_size},
         "method": format!("median of {rounds} rounds of {steps} CUDA-graph replays timed with CUDA events; position set to the context length (a step's work depends only on it)"),
         "read_ceiling_bytes_per_s": READ_CEILING_BYTES_PER_S,
+        "sampling": sampling.as_ref().map(crate::bench::sampling_json),
         "gpu_memory": gpu.memory_report().iter().map(|(k, b)| json!({"part": k, "bytes": b})).collect::<Vec<_>>(),
         "results": results, "profile": profile,
     });
