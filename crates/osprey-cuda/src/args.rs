@@ -198,6 +198,10 @@ pub struct SampleArgs {
     pub history: u64,
     pub step: u64,
     pub n: i32,
+    pub cand_v: u64,
+    pub cand_i: u64,
+    pub parts: i32,
+    pub pad: i32,
 }
 
 /// gemm.cu `GemmArgs`: the prefill GEMM, dense or grouped by expert.

@@ -70,6 +70,10 @@ impl StepOverlap {
         }
     }
 }
+/// Blocks of the sampler's prepass and the candidates each keeps (sample.cu PREPASS_SLOTS); the
+/// vocabulary's slices must fit a block's shared memory (PREPASS_MAX_SLICE = 4096 logits).
+const SAMPLE_PARTS: usize = 128;
+const SAMPLE_SLOTS: usize = 256;
 /// Kernel families that choose the token and advance the position (never issued twice).
 const TOKEN_CHOICE_FAMILIES: [&str; 2] = ["argmax", "sample (when sampling)"];
 
@@ -205,6 +209,9 @@ struct Scratch {
     /// Prompt + output and output-only counts per token id (sampling penalties).
     seen: CudaSlice<i32>,
     output: CudaSlice<i32>,
+    /// The sampler prepass's candidates, [SAMPLE_PARTS * SAMPLE_SLOTS].
+    cand_v: CudaSlice<f32>,
+    cand_i: CudaSlice<i32>,
 }
 
 struct Functions {
@@ -220,6 +227,7 @@ struct Functions {
     argmax_partial: CudaFunction,
     argmax_final: CudaFunction,
     sample: CudaFunction,
+    sample_prepass: CudaFunction,
 }
 
 /// Time spent in one kernel family during a profiled step.
@@ -379,6 +387,7 @@ impl CudaDecoder {
             argmax_partial: func("sample", "argmax_partial")?,
             argmax_final: func("sample", "argmax_final")?,
             sample: func("sample", "sample_token")?,
+            sample_prepass: func("sample", "sample_prepass")?,
         };
         let pk = prefill::PrefillKernels::load(&func)?;
 
@@ -505,6 +514,8 @@ impl CudaDecoder {
             pos: stream.alloc_zeros(1)?,
             step: stream.alloc_zeros(1)?,
             history: stream.alloc_zeros(max_context)?,
+            cand_v: stream.alloc_zeros(SAMPLE_PARTS * SAMPLE_SLOTS)?,
+            cand_i: stream.alloc_zeros(SAMPLE_PARTS * SAMPLE_SLOTS)?,
             sample_params: stream.clone_htod(&[SampleParams::default()])?,
             seen: stream.alloc_zeros(c.vocab_size)?,
             output: stream.alloc_zeros(c.vocab_size)?,
@@ -586,7 +597,22 @@ impl CudaDecoder {
             history: self.p(&s.history),
             step: self.p(&s.step),
             n: self.valid_vocab as i32,
+            cand_v: self.p(&s.cand_v),
+            cand_i: self.p(&s.cand_i),
+            parts: SAMPLE_PARTS as i32,
+            pad: 0,
         }
+    }
+
+    /// The token choice when sampling: the prepass over SAMPLE_PARTS blocks, then the selection
+    /// in one block.
+    fn launch_sample(&self, sa: &SampleArgs) -> Result<()> {
+        self.launch_step(
+            &self.f.sample_prepass,
+            launch_cfg((SAMPLE_PARTS as u32, 1), 256),
+            sa,
+        )?;
+        self.launch_step(&self.f.sample, launch_cfg((1, 1), 1024), sa)
     }
 
     fn gemv(
@@ -1044,10 +1070,7 @@ impl CudaDecoder {
             )?;
         });
         let sa = self.sample_args();
-        timed!(
-            TOKEN_CHOICE_FAMILIES[1],
-            self.launch_step(&self.f.sample, launch_cfg((1, 1), 1024), &sa)?
-        );
+        timed!(TOKEN_CHOICE_FAMILIES[1], self.launch_sample(&sa)?);
         Ok(())
     }
 
@@ -1212,7 +1235,7 @@ impl CudaDecoder {
         self.stream.memcpy_htod(&[0i32], &mut self.s.step)?;
         let sa = self.sample_args();
         for _ in 0..n {
-            self.launch(&self.f.sample, launch_cfg((1, 1), 1024), &sa)?;
+            self.launch_sample(&sa)?;
         }
         self.history(n)
     }
@@ -1413,6 +1436,12 @@ fn check_shapes(c: &ModelConfig) -> Result<()> {
         problems.push(
             "MoE shape beyond the kernels' limits (512 experts, top-16, (k+1)·I ≤ 6144)".into(),
         );
+    }
+    if c.vocab_size > SAMPLE_PARTS * 4096 {
+        problems.push(format!(
+            "vocabulary {} beyond the GPU sampler's {} slices of 4096",
+            c.vocab_size, SAMPLE_PARTS
+        ));
     }
     if c.shared_expert_intermediate_size != c.moe_intermediate_size {
         problems.push(format!(
