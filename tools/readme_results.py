@@ -67,11 +67,23 @@ def prefill_profile():
 
 def decode():
     d = load("cuda-decode-full.json")
-    rows = ["| context | decode tok/s | bytes per step | achieved read rate (of ~3.7 TB/s) |", "|---|---|---|---|"]
+    sampled_path = os.path.join(RESULTS, "cuda-decode-sampling-full.json")
+    sampled = load("cuda-decode-sampling-full.json") if os.path.exists(sampled_path) else None
+    by_len = {r["tokens"]: r["tokens_per_s"] for r in sampled["results"]} if sampled else {}
+    if sampled:
+        sp = sampled["sampling"]
+        rows = [f"| context | decode tok/s, greedy | sampled (T {sp['temperature']:g}, top-k {sp['top_k']}, top-p {sp['top_p']:.2f}) "
+                "| bytes per step | achieved read rate, greedy (of ~3.7 TB/s) |", "|---|---|---|---|---|"]
+    else:
+        rows = ["| context | decode tok/s | bytes per step | achieved read rate (of ~3.7 TB/s) |", "|---|---|---|---|"]
     for r in d["results"]:
-        rows.append(f"| {r['tokens']:,} | {r['tokens_per_s']:.1f} | {r['bytes_per_step'] / 1e9:.2f} GB | "
+        s_cell = f" {by_len[r['tokens']]:.1f} |" if r["tokens"] in by_len else (" — |" if sampled else "")
+        rows.append(f"| {r['tokens']:,} | {r['tokens_per_s']:.1f} |{s_cell} {r['bytes_per_step'] / 1e9:.2f} GB | "
                     f"{r['achieved_bytes_per_s'] / 1e12:.2f} TB/s ({100 * r['fraction_of_read_ceiling']:.0f}%) |")
-    return "\n".join(rows) + source(d, "cuda-decode-full.json")
+    text = "\n".join(rows) + source(d, "cuda-decode-full.json")
+    if sampled:
+        text += "<br>" + source(sampled, "cuda-decode-sampling-full.json").strip()
+    return text
 
 
 def decode_profile():
