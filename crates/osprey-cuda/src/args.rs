@@ -413,14 +413,17 @@ mod tests {
     fn layouts_match_the_kernel_structs() {
         // sizes computed from the C declarations in kernels/*.cu (x86-64 / CUDA ABI)
         assert_eq!(std::mem::size_of::<Segment>(), 48);
-        assert_eq!(std::mem::size_of::<GemvArgs>(), 280);
-        assert_eq!(std::mem::size_of::<GateUpArgs>(), 104);
-        assert_eq!(std::mem::size_of::<DownArgs>(), 48 + 48 + 12 + 4);
+        assert_eq!(std::mem::size_of::<GemvArgs>(), 4 * 48 + 4 * 8 + 7 * 4 + 4);
+        assert_eq!(
+            std::mem::size_of::<GateUpArgs>(),
+            2 * 24 + 3 * 8 + 8 + 8 + 2 * 4 + 4 * 8 + 3 * 4 + 4
+        );
+        assert_eq!(std::mem::size_of::<DownArgs>(), 2 * 24 + 3 * 8 + 3 * 4 + 4);
         assert_eq!(std::mem::size_of::<GdnArgs>(), 11 * 8 + 16);
         assert_eq!(std::mem::size_of::<PrepArgs>(), 9 * 8 + 20 + 4);
         assert_eq!(std::mem::size_of::<ArgmaxArgs>(), 8 * 8 + 8);
         assert_eq!(std::mem::size_of::<SampleParams>(), 8 * 4 + 8);
-        assert_eq!(std::mem::size_of::<SampleArgs>(), 8 * 8 + 8);
+        assert_eq!(std::mem::size_of::<SampleArgs>(), 8 * 8 + 8 + 2 * 8 + 2 * 4);
         assert_eq!(std::mem::size_of::<GemmArgs>(), 14 * 8 + 8 * 4);
         assert_eq!(std::mem::size_of::<ReduceArgs>(), 2 * 8 + 5 * 4 + 4);
         assert_eq!(std::mem::size_of::<RouteArgs>(), 11 * 8 + 6 * 4);
