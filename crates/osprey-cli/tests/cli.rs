@@ -131,6 +131,29 @@ fn synth_inspect_generate_score() {
     assert_eq!(v["kind"], "decode");
     assert_eq!(v["results"].as_array().unwrap().len(), 2);
     assert!(v["results"][0]["tokens_per_s"].as_f64().unwrap() > 0.0);
+    assert!(v["sampling"].is_null(), "greedy by default");
+
+    // --sample: tokens drawn with the checkpoint's generation_config, recorded in the report
+    ok(&[
+        "bench",
+        "decode",
+        "--model",
+        ms,
+        "--context",
+        "16",
+        "--steps",
+        "2",
+        "--rounds",
+        "1",
+        "--sample",
+        "--out",
+        json.to_str().unwrap(),
+    ]);
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v["sampling"]["top_k"], 20);
+    assert!((v["sampling"]["temperature"].as_f64().unwrap() - 1.0).abs() < 1e-6);
+    assert!(v["results"][0]["tokens_per_s"].as_f64().unwrap() > 0.0);
 }
 
 #[test]
