@@ -245,7 +245,8 @@ __device__ __forceinline__ uint32_t code_pair_bf16(uint32_t w) {
     return r;
 }
 
-// Requests groups [Gb, min(Gb + TILE_BATCH, g1)) of rows row0 + g and row0 + g + 8.
+// Requests groups [Gb, min(Gb + TILE_BATCH, g1)) of rows row0 + g and row0 + g + 8 (Gb even: the
+// host runs tiles only when K is a multiple of 512).
 __device__ __forceinline__ void tile_load(const Segment& s, int K, int row0, int Gb, int g1, TileBatch& b) {
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int wpr = K / 8, gpr = K / 64;

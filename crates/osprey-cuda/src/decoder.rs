@@ -660,7 +660,9 @@ impl CudaDecoder {
             .filter(|s| s.bits == 4 && group == 64)
             .map(|s| (s.rows as usize).div_ceil(16))
             .sum();
-        a.tiles = i32::from(tiles >= 2 * self.sms);
+        // (each of a tile's 4 warps takes an even number of groups: the kernel reads scales and
+        // biases in pairs, so K must be a multiple of 4 · 2 · 64)
+        a.tiles = i32::from(tiles >= 2 * self.sms && k.is_multiple_of(512));
         let units: usize = segs
             .iter()
             .map(|s| {
