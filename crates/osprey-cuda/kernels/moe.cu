@@ -4,9 +4,10 @@
 //
 // Shapes: hidden H (2048), expert intermediate I (512), E experts (256), top-k (8), 4-bit g64.
 // The experts are selected (softmax, top-k, renormalise) by warp 0 of every moe_gate_up block
-//   from the router's logits (k rounds of a warp arg-max by redux.sync); block 0 also writes the selection for
-//   moe_down. Selecting in the router GEMV's last block (after a fence and a counter) cost 7 us
-//   of serial tail per layer; a block-wide rank of all E logits in every block cost 10 us here.
+//   from the router's logits (k rounds of a warp arg-max by redux.sync); block 0 also writes the
+//   selection for moe_down. Selecting in the router GEMV's last block (after a fence and a
+//   counter) cost 7 us of serial tail per layer; a block-wide rank of all E logits in every block
+//   cost 10 us here; shuffle-tree rounds 4 us; redux.sync rounds 3.5 us.
 // moe_gate_up: 256 threads; each warp computes the gate and up rows f of one slot and writes
 //   w_slot · silu(g)·u; the first I threads of the grid also write the shared expert's
 //   sigmoid(gate logit) · silu(g)·u after them, so h is the down projections' whole input.
@@ -18,9 +19,9 @@
 // using any. The shared expert's down rows, known before routing, are asked of L2 first thing.
 // Measured (H200, full-size model, inside the decode graph: what issuing the kernel twice adds
 // to a step): commit 1c5da43 gate/up 8.4 us, down 12.0 us (every block weighted h itself: 256
-// blocks x 4608 activations with exp); with h finished by gate/up and 2 rows per warp, down
-// 8.5 us for 4.7 MB = 0.55 TB/s (15% of 3.7 TB/s): the launch, the copy of h and the chunk sums
-// before the first weight request dominate.
+// blocks x 4608 activations with exp); commit b3b9f4f gate/up with the selection 12.0 us for
+// 8.4 MB (0.7 TB/s), down 8.4 us for 4.7 MB (0.56 TB/s, 15% of 3.7 TB/s): the launch, the
+// copy of h and the chunk sums before the first weight request dominate.
 #include "common.cuh"
 
 #define MAX_K_H 4096
