@@ -1462,3 +1462,40 @@ fn check_shapes(c: &ModelConfig) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn qwen36() -> ModelConfig {
+        ModelConfig::from_json_str(include_str!("../../../assets/qwen3.6-35b-a3b/config.json"))
+            .expect("the bundled config parses")
+    }
+
+    #[test]
+    fn the_model_shape_is_supported() {
+        check_shapes(&qwen36()).expect("Qwen3.6-35B-A3B runs on the CUDA kernels");
+    }
+
+    #[test]
+    fn unsupported_shapes_are_named() {
+        let mut c = qwen36();
+        c.shared_expert_intermediate_size = 1024;
+        let err = check_shapes(&c).unwrap_err().to_string();
+        assert!(err.contains("shared expert width 1024"), "{err}");
+
+        let mut c = qwen36();
+        c.vocab_size = SAMPLE_PARTS * 4096 + 1;
+        let err = check_shapes(&c).unwrap_err().to_string();
+        assert!(err.contains("vocabulary"), "{err}");
+
+        let mut c = qwen36();
+        c.head_dim = 128;
+        c.hidden_size = 1000;
+        let err = check_shapes(&c).unwrap_err().to_string();
+        assert!(
+            err.contains("head_dim 128") && err.contains("hidden size 1000"),
+            "{err}"
+        );
+    }
+}
