@@ -165,28 +165,29 @@ pub fn run(kind: BenchKind) -> Result<()> {
     if rounds == 0 {
         bail!("--rounds must be at least 1");
     }
-    let sampling = match &kind {
-        BenchKind::Decode { sample: true, .. } => {
-            let dir = crate::commands::model_dir(model)?;
-            let format = PromptFormat::from_dir(&dir)?;
-            let p = sampling_params(&SamplingArgs::default(), &format);
-            info!(
-                "sampling: temperature {}, top-k {}, top-p {}, min-p {}",
-                p.temperature, p.top_k, p.top_p, p.min_p
-            );
-            Some(p)
-        }
-        _ => None,
-    };
+    let sample = matches!(&kind, BenchKind::Decode { sample: true, .. });
     if model.backend == "cuda" {
+        let dir = crate::commands::model_dir(model)?;
+        let sampling = if sample {
+            Some(checkpoint_sampling(&dir)?)
+        } else {
+            None
+        };
         return match &kind {
             BenchKind::Decode { steps, .. } => {
-                cuda_decode(model, &lengths, *steps, rounds, sampling, out.as_deref())
+                cuda_decode(&dir, &lengths, *steps, rounds, sampling, out.as_deref())
             }
-            BenchKind::Prefill { .. } => cuda_prefill(model, &lengths, rounds, out.as_deref()),
+            BenchKind::Prefill { .. } => {
+                cuda_prefill(&dir, model.prefill_chunk, &lengths, rounds, out.as_deref())
+            }
         };
     }
     let (engine, dir) = load_engine(model)?;
+    let sampling = if sample {
+        Some(checkpoint_sampling(&dir)?)
+    } else {
+        None
+    };
     let c = engine.config().clone();
     // ids the real tokenizer can produce (the tail of the embedding is padding)
     let vocab = c.vocab_size.min(248_077);
@@ -278,6 +279,16 @@ pub fn run(kind: BenchKind) -> Result<()> {
     Ok(())
 }
 
+/// The sampling settings of the checkpoint's generation_config.json (bench decode --sample).
+fn checkpoint_sampling(dir: &std::path::Path) -> Result<SamplingParams> {
+    let p = sampling_params(&SamplingArgs::default(), &PromptFormat::from_dir(dir)?);
+    info!(
+        "sampling: temperature {}, top-k {}, top-p {}, min-p {}",
+        p.temperature, p.top_k, p.top_p, p.min_p
+    );
+    Ok(p)
+}
+
 /// How a decode benchmark chose its tokens, for the JSON report.
 pub fn sampling_json(p: &SamplingParams) -> serde_json::Value {
     json!({"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p,
@@ -285,17 +296,16 @@ pub fn sampling_json(p: &SamplingParams) -> serde_json::Value {
 }
 
 fn cuda_decode(
-    model: &ModelArgs,
+    dir: &std::path::Path,
     contexts: &[usize],
     steps: usize,
     rounds: usize,
     sampling: Option<SamplingParams>,
     out: Option<&std::path::Path>,
 ) -> Result<()> {
-    let dir = crate::commands::model_dir(model)?;
     #[cfg(feature = "cuda")]
     {
-        crate::gpu::bench_decode(&dir, contexts, steps, rounds, sampling, out)
+        crate::gpu::bench_decode(dir, contexts, steps, rounds, sampling, out)
     }
     #[cfg(not(feature = "cuda"))]
     {
@@ -305,22 +315,20 @@ fn cuda_decode(
 }
 
 fn cuda_prefill(
-    model: &ModelArgs,
+    dir: &std::path::Path,
+    prefill_chunk: Option<usize>,
     lengths: &[usize],
     rounds: usize,
     out: Option<&std::path::Path>,
 ) -> Result<()> {
-    let dir = crate::commands::model_dir(model)?;
     #[cfg(feature = "cuda")]
     {
-        let chunk = model
-            .prefill_chunk
-            .unwrap_or(osprey_cuda::DEFAULT_CUDA_PREFILL_CHUNK);
-        crate::gpu::bench_prefill(&dir, lengths, rounds, chunk, out)
+        let chunk = prefill_chunk.unwrap_or(osprey_cuda::DEFAULT_CUDA_PREFILL_CHUNK);
+        crate::gpu::bench_prefill(dir, lengths, rounds, chunk, out)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (dir, lengths, rounds, out);
+        let _ = (dir, prefill_chunk, lengths, rounds, out);
         bail!("this build has no CUDA backend (rebuild with --features cuda)")
     }
 }
