@@ -1,0 +1,138 @@
+// The prefill GEMM (crates/osprey-cuda/kernels/gemm.cu, included as is) on the 4K-prompt shapes
+// of the full model, standalone: TFLOP/s against the ~790 TFLOP/s bf16 ceiling, so GEMM variants
+// can be compared in seconds of GPU time. Not yet run on a GPU.
+//   dense   — GDN in_proj: 4096 positions x 12352 rows x K 2048, f32 store (MT = 8);
+//   gate/up — routed experts grouped by expert, uniform routing (4096 tokens x top-8 over 256
+//             experts = 128 rows each), gate and up stacks of 512 rows, K 2048, SwiGLU to bf16;
+//   down    — the same grouping, 2048 rows per expert, K 512, scaled by a routing weight.
+// Random 4-bit codes, bf16 scales/biases and activations; 10 launches in a CUDA graph, best of 5.
+// Run on the GPU machine:  nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 \
+//     bench/kernels/gemm_shapes.cu -o /tmp/gemm_shapes && /tmp/gemm_shapes
+#include "../../crates/osprey-cuda/kernels/gemm.cu"
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+#include <cuda_runtime.h>
+
+#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); exit(1); } } while (0)
+
+template <typename T>
+static T* upload(const std::vector<T>& v) {
+    T* d;
+    CK(cudaMalloc(&d, v.size() * sizeof(T)));
+    CK(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+    return d;
+}
+
+struct Weights {
+    uint32_t* codes;
+    __nv_bfloat16 *scales, *biases;
+};
+
+static Weights random_weights(size_t rows, int K) {
+    std::vector<uint32_t> c(rows * K / 8);
+    for (auto& w : c) w = (uint32_t)rand() * 2654435761u;
+    std::vector<__nv_bfloat16> s(rows * K / 64), b(rows * K / 64);
+    for (size_t i = 0; i < s.size(); ++i) {
+        s[i] = __float2bfloat16(0.002f * (1 + rand() % 7));
+        b[i] = __float2bfloat16(-0.01f * (rand() % 5));
+    }
+    return {upload(c), upload(s), upload(b)};
+}
+
+static __nv_bfloat16* random_activations(size_t n) {
+    std::vector<__nv_bfloat16> a(n);
+    for (auto& v : a) v = __float2bfloat16((rand() % 2001 - 1000) / 1000.f);
+    return upload(a);
+}
+
+static double time_launches(void (*kernel)(GemmArgs), const GemmArgs& g, dim3 grid) {
+    cudaStream_t st;
+    CK(cudaStreamCreate(&st));
+    cudaGraph_t gr;
+    cudaGraphExec_t ge;
+    const int L = 10;
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+    for (int i = 0; i < L; ++i) kernel<<<grid, 256, 0, st>>>(g);
+    CK(cudaStreamEndCapture(st, &gr));
+    CK(cudaGraphInstantiate(&ge, gr, 0));
+    CK(cudaGraphLaunch(ge, st));
+    CK(cudaStreamSynchronize(st));
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    float best = 1e9f;
+    for (int r = 0; r < 5; ++r) {
+        CK(cudaEventRecord(e0, st));
+        CK(cudaGraphLaunch(ge, st));
+        CK(cudaEventRecord(e1, st));
+        CK(cudaEventSynchronize(e1));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        best = ms < best ? ms : best;
+    }
+    return best * 1e3 / L;  // us per launch
+}
+
+static void report(const char* name, double us, double flop) {
+    printf("%-8s %9.1f us  %7.1f TFLOP/s  (%4.1f%% of 790)\n", name, us, flop / us / 1e6, 100.0 * flop / us / 1e6 / 790.0);
+}
+
+int main() {
+    const int T = 4096, H = 2048, I = 512, E = 256, TOPK = 8, MT = 8, BM = 8 * MT;
+    const int P = T * TOPK, per_expert = P / E;
+    // dense: GDN in_proj
+    {
+        const int N = 12352, K = H;
+        Weights w = random_weights(N, K);
+        GemmArgs g{};
+        g.a = random_activations((size_t)T * K);
+        g.codes[0] = g.codes[1] = w.codes;
+        g.scales[0] = g.scales[1] = w.scales;
+        g.biases[0] = g.biases[1] = w.biases;
+        CK(cudaMalloc(&g.out, (size_t)T * N * 4));
+        g.M = T; g.N = N; g.K = K; g.group = 64; g.ldo = N; g.epilogue = EPI_STORE; g.k_splits = 1;
+        report("dense", time_launches(gemm_q4_m8, g, dim3((N + 255) / 256, T / BM, 1)), 2.0 * T * N * K);
+    }
+    // the grouped plan: every expert's rows in tiles of BM positions
+    std::vector<int4> plan;
+    for (int e = 0; e < E; ++e)
+        for (int m0 = e * per_expert; m0 < (e + 1) * per_expert; m0 += BM)
+            plan.push_back(make_int4(e, m0, (e + 1) * per_expert, 0));
+    std::vector<int> a_rows(P), count{(int)plan.size()};
+    for (int p = 0; p < P; ++p) a_rows[p] = (int)(((long long)p * 7919) % T);
+    std::vector<float> row_scale(P, 0.125f);
+    int4* d_plan = upload(plan);
+    int* d_count = upload(count);
+    int* d_rows = upload(a_rows);
+    float* d_scale = upload(row_scale);
+    {
+        Weights gate = random_weights((size_t)E * I, H), up = random_weights((size_t)E * I, H);
+        GemmArgs g{};
+        g.a = random_activations((size_t)T * H);
+        g.a_rows = d_rows;
+        g.codes[0] = gate.codes; g.codes[1] = up.codes;
+        g.scales[0] = gate.scales; g.scales[1] = up.scales;
+        g.biases[0] = gate.biases; g.biases[1] = up.biases;
+        g.expert_rows = I;
+        g.tiles = d_plan; g.tile_count = d_count;
+        CK(cudaMalloc(&g.out_h, (size_t)P * I * 2));
+        g.M = P; g.N = I; g.K = H; g.group = 64; g.ldo = I; g.epilogue = EPI_SWIGLU; g.k_splits = 1;
+        report("gate/up", time_launches(gemm_q4_m8, g, dim3((I + 127) / 128, (unsigned)plan.size(), 1)), 2.0 * P * 2 * I * H);
+    }
+    {
+        Weights down = random_weights((size_t)E * H, I);
+        GemmArgs g{};
+        g.a = random_activations((size_t)P * I);
+        g.codes[0] = g.codes[1] = down.codes;
+        g.scales[0] = g.scales[1] = down.scales;
+        g.biases[0] = g.biases[1] = down.biases;
+        g.expert_rows = H;
+        g.tiles = d_plan; g.tile_count = d_count;
+        g.row_scale = d_scale;
+        CK(cudaMalloc(&g.out, (size_t)P * H * 4));
+        g.M = P; g.N = H; g.K = I; g.group = 64; g.ldo = H; g.epilogue = EPI_SCALED; g.k_splits = 1;
+        report("down", time_launches(gemm_q4_m8, g, dim3((H + 255) / 256, (unsigned)plan.size(), 1)), 2.0 * P * H * I);
+    }
+    return 0;
+}
