@@ -1,0 +1,159 @@
+// A chain of decode GEMVs as separate launches in a CUDA graph against the same chain inside one
+// resident launch with grid barriers between them: the gain a persistent decode kernel would get
+// per phase, measured with the engine's own tile GEMV (crates/osprey-cuda/kernels/gemv.cu,
+// included as is). Not yet run on a GPU.
+// Shape: GDN in_proj (12352 x 2048, 4-bit group 64), 30 GEMVs on 8 copies of the weights (past
+// the 60 MB L2), no prologue norm; grid 3 blocks x 256 threads per SM in both forms. ptxas: the
+// chain kernel spills more than gemv_q_tiles alone (~460 vs 128 bytes at the 80-register cap),
+// so its figure is a lower bound on what a persistent kernel built for it would reach.
+// Run on the GPU machine:  nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 \
+//     bench/kernels/persistent_chain.cu -o /tmp/persistent_chain && /tmp/persistent_chain
+#include "../../crates/osprey-cuda/kernels/gemv.cu"
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+#include <cuda_runtime.h>
+
+#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); exit(1); } } while (0)
+
+#define CHAIN 30
+#define COPIES 8
+
+struct GridBarrier {
+    unsigned* count;
+    unsigned* generation;
+};
+
+__device__ __forceinline__ unsigned ld_acquire_u32(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void grid_barrier(GridBarrier b) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned gen = ld_acquire_u32(b.generation);
+        __threadfence();
+        if (atomicAdd(b.count, 1) == gridDim.x - 1) {
+            *b.count = 0;
+            __threadfence();
+            atomicAdd(b.generation, 1);
+        } else {
+            while (ld_acquire_u32(b.generation) == gen) __nanosleep(32);
+        }
+    }
+    __syncthreads();
+}
+
+struct Chain {
+    GemvArgs step[CHAIN];
+};
+
+// the chain's arguments travel as one kernel parameter block (7.7 KB: Hopper takes up to 32 KB),
+// read through the constant bank as a single launch's would be
+extern "C" __global__ void __launch_bounds__(256, 3) gemv_chain(const __grid_constant__ Chain c, GridBarrier b) {
+    for (int i = 0; i < CHAIN; ++i) {
+        gemv_body<true>(c.step[i]);
+        grid_barrier(b);
+    }
+}
+
+int main() {
+    int sms = 0;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    const int N = 12352, K = 2048, grid = sms * 3;
+    const size_t code_words = (size_t)N * K / 8, groups = (size_t)N * K / 64;
+    std::vector<uint32_t> hc(code_words);
+    for (auto& w : hc) w = (uint32_t)rand() * 2654435761u;
+    std::vector<__nv_bfloat16> hs(groups), hb(groups);
+    for (size_t i = 0; i < groups; ++i) {
+        hs[i] = __float2bfloat16(0.01f * (1 + rand() % 7));
+        hb[i] = __float2bfloat16(-0.05f * (rand() % 5));
+    }
+    std::vector<float> hx(K);
+    for (auto& v : hx) v = (rand() % 2001 - 1000) / 1000.f;
+    float* x;
+    CK(cudaMalloc(&x, K * 4));
+    CK(cudaMemcpy(x, hx.data(), K * 4, cudaMemcpyHostToDevice));
+    float *out_graph, *out_chain;
+    CK(cudaMalloc(&out_graph, (size_t)CHAIN * N * 4));
+    CK(cudaMalloc(&out_chain, (size_t)CHAIN * N * 4));
+    Segment copies[COPIES];
+    for (int c = 0; c < COPIES; ++c) {
+        uint32_t* dc;
+        __nv_bfloat16 *ds, *db;
+        CK(cudaMalloc(&dc, code_words * 4));
+        CK(cudaMalloc(&ds, groups * 2));
+        CK(cudaMalloc(&db, groups * 2));
+        CK(cudaMemcpy(dc, hc.data(), code_words * 4, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(ds, hs.data(), groups * 2, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(db, hb.data(), groups * 2, cudaMemcpyHostToDevice));
+        copies[c] = Segment{dc, ds, db, nullptr, N, 4, 0, 0};
+    }
+    auto args_for = [&](float* out, int i) {
+        GemvArgs a{};
+        a.seg[0] = copies[i % COPIES];
+        a.seg[0].out = out + (size_t)i * N;
+        a.x = x;
+        a.nseg = 1;
+        a.K = K;
+        a.group = 64;
+        a.tiles = 1;
+        return a;
+    };
+    cudaStream_t st;
+    CK(cudaStreamCreate(&st));
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    auto best_of = [&](auto launch) {
+        launch();
+        CK(cudaStreamSynchronize(st));
+        float best = 1e9f;
+        for (int r = 0; r < 5; ++r) {
+            CK(cudaEventRecord(e0, st));
+            launch();
+            CK(cudaEventRecord(e1, st));
+            CK(cudaEventSynchronize(e1));
+            float ms;
+            CK(cudaEventElapsedTime(&ms, e0, e1));
+            best = ms < best ? ms : best;
+        }
+        return best * 1e3f / CHAIN;
+    };
+    // separate launches in one graph
+    cudaGraph_t gr;
+    cudaGraphExec_t ge;
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+    for (int i = 0; i < CHAIN; ++i) {
+        GemvArgs a = args_for(out_graph, i);
+        gemv_q_tiles<<<grid, 256, 0, st>>>(a);
+    }
+    CK(cudaStreamEndCapture(st, &gr));
+    CK(cudaGraphInstantiate(&ge, gr, 0));
+    const float us_graph = best_of([&] { CK(cudaGraphLaunch(ge, st)); });
+    // one resident launch with grid barriers
+    Chain hchain;
+    for (int i = 0; i < CHAIN; ++i) hchain.step[i] = args_for(out_chain, i);
+    unsigned* bar;
+    CK(cudaMalloc(&bar, 64));
+    CK(cudaMemset(bar, 0, 64));
+    int per_sm = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_chain, 256, 0));
+    if (per_sm * sms < grid) {
+        printf("only %d blocks per SM fit: the chain's grid would not be resident\n", per_sm);
+        return 1;
+    }
+    const float us_chain = best_of([&] { gemv_chain<<<grid, 256, 0, st>>>(hchain, GridBarrier{bar, bar + 8}); });
+    // the two forms compute the same outputs
+    std::vector<float> a((size_t)CHAIN * N), b((size_t)CHAIN * N);
+    CK(cudaMemcpy(a.data(), out_graph, a.size() * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(b.data(), out_chain, b.size() * 4, cudaMemcpyDeviceToHost));
+    double diff = 0.0;
+    for (size_t i = 0; i < a.size(); ++i) diff = fmax(diff, fabs((double)a[i] - b[i]));
+    printf("in_proj GEMV x %d: separate launches %.2f us each, one launch with grid barriers %.2f us each "
+           "(max |difference| %.3g)\n", CHAIN, us_graph, us_chain, diff);
+    return 0;
+}
