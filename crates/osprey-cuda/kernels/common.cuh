@@ -92,7 +92,7 @@ __device__ __forceinline__ int perm64(int k) {
     return (k & ~63) | (((q << 2) | t) << 2) | j;
 }
 
-// ---- routing: the router GEMV's last block writes the selected experts here ----
+// ---- routing: block 0 of moe_gate_up writes the selected experts here for moe_down ----
 #define MAX_TOPK 16
 #define MAX_E 512
 
