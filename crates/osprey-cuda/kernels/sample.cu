@@ -163,6 +163,15 @@ __device__ __forceinline__ float penalised(const SampleParams& P, const SampleAr
 // x comes before y: larger logit, then lower id.
 __device__ __forceinline__ bool before(float xv, int xi, float yv, int yi) { return xv > yv || (xv == yv && xi < yi); }
 
+// The warp's first (logit, id) by `before`, in every lane.
+__device__ __forceinline__ void warp_best(float& best, int& bi) {
+    for (int off = 16; off > 0; off >>= 1) {
+        const float ov = __shfl_xor_sync(FULL_MASK, best, off);
+        const int oi = __shfl_xor_sync(FULL_MASK, bi, off);
+        if (before(ov, oi, best, bi)) { best = ov; bi = oi; }
+    }
+}
+
 // The k-th largest of `count` keys (key(i), i < count), one byte at a time from the top: four
 // histogram passes by the whole block (warp-aggregated shared-memory atomics), each narrowing the
 // prefix. Every key at or above the returned one is among the k largest or tied with the k-th.
@@ -229,21 +238,13 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_token(Sample
         const int id = a.cand_i[i];
         if (before(l, id, best, bi)) { best = l; bi = id; }
     }
-    for (int off = 16; off > 0; off >>= 1) {
-        const float ov = __shfl_xor_sync(FULL_MASK, best, off);
-        const int oi = __shfl_xor_sync(FULL_MASK, bi, off);
-        if (before(ov, oi, best, bi)) { best = ov; bi = oi; }
-    }
+    warp_best(best, bi);
     if (lane == 0) { red_v[warp] = best; red_i[warp] = bi; }
     __syncthreads();
     if (warp == 0) {
         best = red_v[lane];
         bi = red_i[lane];
-        for (int off = 16; off > 0; off >>= 1) {
-            const float ov = __shfl_xor_sync(FULL_MASK, best, off);
-            const int oi = __shfl_xor_sync(FULL_MASK, bi, off);
-            if (before(ov, oi, best, bi)) { best = ov; bi = oi; }
-        }
+        warp_best(best, bi);
         if (lane == 0) chosen = bi;
     }
     __syncthreads();
@@ -325,9 +326,10 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_token(Sample
     }
 }
 
-// The sampler's first pass spread over `parts` blocks: block b applies the penalties to its slice of the vocabulary (in place) and keeps, in
-// cand_v/cand_i[b * PREPASS_SLOTS ...], every logit at or above the slice's k-th largest (an exact
-// radix select in shared memory; k = top-k <= 256, so the global top-k is among the union) or,
+// The sampler's first pass spread over `parts` blocks: block b applies the penalties to its slice
+// of the vocabulary (in place) and keeps, in cand_v/cand_i[b * PREPASS_SLOTS ...], every logit at
+// or above the slice's k-th largest (an exact radix select in shared memory; k = top-k <= 256, so
+// the global top-k is among the union) or,
 // when greedy, the slice's best; unused slots hold -inf. sample_token then reads parts · 256
 // candidates instead of the whole vocabulary (one 1024-thread block over ~1 MB four times was
 // ~0.3 ms of a step). A slice with more than 256 logits tied at its k-th largest keeps 256 of
@@ -356,11 +358,7 @@ extern "C" __global__ void __launch_bounds__(PREPASS_THREADS) sample_prepass(Sam
         sl[j] = l;
         if (before(l, lo + j, best, bi)) { best = l; bi = lo + j; }
     }
-    for (int off = 16; off > 0; off >>= 1) {
-        const float ov = __shfl_xor_sync(FULL_MASK, best, off);
-        const int oi = __shfl_xor_sync(FULL_MASK, bi, off);
-        if (before(ov, oi, best, bi)) { best = ov; bi = oi; }
-    }
+    warp_best(best, bi);
     if (lane == 0) { red_v[warp] = best; red_i[warp] = bi; }
     if (tid == 0) ncand = 0;
     __syncthreads();
