@@ -311,16 +311,24 @@ __device__ __forceinline__ void slot_barrier(int slot) {
 // Work units: 16-row tiles for 4-bit group-64 segments, single rows otherwise.
 __device__ __forceinline__ bool tiled(const GemvArgs& a, const Segment& s) { return a.tiles && s.bits == 4 && a.group == 64; }
 
-// Tile `t` of the launch's tiled segments: its segment and first row.
-__device__ __forceinline__ int locate_tile(const GemvArgs& a, int t, int& row0) {
+// Work units of the launch's tiled segments (16-row tiles) or of its untiled ones (rows).
+__device__ __forceinline__ int unit_count(const GemvArgs& a, bool tiles) {
+    int n = 0;
+    for (int i = 0; i < a.nseg; ++i)
+        if (tiled(a, a.seg[i]) == tiles) n += tiles ? (a.seg[i].rows + 15) / 16 : a.seg[i].rows;
+    return n;
+}
+
+// Unit u of those: its segment, and its index inside it (`local`).
+__device__ __forceinline__ int locate_unit(const GemvArgs& a, bool tiles, int u, int& local) {
     int si = 0;
     for (; si < a.nseg; ++si) {
-        if (!tiled(a, a.seg[si])) continue;
-        const int n = (a.seg[si].rows + 15) / 16;
-        if (t < n) break;
-        t -= n;
+        if (tiled(a, a.seg[si]) != tiles) continue;
+        const int n = tiles ? (a.seg[si].rows + 15) / 16 : a.seg[si].rows;
+        if (u < n) break;
+        u -= n;
     }
-    row0 = t * 16;
+    local = u;
     return si;
 }
 
@@ -348,21 +356,18 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
     // tiles: slot `slot` of block b takes tiles b·SLOTS + slot, then every gridDim·SLOTS on; warp
     // kp of the slot owns groups [g0, g1) of them. Its first batch of weights is requested before
     // the prologue (weights depend on no earlier kernel), so the prologue hides under that latency.
-    int total_tiles = 0;
-    for (int i = 0; i < a.nseg; ++i) total_tiles += tiled(a, a.seg[i]) ? (a.seg[i].rows + 15) / 16 : 0;
+    const int total_tiles = unit_count(a, true);
     const int slot = warp / TILE_KPARTS, kp = warp % TILE_KPARTS, gpr = a.K / 64;
     const int g0 = kp * gpr / TILE_KPARTS, g1 = (kp + 1) * gpr / TILE_KPARTS;
-    int tile = blockIdx.x * TILE_SLOTS + slot, row0;
-    int si = locate_tile(a, tile, row0);
+    int tile = blockIdx.x * TILE_SLOTS + slot, local;
+    int si = locate_unit(a, true, tile, local), row0 = local * 16;
     TileBatch cur, nxt;
     if (TILES && tile < total_tiles) tile_load(a.seg[si], a.K, row0, g0, g1, cur);
     load_input(a, xs, chunk_sum, scratch);
+
     if (TILES) {
         build_x_fragments(xs, a.K, xb);
         __syncthreads();
-    }
-
-    if (TILES) {
         // partial sums of a slot's tiles meet in a double buffer, one slot barrier per tile
         __shared__ float part[2][TILE_SLOTS][TILE_KPARTS][16];
         const int batches = (g1 - g0 + TILE_BATCH - 1) / TILE_BATCH;
@@ -376,7 +381,8 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
             if (nbi == batches) {
                 nbi = 0;
                 nt += stride;
-                nsi = locate_tile(a, nt, nrow0);
+                nsi = locate_unit(a, true, nt, local);
+                nrow0 = local * 16;
             }
             if (nt < total_tiles) tile_load(a.seg[nsi], a.K, nrow0, g0 + nbi * TILE_BATCH, g1, nxt);
             tile_compute(cur, g0 + bi * TILE_BATCH, g1, xq, chunk_sum, yA, yB);
@@ -402,15 +408,9 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
     }
     // rows: every unit of the untiled segments, one per warp (requesting the first row before
     // the prologue, as the tiles do, measured no faster for the row-only launches)
-    int rows_total = 0;
-    for (int i = 0; i < a.nseg; ++i) rows_total += tiled(a, a.seg[i]) ? 0 : a.seg[i].rows;
+    const int rows_total = unit_count(a, false);
     for (int u = blockIdx.x * 8 + warp; u < rows_total; u += gridDim.x * 8) {
-        int si = 0, local = u;
-        while (tiled(a, a.seg[si]) || local >= a.seg[si].rows) {
-            if (!tiled(a, a.seg[si])) local -= a.seg[si].rows;
-            ++si;
-        }
-        const Segment& s = a.seg[si];
+        const Segment& s = a.seg[locate_unit(a, false, u, local)];
         RowLoads L;
         load_row(s, local, a.K, a.group, L);
         const float y = row_dot(s, L, a.K, xs, chunk_sum);
