@@ -168,11 +168,7 @@ pub fn run(kind: BenchKind) -> Result<()> {
     let sample = matches!(&kind, BenchKind::Decode { sample: true, .. });
     if model.backend == "cuda" {
         let dir = crate::commands::model_dir(model)?;
-        let sampling = if sample {
-            Some(checkpoint_sampling(&dir)?)
-        } else {
-            None
-        };
+        let sampling = sample.then(|| checkpoint_sampling(&dir)).transpose()?;
         return match &kind {
             BenchKind::Decode { steps, .. } => {
                 cuda_decode(&dir, &lengths, *steps, rounds, sampling, out.as_deref())
@@ -183,11 +179,7 @@ pub fn run(kind: BenchKind) -> Result<()> {
         };
     }
     let (engine, dir) = load_engine(model)?;
-    let sampling = if sample {
-        Some(checkpoint_sampling(&dir)?)
-    } else {
-        None
-    };
+    let sampling = sample.then(|| checkpoint_sampling(&dir)).transpose()?;
     let c = engine.config().clone();
     // ids the real tokenizer can produce (the tail of the embedding is padding)
     let vocab = c.vocab_size.min(248_077);

@@ -22,6 +22,10 @@ fn ok(args: &[&str]) -> (String, String) {
     (out, err)
 }
 
+fn read_json(path: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
 fn fails(args: &[&str]) -> String {
     let o = osprey(args);
     let err = String::from_utf8_lossy(&o.stderr).into_owned();
@@ -126,8 +130,7 @@ fn synth_inspect_generate_score() {
         "--out",
         json.to_str().unwrap(),
     ]);
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let v = read_json(&json);
     assert_eq!(v["kind"], "decode");
     assert_eq!(v["results"].as_array().unwrap().len(), 2);
     assert!(v["results"][0]["tokens_per_s"].as_f64().unwrap() > 0.0);
@@ -149,8 +152,7 @@ fn synth_inspect_generate_score() {
         "--out",
         json.to_str().unwrap(),
     ]);
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let v = read_json(&json);
     assert_eq!(v["sampling"]["top_k"], 20);
     assert!((v["sampling"]["temperature"].as_f64().unwrap() - 1.0).abs() < 1e-6);
     assert!(v["results"][0]["tokens_per_s"].as_f64().unwrap() > 0.0);
@@ -181,8 +183,7 @@ fn bad_checkpoints_give_clear_errors() {
 
     // a config that disagrees with the tensors: every problem is listed
     let cfg_path = m.join("config.json");
-    let cfg = std::fs::read_to_string(&cfg_path).unwrap();
-    let mut v: serde_json::Value = serde_json::from_str(&cfg).unwrap();
+    let mut v = read_json(&cfg_path);
     v["text_config"]["moe_intermediate_size"] = 256.into();
     std::fs::write(&cfg_path, v.to_string()).unwrap();
     let err = fails(&["inspect", "--model", ms]);
@@ -322,8 +323,7 @@ fn eval_against_reference_logits() {
         json.to_str().unwrap(),
     ]);
     assert!(out.contains("top-1 agreement 100.00%"), "{out}");
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let v = read_json(&json);
     assert_eq!(v["fidelity"]["positions"], 7);
     assert_eq!(v["fidelity"]["max_abs_logit_error"], 0.0);
     // another model's logits differ: agreement drops, perplexities differ

@@ -70,10 +70,11 @@ impl StepOverlap {
         }
     }
 }
-/// Blocks of the sampler's prepass and the candidates each keeps (sample.cu PREPASS_SLOTS); the
-/// vocabulary's slices must fit a block's shared memory (PREPASS_MAX_SLICE = 4096 logits).
+/// Blocks of the sampler's prepass, the candidates each keeps (sample.cu PREPASS_SLOTS) and the
+/// largest vocabulary slice a block holds in shared memory (PREPASS_MAX_SLICE).
 const SAMPLE_PARTS: usize = 128;
 const SAMPLE_SLOTS: usize = 256;
+const SAMPLE_MAX_SLICE: usize = 4096;
 /// Kernel families that choose the token and advance the position (never issued twice).
 const TOKEN_CHOICE_FAMILIES: [&str; 2] = ["argmax", "sample (when sampling)"];
 
@@ -1439,10 +1440,10 @@ fn check_shapes(c: &ModelConfig) -> Result<()> {
             "MoE shape beyond the kernels' limits (512 experts, top-16, (k+1)·I ≤ 6144)".into(),
         );
     }
-    if c.vocab_size > SAMPLE_PARTS * 4096 {
+    if c.vocab_size > SAMPLE_PARTS * SAMPLE_MAX_SLICE {
         problems.push(format!(
-            "vocabulary {} beyond the GPU sampler's {} slices of 4096",
-            c.vocab_size, SAMPLE_PARTS
+            "vocabulary {} beyond the GPU sampler's {SAMPLE_PARTS} slices of {SAMPLE_MAX_SLICE}",
+            c.vocab_size
         ));
     }
     if c.shared_expert_intermediate_size != c.moe_intermediate_size {
@@ -1485,7 +1486,7 @@ mod tests {
         assert!(err.contains("shared expert width 1024"), "{err}");
 
         let mut c = qwen36();
-        c.vocab_size = SAMPLE_PARTS * 4096 + 1;
+        c.vocab_size = SAMPLE_PARTS * SAMPLE_MAX_SLICE + 1;
         let err = check_shapes(&c).unwrap_err().to_string();
         assert!(err.contains("vocabulary"), "{err}");
 
