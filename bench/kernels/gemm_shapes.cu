@@ -9,12 +9,8 @@
 // Run on the GPU machine:  nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 \
 //     bench/kernels/gemm_shapes.cu -o /tmp/gemm_shapes && /tmp/gemm_shapes
 #include "../../crates/osprey-cuda/kernels/gemm.cu"
-#include <cstdio>
-#include <cstdlib>
+#include "harness.cuh"
 #include <vector>
-#include <cuda_runtime.h>
-
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); exit(1); } } while (0)
 
 template <typename T>
 static T* upload(const std::vector<T>& v) {
@@ -56,22 +52,7 @@ static double time_launches(void (*kernel)(GemmArgs), const GemmArgs& g, dim3 gr
     for (int i = 0; i < L; ++i) kernel<<<grid, 256, 0, st>>>(g);
     CK(cudaStreamEndCapture(st, &gr));
     CK(cudaGraphInstantiate(&ge, gr, 0));
-    CK(cudaGraphLaunch(ge, st));
-    CK(cudaStreamSynchronize(st));
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    float best = 1e9f;
-    for (int r = 0; r < 5; ++r) {
-        CK(cudaEventRecord(e0, st));
-        CK(cudaGraphLaunch(ge, st));
-        CK(cudaEventRecord(e1, st));
-        CK(cudaEventSynchronize(e1));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        best = ms < best ? ms : best;
-    }
-    return best * 1e3 / L;  // us per launch
+    return best_ms(st, [&] { CK(cudaGraphLaunch(ge, st)); }) * 1e3 / L;  // us per launch
 }
 
 static void report(const char* name, double us, double flop) {

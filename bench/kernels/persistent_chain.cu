@@ -9,43 +9,12 @@
 // Run on the GPU machine:  nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 \
 //     bench/kernels/persistent_chain.cu -o /tmp/persistent_chain && /tmp/persistent_chain
 #include "../../crates/osprey-cuda/kernels/gemv.cu"
+#include "harness.cuh"
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <vector>
-#include <cuda_runtime.h>
-
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); exit(1); } } while (0)
 
 #define CHAIN 30
 #define COPIES 8
-
-struct GridBarrier {
-    unsigned* count;
-    unsigned* generation;
-};
-
-__device__ __forceinline__ unsigned ld_acquire_u32(const unsigned* p) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ void grid_barrier(GridBarrier b) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const unsigned gen = ld_acquire_u32(b.generation);
-        __threadfence();
-        if (atomicAdd(b.count, 1) == gridDim.x - 1) {
-            *b.count = 0;
-            __threadfence();
-            atomicAdd(b.generation, 1);
-        } else {
-            while (ld_acquire_u32(b.generation) == gen) __nanosleep(32);
-        }
-    }
-    __syncthreads();
-}
 
 struct Chain {
     GemvArgs step[CHAIN];
@@ -105,24 +74,6 @@ int main() {
     };
     cudaStream_t st;
     CK(cudaStreamCreate(&st));
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    auto best_of = [&](auto launch) {
-        launch();
-        CK(cudaStreamSynchronize(st));
-        float best = 1e9f;
-        for (int r = 0; r < 5; ++r) {
-            CK(cudaEventRecord(e0, st));
-            launch();
-            CK(cudaEventRecord(e1, st));
-            CK(cudaEventSynchronize(e1));
-            float ms;
-            CK(cudaEventElapsedTime(&ms, e0, e1));
-            best = ms < best ? ms : best;
-        }
-        return best * 1e3f / CHAIN;
-    };
     // separate launches in one graph
     cudaGraph_t gr;
     cudaGraphExec_t ge;
@@ -133,7 +84,7 @@ int main() {
     }
     CK(cudaStreamEndCapture(st, &gr));
     CK(cudaGraphInstantiate(&ge, gr, 0));
-    const float us_graph = best_of([&] { CK(cudaGraphLaunch(ge, st)); });
+    const float us_graph = best_ms(st, [&] { CK(cudaGraphLaunch(ge, st)); }) * 1e3f / CHAIN;
     // one resident launch with grid barriers
     Chain hchain;
     for (int i = 0; i < CHAIN; ++i) hchain.step[i] = args_for(out_chain, i);
@@ -146,7 +97,7 @@ int main() {
         printf("only %d blocks per SM fit: the chain's grid would not be resident\n", per_sm);
         return 1;
     }
-    const float us_chain = best_of([&] { gemv_chain<<<grid, 256, 0, st>>>(hchain, GridBarrier{bar, bar + 8}); });
+    const float us_chain = best_ms(st, [&] { gemv_chain<<<grid, 256, 0, st>>>(hchain, GridBarrier{bar, bar + 8}); }) * 1e3f / CHAIN;
     // the two forms compute the same outputs
     std::vector<float> a((size_t)CHAIN * N), b((size_t)CHAIN * N);
     CK(cudaMemcpy(a.data(), out_graph, a.size() * 4, cudaMemcpyDeviceToHost));

@@ -10,11 +10,7 @@
 //              each boundary inside a persistent kernel.
 // Run on the GPU machine:  nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 \
 //     bench/kernels/step_overheads.cu -o /tmp/step_overheads && /tmp/step_overheads
-#include <cstdio>
-#include <cstdlib>
-#include <cuda_runtime.h>
-
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); exit(1); } } while (0)
+#include "harness.cuh"
 
 extern "C" __global__ void __launch_bounds__(256, 3) empty_kernel(int* sink) {
     __shared__ int pad[9 * 1024];  // 36 KB, as the GEMV holds
@@ -28,56 +24,9 @@ extern "C" __global__ void __launch_bounds__(256, 3) chained_kernel(int* v, int 
     if (blockIdx.x == 0 && threadIdx.x == 0) *v = got + 1 + 0 * step;
 }
 
-struct GridBarrier {
-    unsigned* count;
-    unsigned* generation;
-};
-
-__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-// All blocks of a resident grid meet: the last to arrive resets the count and bumps the generation.
-__device__ __forceinline__ void grid_barrier(GridBarrier b) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const unsigned gen = ld_acquire(b.generation);
-        __threadfence();
-        if (atomicAdd(b.count, 1) == gridDim.x - 1) {
-            *b.count = 0;
-            __threadfence();
-            atomicAdd(b.generation, 1);
-        } else {
-            while (ld_acquire(b.generation) == gen) __nanosleep(32);
-        }
-    }
-    __syncthreads();
-}
-
 extern "C" __global__ void __launch_bounds__(256, 3) barrier_kernel(GridBarrier b, int n, int* sink) {
     for (int i = 0; i < n; ++i) grid_barrier(b);
     if (blockIdx.x == 0 && threadIdx.x == 0) sink[0] = n;
-}
-
-static float time_graph(cudaGraphExec_t ge, cudaStream_t st) {
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    CK(cudaGraphLaunch(ge, st));
-    CK(cudaStreamSynchronize(st));
-    float best = 1e9f;
-    for (int r = 0; r < 5; ++r) {
-        CK(cudaEventRecord(e0, st));
-        CK(cudaGraphLaunch(ge, st));
-        CK(cudaEventRecord(e1, st));
-        CK(cudaEventSynchronize(e1));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        best = ms < best ? ms : best;
-    }
-    return best;
 }
 
 int main() {
@@ -105,7 +54,7 @@ int main() {
         }
         CK(cudaStreamEndCapture(st, &g));
         CK(cudaGraphInstantiate(&ge, g, 0));
-        const float ms = time_graph(ge, st);
+        const float ms = best_ms(st, [&] { CK(cudaGraphLaunch(ge, st)); });
         const char* name[] = {"empty launches", "chained launches", "grid barriers (one launch)"};
         printf("%-28s grid %4d x 256: %4d in %8.1f us = %6.2f us each\n", name[kind], grid, N, ms * 1e3, ms * 1e3 / N);
     }
