@@ -53,6 +53,7 @@ struct GemvArgs {
     int head_dim;
     int tiles;  // 1: 4-bit group-64 segments run as tensor-core tiles (the host sets it for big launches)
     int prefetch;  // 1: ask L2 for this block's share of the weights before waiting on the predecessor
+    int stages;    // gemv_q_stream: tiles held in shared memory at once (dynamic shared memory / stage bytes)
 };
 
 // Thread t owns the E consecutive elements [E·t, E·t + E) of the input, E = max(K/256, 4) (so
@@ -194,30 +195,20 @@ __device__ __forceinline__ float row_dot(const Segment& s, const RowLoads& L, in
     return warp_sum(acc);
 }
 
-// ---- 4-bit, group-64 rows on the tensor cores -------------------------------------------------
+// ---- 4-bit, group-64 rows on the integer tensor cores ------------------------------------------
 // A warp owns a tile of 16 rows. Per 64-element group, each of its 4 column-threads (lane % 4 = q)
-// loads one 8-byte pair of code words per row (words 2q, 2q+1); the codes become bf16 A fragments
-// with one shift and one LOP3 per two weights (128 + q exactly: 0x4300 | q), and mma.sync
-// m16n8k16 multiplies them by x, carried as bf16 hi + lo parts (x = hi + lo to ~2^-17, so the
-// product keeps f32-level accuracy) in column 0 of B. The logical k order inside a group is a
-// permutation chosen so each thread's nibbles are cheap to extract; x is permuted the same way
-// once per block. Per group, 128·Σx is subtracted and scale and bias applied in f32.
-
-// B fragments of x for every (k-tile, q): {hi b0, hi b1, lo b0, lo b1}.
-__device__ __forceinline__ void build_x_fragments(const float* xs, int K, uint4* xb) {
-    for (int idx = threadIdx.x; idx < K / 16 * 4; idx += blockDim.x) {
-        const int tile = idx >> 2, q = idx & 3, grp = tile >> 2, t = tile & 3;
-        const int e0 = grp * 64 + (2 * q + (t >> 1)) * 8, sh = (t & 1) * 2;
-        const float v[4] = {xs[pad_idx(e0 + sh)], xs[pad_idx(e0 + sh + 4)], xs[pad_idx(e0 + sh + 1)], xs[pad_idx(e0 + sh + 5)]};
-        float hi[4], lo[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            hi[i] = __bfloat162float(__float2bfloat16_rn(v[i]));
-            lo[i] = v[i] - hi[i];
-        }
-        xb[idx] = make_uint4(pack_bf16(hi[0], hi[1]), pack_bf16(hi[2], hi[3]), pack_bf16(lo[0], lo[1]), pack_bf16(lo[2], lo[3]));
-    }
-}
+// loads one 8-byte pair of code words per row (words 2q, 2q + 1). x is carried per group G as
+// x ≈ s_G · (h + l / 254) with h = rint(x / s_G) and l the rounded remainder in 254ths (s_G =
+// max|x| / 127 over the group, so |h|, |l| <= 127): the error is at most s_G / 508, about 2^-16
+// of the group's largest element (bf16 activations, as MLX multiplies them, carry 2^-9 of each).
+// A code word gives its A fragments in two LOP3s and a shift (nibbles 0,2,4,6 and 1,3,5,7 as
+// bytes), and mma m16n8k32 takes 32 k per instruction with exact s32 sums: a group costs 4 mma
+// and 12 ALU operations per warp, where bf16 fragments (x as bf16 hi + lo, codes as 128 + q)
+// cost 8 mma and 28 (measured: lm_head 124 -> 100 us, in_proj 11.9 -> 11.1 us standalone). No
+// offset is added to the codes, so nothing cancels when the bias term is applied.
+// Storage of x: lane (g, q) of k-tile T (0, 1) of group G multiplies the nibbles of code word
+// 2q + T; its b0 bytes are x[G·64 + 8(2q + T) + 2i], b1 bytes x[... + 2i + 1] (i = 0..3), hi and
+// lo parts in one uint4 at xb8[(2G + T)·4 + q]; gx[G] = (s_G, Σ x over the group).
 
 // A warp's share of one tile: K is split 4 ways (TILE_KPARTS warps per tile, two tiles per block
 // at a time), and a warp's groups are requested TILE_BATCH at a time, the next batch (of this
@@ -238,18 +229,25 @@ __device__ __forceinline__ __nv_bfloat162 shfl_bf162(__nv_bfloat162 v, int src) 
     return *reinterpret_cast<const __nv_bfloat162*>(&u);
 }
 
-// (w & 0x000F000F) | 0x43004300 in one LOP3: two codes as bf16 128 + q
-__device__ __forceinline__ uint32_t code_pair_bf16(uint32_t w) {
-    uint32_t r;
-    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "r"(0x000F000Fu), "r"(0x43004300u));
-    return r;
+// Requests the scales and biases of groups [Gb, min(Gb + TILE_BATCH, g1)) of rows row0 + g and
+// row0 + g + 8: lane (g, q) holds groups Gb + 2q, Gb + 2q + 1 (Gb even: the host runs tiles only
+// when K is a multiple of 512).
+__device__ __forceinline__ void tile_load_scales(const Segment& s, int K, int row0, int Gb, int g1, TileBatch& b) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, gpr = K / 64;
+    const size_t la = (size_t)min(row0 + g, s.rows - 1), lb = (size_t)min(row0 + g + 8, s.rows - 1);
+    const int pair = (Gb >> 1) + q;
+    const __nv_bfloat162 zero2 = __floats2bfloat162_rn(0.f, 0.f);
+    const bool has = Gb + 2 * q < g1;
+    b.sA = has ? reinterpret_cast<const __nv_bfloat162*>(s.scales + la * gpr)[pair] : zero2;
+    b.bA = has ? reinterpret_cast<const __nv_bfloat162*>(s.biases + la * gpr)[pair] : zero2;
+    b.sB = has ? reinterpret_cast<const __nv_bfloat162*>(s.scales + lb * gpr)[pair] : zero2;
+    b.bB = has ? reinterpret_cast<const __nv_bfloat162*>(s.biases + lb * gpr)[pair] : zero2;
 }
 
-// Requests groups [Gb, min(Gb + TILE_BATCH, g1)) of rows row0 + g and row0 + g + 8 (Gb even: the
-// host runs tiles only when K is a multiple of 512).
+// Requests groups [Gb, min(Gb + TILE_BATCH, g1)) of rows row0 + g and row0 + g + 8.
 __device__ __forceinline__ void tile_load(const Segment& s, int K, int row0, int Gb, int g1, TileBatch& b) {
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    const int wpr = K / 8, gpr = K / 64;
+    const int wpr = K / 8;
     const size_t la = (size_t)min(row0 + g, s.rows - 1), lb = (size_t)min(row0 + g + 8, s.rows - 1);
     const uint2* ca = reinterpret_cast<const uint2*>(s.codes + la * wpr) + q + 4 * Gb;
     const uint2* cb = reinterpret_cast<const uint2*>(s.codes + lb * wpr) + q + 4 * Gb;
@@ -260,46 +258,7 @@ __device__ __forceinline__ void tile_load(const Segment& s, int K, int row0, int
             b.wb[j] = __ldcs(cb + 4 * j);
         }
     }
-    const int pair = (Gb >> 1) + q;
-    const __nv_bfloat162 zero2 = __floats2bfloat162_rn(0.f, 0.f);
-    const bool has = Gb + 2 * q < g1;
-    b.sA = has ? reinterpret_cast<const __nv_bfloat162*>(s.scales + la * gpr)[pair] : zero2;
-    b.bA = has ? reinterpret_cast<const __nv_bfloat162*>(s.biases + la * gpr)[pair] : zero2;
-    b.sB = has ? reinterpret_cast<const __nv_bfloat162*>(s.scales + lb * gpr)[pair] : zero2;
-    b.bB = has ? reinterpret_cast<const __nv_bfloat162*>(s.biases + lb * gpr)[pair] : zero2;
-}
-
-// Adds groups [Gb, min(Gb + TILE_BATCH, g1)) to the dot products of rows g (yA) and g + 8 (yB);
-// every lane holds them (column 0 of the mma; x sits in all 8 columns, so no lane masks it).
-__device__ __forceinline__ void tile_compute(const TileBatch& b, int Gb, int g1, const uint4* xq, const float* chunk_sum,
-                                             float& yA, float& yB) {
-    const int g = (threadIdx.x & 31) >> 2;
-#pragma unroll
-    for (int j = 0; j < TILE_BATCH; ++j) {
-        const int G = Gb + j;
-        if (G >= g1) break;
-        const int src = g * 4 + j / 2;
-        const __nv_bfloat162 sA2 = shfl_bf162(b.sA, src), bA2 = shfl_bf162(b.bA, src);
-        const __nv_bfloat162 sB2 = shfl_bf162(b.sB, src), bB2 = shfl_bf162(b.bB, src);
-        float d[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-            const uint32_t wA = (t >> 1) ? b.wa[j].y : b.wa[j].x, wB = (t >> 1) ? b.wb[j].y : b.wb[j].x;
-            const int sh = (t & 1) * 8;
-            const uint4 xf = xq[(G * 4 + t) * 4];
-            const uint32_t a0 = code_pair_bf16(wA >> sh), a1 = code_pair_bf16(wB >> sh);
-            const uint32_t a2 = code_pair_bf16(wA >> (sh + 4)), a3 = code_pair_bf16(wB >> (sh + 4));
-            mma_bf16(d, a0, a1, a2, a3, xf.x, xf.y);
-            mma_bf16(d, a0, a1, a2, a3, xf.z, xf.w);
-        }
-        const float sA = (j & 1) ? __high2float(sA2) : __low2float(sA2);
-        const float bA = (j & 1) ? __high2float(bA2) : __low2float(bA2);
-        const float sB = (j & 1) ? __high2float(sB2) : __low2float(sB2);
-        const float bB = (j & 1) ? __high2float(bB2) : __low2float(bB2);
-        const float xsum = (chunk_sum[4 * G] + chunk_sum[4 * G + 1]) + (chunk_sum[4 * G + 2] + chunk_sum[4 * G + 3]);
-        yA = fmaf(sA, d[0] - 128.f * xsum, fmaf(bA, xsum, yA));
-        yB = fmaf(sB, d[2] - 128.f * xsum, fmaf(bB, xsum, yB));
-    }
+    tile_load_scales(s, K, row0, Gb, g1, b);
 }
 
 // The TILE_KPARTS warps of one slot meet (barrier ids are immediates, so only these are reserved).
@@ -332,6 +291,74 @@ __device__ __forceinline__ int locate_unit(const GemvArgs& a, bool tiles, int u,
     return si;
 }
 
+__device__ __forceinline__ uint32_t pack_s8(const int* v) {
+    return (uint32_t)(v[0] & 0xFF) | ((uint32_t)(v[1] & 0xFF) << 8) | ((uint32_t)(v[2] & 0xFF) << 16) | ((uint32_t)(v[3] & 0xFF) << 24);
+}
+
+__device__ __forceinline__ void build_x_s8(const float* xs, int K, uint4* xb8, float2* gx) {
+    // 8 consecutive threads per group: thread (T, q) of group G holds the 8 elements its fragments take
+    for (int idx = threadIdx.x; idx < K / 64 * 8; idx += blockDim.x) {
+        const int G = idx >> 3, T = (idx >> 2) & 1, q = idx & 3, e0 = G * 64 + 8 * (2 * q + T);
+        float v[8], mx = 0.f, sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            v[j] = xs[pad_idx(e0 + j)];
+            mx = fmaxf(mx, fabsf(v[j]));
+            sum += v[j];
+        }
+#pragma unroll
+        for (int o = 1; o < 8; o <<= 1) {
+            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
+            sum += __shfl_xor_sync(FULL_MASK, sum, o);
+        }
+        const float s = mx / 127.f, inv = mx > 0.f ? 127.f / mx : 0.f;
+        int h[8], l[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            h[j] = __float2int_rn(v[j] * inv);
+            l[j] = max(-127, min(127, __float2int_rn((v[j] - (float)h[j] * s) * inv * 254.f)));
+        }
+        const int h0[4] = {h[0], h[2], h[4], h[6]}, h1[4] = {h[1], h[3], h[5], h[7]};
+        const int l0[4] = {l[0], l[2], l[4], l[6]}, l1[4] = {l[1], l[3], l[5], l[7]};
+        xb8[idx] = make_uint4(pack_s8(h0), pack_s8(h1), pack_s8(l0), pack_s8(l1));
+        if ((idx & 7) == 0) gx[G] = make_float2(s, sum);
+    }
+}
+
+// Adds groups [Gb, min(Gb + TILE_BATCH, g1)) to the dot products of rows g (yA) and g + 8 (yB);
+// every lane holds them (x sits in all 8 columns of B, so no lane masks it).
+__device__ __forceinline__ void tile_compute_s8(const TileBatch& b, int Gb, int g1, const uint4* xq, const float2* gx, float& yA,
+                                                float& yB) {
+    const int g = (threadIdx.x & 31) >> 2;
+#pragma unroll
+    for (int j = 0; j < TILE_BATCH; ++j) {
+        const int G = Gb + j;
+        if (G >= g1) break;
+        const int src = g * 4 + j / 2;
+        const __nv_bfloat162 sA2 = shfl_bf162(b.sA, src), bA2 = shfl_bf162(b.bA, src);
+        const __nv_bfloat162 sB2 = shfl_bf162(b.sB, src), bB2 = shfl_bf162(b.bB, src);
+        int dh[4] = {0, 0, 0, 0}, dl[4] = {0, 0, 0, 0};
+#pragma unroll
+        for (int T = 0; T < 2; ++T) {
+            const uint32_t wA = T ? b.wa[j].y : b.wa[j].x, wB = T ? b.wb[j].y : b.wb[j].x;
+            const uint32_t a0 = wA & 0x0F0F0F0Fu, a2 = (wA >> 4) & 0x0F0F0F0Fu;
+            const uint32_t a1 = wB & 0x0F0F0F0Fu, a3 = (wB >> 4) & 0x0F0F0F0Fu;
+            const uint4 xf = xq[(2 * G + T) * 4];
+            mma_s8(dh, a0, a1, a2, a3, xf.x, xf.y);
+            mma_s8(dl, a0, a1, a2, a3, xf.z, xf.w);
+        }
+        const float2 gs = gx[G];
+        const float dA = gs.x * fmaf((float)dl[0], 1.f / 254.f, (float)dh[0]);
+        const float dB = gs.x * fmaf((float)dl[2], 1.f / 254.f, (float)dh[2]);
+        const float sA = (j & 1) ? __high2float(sA2) : __low2float(sA2);
+        const float bA = (j & 1) ? __high2float(bA2) : __low2float(bA2);
+        const float sB = (j & 1) ? __high2float(sB2) : __low2float(sB2);
+        const float bB = (j & 1) ? __high2float(bB2) : __low2float(bB2);
+        yA = fmaf(sA, dA, fmaf(bA, gs.y, yA));
+        yB = fmaf(sB, dB, fmaf(bB, gs.y, yB));
+    }
+}
+
 // The grid is sized to the resident blocks (the prologue is paid once per block); each warp walks
 // work units: 16-row tensor-core tiles (4-bit, group 64) or single rows (8-bit, other groups).
 // TILES: the launch has tiles (a.tiles); compiled apart so row-only launches (the router, the
@@ -340,7 +367,8 @@ template <bool TILES>
 __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
     __shared__ __align__(16) float xs[MAX_K + MAX_K / 8];
     __shared__ float chunk_sum[MAX_K / 16];
-    __shared__ uint4 xb[MAX_K / 16 * 4];
+    __shared__ uint4 xb8[MAX_K / 64 * 8];
+    __shared__ float2 gx[MAX_K / 64];
     __shared__ float scratch[32];
     step_overlap_begin();
     if (a.prefetch) {
@@ -366,14 +394,14 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
     load_input(a, xs, chunk_sum, scratch);
 
     if (TILES) {
-        build_x_fragments(xs, a.K, xb);
+        build_x_s8(xs, a.K, xb8, gx);
         __syncthreads();
         // partial sums of a slot's tiles meet in a double buffer, one slot barrier per tile
         __shared__ float part[2][TILE_SLOTS][TILE_KPARTS][16];
         const int batches = (g1 - g0 + TILE_BATCH - 1) / TILE_BATCH;
         const int stride = gridDim.x * TILE_SLOTS;
         int bi = 0, it = 0;
-        const uint4* xq = xb + (lane & 3);
+        const uint4* xq = xb8 + (lane & 3);
         float yA = 0.f, yB = 0.f;
         while (tile < total_tiles) {
             // the next (tile, batch) requested before this one is used
@@ -385,7 +413,7 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
                 nrow0 = local * 16;
             }
             if (nt < total_tiles) tile_load(a.seg[nsi], a.K, nrow0, g0 + nbi * TILE_BATCH, g1, nxt);
-            tile_compute(cur, g0 + bi * TILE_BATCH, g1, xq, chunk_sum, yA, yB);
+            tile_compute_s8(cur, g0 + bi * TILE_BATCH, g1, xq, gx, yA, yB);
             if (nbi == 0) {
                 float* mine = part[it & 1][slot][kp];
                 if ((lane & 3) == 0) {
@@ -422,3 +450,143 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
 
 extern "C" __global__ void __launch_bounds__(256, 3) gemv_q(GemvArgs a) { gemv_body<false>(a); }
 extern "C" __global__ void __launch_bounds__(256, 3) gemv_q_tiles(GemvArgs a) { gemv_body<true>(a); }
+
+// ---- streamed tiles: a block's weights requested at once, by bulk copies into shared memory ----
+// gemv_q_stream: the tile GEMV for launches whose segments are all 4-bit group-64 rows. One block
+// per SM takes a contiguous run of 16-row tiles, dealt alternately to its two slots of 8 warps.
+// A slot's lead warp asks the copy engine for the slot's first `stages` tiles before anything
+// else (each tile is three copies: 16 rows of codes, 16 KB at K = 2048, then scales and biases):
+// the DRAM system sees the block's bytes at once instead of a few batches per warp (measured: one
+// thread's 16 KB bulk copies stream 4.6 TB/s; 1 KB copies only 1.1), and the prologue runs under
+// that latency. The 8 warps of a slot each multiply an eighth of K of the slot's tile (the A
+// fragments read from shared memory, as tile_load reads them from global) and leave 16 partial
+// sums; the lead warp adds a tile's 8 partials once all 8 warps have released its stage, writes
+// the 16 outputs and refills the stage with the slot's next tile (the lm_head's ~118 tiles per
+// block cycle through the ring).
+// Shared memory per stage: 16 rows of K/2 code bytes as stored, then the tile's scales and
+// biases ([16][K/64] bf16 each).
+#define STREAM_SLOTS 2
+#define STREAM_WARPS 8  // per slot
+#define STREAM_MAX_STAGES 8  // per slot
+
+__device__ __forceinline__ int stream_stage_bytes(int K) { return 16 * (K / 2); }
+
+// Lead warp of a slot: requests the codes of tile t (global tile index over the segments) into
+// `stage`.
+__device__ __forceinline__ void stream_fill(const GemvArgs& a, int t, char* stage, uint64_t* full) {
+    int local;
+    const Segment& s = a.seg[locate_unit(a, true, t, local)];
+    const int row0 = local * 16, rows = min(16, s.rows - row0), bytes = rows * (a.K / 2);
+    if ((threadIdx.x & 31) == 0) {
+        mbar_arrive_expect_bytes(full, (uint32_t)bytes);
+        bulk_copy_to_shared(stage, s.codes + (size_t)row0 * (a.K / 8), bytes, full);
+    }
+}
+
+// A warp's scales and biases of tile t: its groups [g0, g1) in batches of TILE_BATCH (at most 2).
+__device__ __forceinline__ void stream_scales(const GemvArgs& a, int t, int g0, int g1, TileBatch* b) {
+    int local;
+    const Segment& s = a.seg[locate_unit(a, true, t, local)];
+#pragma unroll
+    for (int k = 0; k < 2; ++k)
+        if (g0 + k * TILE_BATCH < g1) tile_load_scales(s, a.K, local * 16, g0 + k * TILE_BATCH, g1, b[k]);
+}
+
+// The codes of tile_load's batch, read from a stage in shared memory.
+__device__ __forceinline__ void stream_load(const char* stage, int K, int Gb, int g1, TileBatch& b) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const char* ra = stage + g * (K / 2) + q * 8;
+    const char* rbp = ra + 8 * (K / 2);
+#pragma unroll
+    for (int j = 0; j < TILE_BATCH; ++j) {
+        if (Gb + j < g1) {
+            b.wa[j] = *reinterpret_cast<const uint2*>(ra + (Gb + j) * 32);
+            b.wb[j] = *reinterpret_cast<const uint2*>(rbp + (Gb + j) * 32);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(STREAM_SLOTS * STREAM_WARPS * 32, 1) gemv_q_stream(GemvArgs a) {
+    extern __shared__ __align__(128) char ring[];  // [slot][stage] tiles, then [slot][stage][warp][16] partial sums
+    __shared__ __align__(16) float xs[MAX_K + MAX_K / 8];
+    __shared__ float chunk_sum[MAX_K / 16];
+    __shared__ uint4 xb8[MAX_K / 64 * 8];
+    __shared__ float2 gx[MAX_K / 64];
+    __shared__ float scratch[32];
+    __shared__ __align__(8) uint64_t full[STREAM_SLOTS][STREAM_MAX_STAGES], empty[STREAM_SLOTS][STREAM_MAX_STAGES];
+    step_overlap_begin();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, K = a.K, S = a.stages;
+    const int slot = warp / STREAM_WARPS, sw = warp % STREAM_WARPS;
+    const int total = unit_count(a, true);
+    const int t0 = (int)((long long)blockIdx.x * total / gridDim.x), t1 = (int)((long long)(blockIdx.x + 1) * total / gridDim.x);
+    if (t0 == t1) return;
+    const int stage_bytes = stream_stage_bytes(K);
+    char* my_ring = ring + (size_t)slot * S * stage_bytes;
+    float* part = reinterpret_cast<float*>(ring + (size_t)STREAM_SLOTS * S * stage_bytes) + slot * S * STREAM_WARPS * 16;
+    // the slot's tiles: t0 + slot, t0 + slot + SLOTS, ...; the i-th of them sits in stage i % S
+    const int mine = (t1 - t0 - slot + STREAM_SLOTS - 1) / STREAM_SLOTS;
+    if (sw == 0) {
+        if (lane == 0) {
+            for (int s = 0; s < S; ++s) {
+                mbar_init(&full[slot][s], 1);
+                mbar_init(&empty[slot][s], STREAM_WARPS);
+            }
+            mbar_init_fence();
+        }
+        __syncwarp();
+        for (int i = 0; i < min(S, mine); ++i)
+            stream_fill(a, t0 + slot + i * STREAM_SLOTS, my_ring + (size_t)i * stage_bytes, &full[slot][i]);
+    }
+    // scales and biases travel through registers, one tile ahead (bulk copies of 1 KB are slow)
+    const int gpr = K / 64, g0 = sw * gpr / STREAM_WARPS, g1 = (sw + 1) * gpr / STREAM_WARPS;
+    TileBatch cur[2], nxt[2];
+    if (mine > 0) stream_scales(a, t0 + slot, g0, g1, nxt);
+    step_inputs_ready();
+    load_input(a, xs, chunk_sum, scratch);
+    build_x_s8(xs, K, xb8, gx);
+    __syncthreads();
+    const uint4* xq = xb8 + (lane & 3);
+    for (int i = 0; i < mine; ++i) {
+        const int t = t0 + slot + i * STREAM_SLOTS, s = i % S;
+        const uint32_t parity = (uint32_t)(i / S) & 1u;
+        const char* stage = my_ring + (size_t)s * stage_bytes;
+        cur[0] = nxt[0];
+        cur[1] = nxt[1];
+        if (i + 1 < mine) stream_scales(a, t + STREAM_SLOTS, g0, g1, nxt);
+        mbar_wait(&full[slot][s], parity);
+        float yA = 0.f, yB = 0.f;
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const int Gb = g0 + k * TILE_BATCH;
+            if (Gb < g1) {
+                stream_load(stage, K, Gb, g1, cur[k]);
+                tile_compute_s8(cur[k], Gb, g1, xq, gx, yA, yB);
+            }
+        }
+        float* p = part + s * STREAM_WARPS * 16;
+        if ((lane & 3) == 0) {
+            p[sw * 16 + (lane >> 2)] = yA;
+            p[sw * 16 + (lane >> 2) + 8] = yB;
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[slot][s]);
+        if (sw == 0) {
+            // every warp of the slot is done with this stage: the tile's sums are complete, and
+            // the stage may be refilled
+            mbar_wait(&empty[slot][s], parity);
+            int local;
+            const Segment& sg = a.seg[locate_unit(a, true, t, local)];
+            const int row = local * 16 + lane;
+            if (lane < 16 && row < sg.rows) {
+                float y = 0.f;
+#pragma unroll
+                for (int w = 0; w < STREAM_WARPS; ++w) y += p[w * 16 + lane];
+                if (sg.accumulate) sg.out[row] += y; else sg.out[row] = y;
+            }
+            if (i + S < mine) {
+                __syncwarp();
+                stream_fill(a, t + S * STREAM_SLOTS, my_ring + (size_t)s * stage_bytes, &full[slot][s]);
+            }
+        }
+    }
+}

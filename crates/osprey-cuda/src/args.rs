@@ -34,6 +34,8 @@ pub struct GemvArgs {
     pub tiles: i32,
     /// 1: each block asks L2 for its share of the weights before waiting on its predecessor.
     pub prefetch: i32,
+    /// gemv_q_stream: tiles each slot holds in shared memory at once.
+    pub stages: i32,
 }
 
 #[repr(C)]
@@ -413,7 +415,7 @@ mod tests {
     fn layouts_match_the_kernel_structs() {
         // sizes computed from the C declarations in kernels/*.cu (x86-64 / CUDA ABI)
         assert_eq!(std::mem::size_of::<Segment>(), 48);
-        assert_eq!(std::mem::size_of::<GemvArgs>(), 4 * 48 + 4 * 8 + 7 * 4 + 4);
+        assert_eq!(std::mem::size_of::<GemvArgs>(), 4 * 48 + 4 * 8 + 8 * 4);
         assert_eq!(
             std::mem::size_of::<GateUpArgs>(),
             2 * 24 + 3 * 8 + 8 + 8 + 2 * 4 + 4 * 8 + 3 * 4 + 4

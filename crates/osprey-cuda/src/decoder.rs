@@ -31,6 +31,10 @@ pub use prefill::GdnPrefill;
 const SPLITS: usize = 512;
 /// Blocks for the argmax's first pass.
 const ARGMAX_PARTS: usize = 256;
+/// gemv_q_stream's geometry (gemv.cu): slots of warps per block, stages of tiles per slot.
+const STREAM_SLOTS: usize = 2;
+const STREAM_WARPS: usize = 8;
+const STREAM_MAX_STAGES: usize = 8;
 /// Output rows each warp of moe_down owns (DOWN_ROWS in moe.cu).
 const DOWN_ROWS_PER_WARP: usize = 2;
 /// Largest GEMV whose weights are prefetched into L2 (60 MB) while its predecessor drains.
@@ -218,6 +222,7 @@ struct Scratch {
 struct Functions {
     gemv: CudaFunction,
     gemv_tiles: CudaFunction,
+    gemv_stream: CudaFunction,
     gate_up: CudaFunction,
     down: CudaFunction,
     gdn: CudaFunction,
@@ -256,6 +261,8 @@ pub struct CudaDecoder {
     memory: Vec<(&'static str, usize)>,
     /// Multiprocessors of the device (sizes persistent-style grids).
     sms: usize,
+    /// Dynamic shared memory gemv_q_stream may take per block (its ring of tiles).
+    stream_smem: usize,
     /// Page-locked host copy of the logits (pageable downloads were slow on the H200 host).
     logits_host: cudarc::driver::PinnedHostSlice<f32>,
     /// Page-locked slots the chosen tokens are copied into, alternately, while the next step runs.
@@ -378,6 +385,7 @@ impl CudaDecoder {
         let f = Functions {
             gemv: func("gemv", "gemv_q")?,
             gemv_tiles: func("gemv", "gemv_q_tiles")?,
+            gemv_stream: func("gemv", "gemv_q_stream")?,
             gate_up: func("moe", "moe_gate_up")?,
             down: func("moe", "moe_down")?,
             gdn: func("gdn", "gdn_step")?,
@@ -542,6 +550,14 @@ impl CudaDecoder {
         let sms = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
             as usize;
+        let smem_optin = ctx.attribute(
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+        )? as usize;
+        let stream_smem = smem_optin.saturating_sub(f.gemv_stream.shared_size_bytes()? as usize);
+        f.gemv_stream.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            stream_smem as i32,
+        )?;
         let memory = vec![
             ("weights", weight_bytes),
             ("kv cache (bf16)", kv_bytes),
@@ -563,6 +579,7 @@ impl CudaDecoder {
             valid_vocab: valid_vocab.min(w.config.vocab_size),
             memory,
             sms,
+            stream_smem,
             logits_host,
             token_slots,
             pk,
@@ -661,6 +678,28 @@ impl CudaDecoder {
             .filter(|s| s.bits == 4 && group == 64)
             .map(|s| (s.rows as usize).div_ceil(16))
             .sum();
+        let all_tiled = group == 64 && segs.iter().all(|s| s.bits == 4);
+        // launches too small for the tile kernel (the 2048-row output projections, K = 4096):
+        // streamed tiles, each block's share requested at once by bulk copies (gemv.cu)
+        if all_tiled && tiles < 2 * self.sms && k.is_multiple_of(1024) {
+            let blocks = tiles.min(self.sms);
+            let per_stage = STREAM_SLOTS * (16 * k / 2 + STREAM_WARPS * 16 * 4);
+            let stages = tiles
+                .div_ceil(blocks)
+                .div_ceil(STREAM_SLOTS)
+                .min(STREAM_MAX_STAGES)
+                .min(self.stream_smem / per_stage);
+            if stages > 0 {
+                a.tiles = 1;
+                a.stages = stages as i32;
+                let cfg = LaunchConfig {
+                    grid_dim: (blocks as u32, 1, 1),
+                    block_dim: ((STREAM_SLOTS * STREAM_WARPS * 32) as u32, 1, 1),
+                    shared_mem_bytes: (stages * per_stage) as u32,
+                };
+                return self.launch_step(&self.f.gemv_stream, cfg, &a);
+            }
+        }
         // (each of a tile's 4 warps takes an even number of groups: the kernel reads scales and
         // biases in pairs, so K must be a multiple of 4 · 2 · 64)
         a.tiles = i32::from(tiles >= 2 * self.sms && k.is_multiple_of(512));
