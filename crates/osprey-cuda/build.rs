@@ -53,6 +53,7 @@ fn main() {
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     println!("cargo:rustc-check-cfg=cfg(osprey_kernels)");
     println!("cargo:rerun-if-changed=kernels/common.cuh");
+    println!("cargo:rerun-if-changed=kernels/tiles.cuh");
     for k in KERNELS {
         println!("cargo:rerun-if-changed=kernels/{k}.cu");
     }

@@ -8,10 +8,12 @@
 //   selection for moe_down. Selecting in the router GEMV's last block (after a fence and a
 //   counter) cost 7 us of serial tail per layer; a block-wide rank of all E logits in every block
 //   cost 10 us here; shuffle-tree rounds 4 us; redux.sync rounds 3.5 us.
-// moe_gate_up: 256 threads; each warp computes the gate and up rows f of one slot and writes
-//   w_slot · silu(g)·u; the first I threads of the grid also write the shared expert's
-//   sigmoid(gate logit) · silu(g)·u after them, so h is the down projections' whole input.
-//   Reads k*2*I*H/2 bytes (8.4 MB).
+// moe_gate_up: 256 threads; the k·I intermediate rows are 16-row tensor-core tiles (tiles.cuh:
+//   x as two signed bytes per element, mma m16n8k32), kparts warps of a block splitting K of one
+//   tile (8 for H = 2048: one tile per block), each warp multiplying the tile's gate and up rows;
+//   the partial sums meet in shared memory and 16 threads write w_slot · silu(g)·u. The first I
+//   threads of the grid also write the shared expert's sigmoid(gate logit) · silu(g)·u after
+//   them, so h is the down projections' whole input. Reads k*2*I*H/2 bytes (8.4 MB).
 // moe_down: h (k*I + I floats) copied into shared memory with its 32-element chunk sums (warp
 //   shuffles); each warp owns DOWN_ROWS output rows, a row being 9 segments of I codes (8 experts
 //   + shared), segment base pointers resolved once per block. Reads (k+1)*H*I/2 bytes (4.7 MB).
@@ -22,14 +24,13 @@
 // blocks x 4608 activations with exp); commit b3b9f4f gate/up with the selection 12.0 us for
 // 8.4 MB (0.7 TB/s), down 8.4 us for 4.7 MB (0.56 TB/s, 15% of 3.7 TB/s): the launch, the
 // copy of h and the chunk sums before the first weight request dominate.
-#include "common.cuh"
+#include "tiles.cuh"
 
 #define MAX_K_H 4096
 // routed + shared down activations: (k + 1) * I elements (11 * 512 for Qwen3-Next's top-10)
 #define MAX_KV 6144
-// 16-byte chunks a lane loads at once: a whole gate/up row of H = 2048 (64 chunks), a whole
-// down row of 9 segments of I = 512 (144 chunks); longer rows take several such batches
-#define GU_CHUNKS 2
+// 16-byte chunks a lane of moe_down loads at once: a whole down row of 9 segments of I = 512
+// (144 chunks); longer rows take several such batches
 #define DOWN_CHUNKS 5
 
 struct GateUpArgs {
@@ -47,6 +48,7 @@ struct GateUpArgs {
     float* h;                 // [k + 1, I] down-projection inputs: w_slot · SwiGLU per routed slot,
                               // then sigmoid(shared gate) · SwiGLU of the shared expert
     int H, I, k;
+    int kparts;               // warps splitting K of one 16-row tile (8 / kparts tiles per block)
 };
 
 // Softmax top-k of E (<= 512) router logits by one warp: lane l holds logits l, l + 32, ...
@@ -116,12 +118,14 @@ __device__ __forceinline__ void select_experts(const GateUpArgs& a, int* ids, fl
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256, 4) moe_gate_up(GateUpArgs a) {
+extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(GateUpArgs a) {
     __shared__ __align__(16) float xs[MAX_K_H + MAX_K_H / 8];
-    __shared__ float chunk_sum[MAX_K_H / 32];
+    __shared__ uint4 xb8[MAX_K_H / 64 * 8];
+    __shared__ float2 gx[MAX_K_H / 64];
     __shared__ float scratch[32];
     __shared__ int ids[MAX_TOPK];
     __shared__ float wts[MAX_TOPK];
+    __shared__ float part[8][32];  // per warp: 16 gate then 16 up partial sums
     const int H = a.H;
     step_overlap_begin();
     // which experts' weights to read is only known from the router's output: nothing to fetch ahead
@@ -148,74 +152,70 @@ extern "C" __global__ void __launch_bounds__(256, 4) moe_gate_up(GateUpArgs a) {
     for (int e = 0; e < 16; ++e) if (active && e < E) ss += v[e] * v[e];
     ss = block_sum(ss, scratch);
     const float inv = rsqrtf(ss / H + a.eps);
-    float cs = 0.f;
 #pragma unroll
-    for (int e = 0; e < 16; ++e) {
-        if (active && e < E) {
-            float y = v[e] * inv * w[e];
-            xs[pad_idx(base + e)] = y;
-            cs += y;
-        }
-    }
-    // 32-element chunks: 32/E threads share one
-    for (int o = 1; o < 32 / E; o <<= 1) cs += __shfl_xor_sync(FULL_MASK, cs, o);
-    if (active && (t % (32 / E)) == 0) chunk_sum[base / 32] = cs;
+    for (int e = 0; e < 16; ++e)
+        if (active && e < E) xs[pad_idx(base + e)] = v[e] * inv * w[e];
     if (threadIdx.x < 32) select_experts(a, ids, wts);
     __syncthreads();
 
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int total = a.k * a.I, gpr = H / 64, wpr = H / 8, chunks = H / 32;
-    // a warp owns intermediate row f of one slot (its gate and up rows); compact loop over chunks
-    for (int r = blockIdx.x * 8 + warp; r < total; r += gridDim.x * 8) {
-        const int slot = r / a.I, f = r % a.I;
-        const size_t row = (size_t)ids[slot] * a.I + f;
-        const uint4* gc = reinterpret_cast<const uint4*>(a.gate.codes + row * wpr);
-        const uint4* uc = reinterpret_cast<const uint4*>(a.up.codes + row * wpr);
-        // every chunk's codes, scales and biases requested before any is used: the loads of a
-        // row are in flight together (one memory round trip per row, not one per chunk)
-        float g = 0.f, u = 0.f;
-        for (int c0 = 0; c0 < chunks; c0 += 32 * GU_CHUNKS) {
-            uint4 wg[GU_CHUNKS], wu[GU_CHUNKS];
-            float sg[GU_CHUNKS], bg[GU_CHUNKS], su[GU_CHUNKS], bu[GU_CHUNKS];
+    // 16-row tiles of (slot, f0..f0+15): warp (tile wt, part kp) multiplies groups [g0, g1) of the
+    // tile's gate and up rows (at most 2 batches), requested before x's fragments are built
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, P = a.kparts, per_block = 8 / P;
+    const int wt = warp / P, kp = warp % P, gpr = H / 64, g0 = kp * gpr / P, g1 = (kp + 1) * gpr / P;
+    const int fblocks = a.I / 16, total = a.k * fblocks;
+    const QRows gate{a.gate.codes, a.gate.scales, a.gate.biases, a.experts * a.I};
+    const QRows up{a.up.codes, a.up.scales, a.up.biases, a.experts * a.I};
+    bool built = false;
+    for (int b0 = blockIdx.x * per_block; b0 < total; b0 += gridDim.x * per_block) {
+        const int u = b0 + wt, slot = u / fblocks, f0 = (u % fblocks) * 16;
+        const bool mine = u < total;
+        const int row0 = mine ? ids[slot] * a.I + f0 : 0;
+        TileBatch gb[2], ub[2];
+        if (mine) {
 #pragma unroll
-            for (int j = 0; j < GU_CHUNKS; ++j) {
-                const int c = c0 + lane + 32 * j, grp = c / 2;
-                if (c < chunks) {
-                    wg[j] = __ldcs(gc + c);
-                    wu[j] = __ldcs(uc + c);
-                    sg[j] = bf16_to_f32(a.gate.scales[row * gpr + grp]);
-                    bg[j] = bf16_to_f32(a.gate.biases[row * gpr + grp]);
-                    su[j] = bf16_to_f32(a.up.scales[row * gpr + grp]);
-                    bu[j] = bf16_to_f32(a.up.biases[row * gpr + grp]);
+            for (int k = 0; k < 2; ++k) {
+                if (g0 + k * TILE_BATCH < g1) {
+                    tile_load(gate, H, row0, g0 + k * TILE_BATCH, g1, gb[k]);
+                    tile_load(up, H, row0, g0 + k * TILE_BATCH, g1, ub[k]);
                 }
-            }
-#pragma unroll
-            for (int j = 0; j < GU_CHUNKS; ++j) {
-                const int c = c0 + lane + 32 * j;
-                if (c >= chunks) break;
-                const float4* xv = reinterpret_cast<const float4*>(xs + pad_idx(c * 32));
-                uint32_t g4[4] = {wg[j].x, wg[j].y, wg[j].z, wg[j].w}, u4[4] = {wu[j].x, wu[j].y, wu[j].z, wu[j].w};
-                float pg[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, pu[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    float4 x0 = xv[2 * q], x1 = xv[2 * q + 1];
-                    float xx[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-#pragma unroll
-                    for (int n = 0; n < 8; ++n) {
-                        pg[n] = fmaf(nib(g4[q], n), xx[n], pg[n]);
-                        pu[n] = fmaf(nib(u4[q], n), xx[n], pu[n]);
-                    }
-                }
-                const float dg = ((pg[0] + pg[1]) + (pg[2] + pg[3])) + ((pg[4] + pg[5]) + (pg[6] + pg[7]));
-                const float du = ((pu[0] + pu[1]) + (pu[2] + pu[3])) + ((pu[4] + pu[5]) + (pu[6] + pu[7]));
-                const float cs = chunk_sum[c];
-                g = fmaf(sg[j], dg, fmaf(bg[j], cs, g));
-                u = fmaf(su[j], du, fmaf(bu[j], cs, u));
             }
         }
-        g = warp_sum(g);
-        u = warp_sum(u);
-        if (lane == 0) a.h[slot * a.I + f] = wts[slot] * (siluf(g) * u);
+        if (!built) {
+            build_x_s8(xs, H, xb8, gx);
+            __syncthreads();
+            built = true;
+        }
+        if (mine) {
+            const uint4* xq = xb8 + (lane & 3);
+            float gA = 0.f, gB = 0.f, uA = 0.f, uB = 0.f;
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+                if (g0 + k * TILE_BATCH < g1) {
+                    tile_compute_s8(gb[k], g0 + k * TILE_BATCH, g1, xq, gx, gA, gB);
+                    tile_compute_s8(ub[k], g0 + k * TILE_BATCH, g1, xq, gx, uA, uB);
+                }
+            }
+            if ((lane & 3) == 0) {
+                part[warp][lane >> 2] = gA;
+                part[warp][(lane >> 2) + 8] = gB;
+                part[warp][(lane >> 2) + 16] = uA;
+                part[warp][(lane >> 2) + 24] = uB;
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x < per_block * 16) {
+            const int tt = threadIdx.x / 16, r = threadIdx.x % 16, uu = b0 + tt;
+            if (uu < total) {
+                float g = 0.f, uv = 0.f;
+                for (int k = 0; k < P; ++k) {
+                    g += part[tt * P + k][r];
+                    uv += part[tt * P + k][16 + r];
+                }
+                const int sl = uu / fblocks, f = (uu % fblocks) * 16 + r;
+                a.h[sl * a.I + f] = wts[sl] * (siluf(g) * uv);
+            }
+        }
+        __syncthreads();
     }
 }
 

@@ -65,6 +65,8 @@ pub struct GateUpArgs {
     pub hidden: i32,
     pub inter: i32,
     pub k: i32,
+    /// Warps splitting K of one 16-row tile (moe_gate_up_kparts).
+    pub kparts: i32,
 }
 
 #[repr(C)]
@@ -418,7 +420,7 @@ mod tests {
         assert_eq!(std::mem::size_of::<GemvArgs>(), 4 * 48 + 4 * 8 + 8 * 4);
         assert_eq!(
             std::mem::size_of::<GateUpArgs>(),
-            2 * 24 + 3 * 8 + 8 + 8 + 2 * 4 + 4 * 8 + 3 * 4 + 4
+            2 * 24 + 3 * 8 + 8 + 8 + 2 * 4 + 4 * 8 + 4 * 4
         );
         assert_eq!(std::mem::size_of::<DownArgs>(), 2 * 24 + 3 * 8 + 3 * 4 + 4);
         assert_eq!(std::mem::size_of::<GdnArgs>(), 11 * 8 + 16);

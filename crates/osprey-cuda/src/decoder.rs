@@ -35,6 +35,12 @@ const ARGMAX_PARTS: usize = 256;
 const STREAM_SLOTS: usize = 2;
 const STREAM_WARPS: usize = 8;
 const STREAM_MAX_STAGES: usize = 8;
+/// Warps of moe_gate_up splitting K of one 16-row tile: 4 or 8 groups of 64 each (a whole number
+/// of the tile code's 4-group batches; check_shapes admits the hidden sizes this covers).
+fn moe_gate_up_kparts(hidden: usize) -> usize {
+    (hidden / 256).min(8)
+}
+
 /// Output rows each warp of moe_down owns (DOWN_ROWS in moe.cu).
 const DOWN_ROWS_PER_WARP: usize = 2;
 /// Largest GEMV whose weights are prefetched into L2 (60 MB) while its predecessor drains.
@@ -1048,8 +1054,10 @@ impl CudaDecoder {
                 hidden: h as i32,
                 inter: c.moe_intermediate_size as i32,
                 k: c.num_experts_per_tok as i32,
+                kparts: moe_gate_up_kparts(h) as i32,
             };
-            let blocks = (c.num_experts_per_tok * c.moe_intermediate_size).div_ceil(8) as u32;
+            let tiles = c.num_experts_per_tok * c.moe_intermediate_size / 16;
+            let blocks = tiles.div_ceil(8 / moe_gate_up_kparts(h)) as u32;
             timed!(
                 "moe top-k + expert gate/up + swiglu",
                 self.launch_step(&self.f.gate_up, launch_cfg((blocks, 1), 256), &gu)?
@@ -1465,9 +1473,9 @@ fn check_shapes(c: &ModelConfig) -> Result<()> {
     if c.num_attention_heads / c.num_key_value_heads > 8 {
         problems.push("more than 8 query heads per KV head".into());
     }
-    if c.hidden_size > 4096 || !c.hidden_size.is_multiple_of(512) {
+    if ![512, 1024, 2048, 4096].contains(&c.hidden_size) {
         problems.push(format!(
-            "hidden size {} (multiple of 512, at most 4096)",
+            "hidden size {} (512, 1024, 2048 or 4096: moe_gate_up splits a tile's K in even batches of 4 groups)",
             c.hidden_size
         ));
     }
