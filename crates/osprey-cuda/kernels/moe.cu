@@ -14,11 +14,11 @@
 //   the partial sums meet in shared memory and 16 threads write w_slot · silu(g)·u. The first I
 //   threads of the grid also write the shared expert's sigmoid(gate logit) · silu(g)·u after
 //   them, so h is the down projections' whole input. Reads k*2*I*H/2 bytes (8.4 MB).
-// moe_down: h (k*I + I floats) copied into shared memory with its 32-element chunk sums (warp
-//   shuffles); each warp owns DOWN_ROWS output rows, a row being 9 segments of I codes (8 experts
-//   + shared), segment base pointers resolved once per block. Reads (k+1)*H*I/2 bytes (4.7 MB).
-// A lane requests all its 16-byte chunks of a row (2 for gate/up, 5 per row for down) before
-// using any. The shared expert's down rows, known before routing, are asked of L2 first thing.
+// moe_down: one block of k + 1 warps per 16 output rows; warp s multiplies the tile's rows of
+//   segment s (routed slot s, then the shared expert) with h's segment s as signed bytes (the
+//   same tiles), its weights requested before h is copied into shared memory; the k + 1 partial
+//   sums meet in shared memory and add into the residual. Reads (k+1)*H*I/2 bytes (4.7 MB).
+// The shared expert's down rows, known before routing, are asked of L2 first thing.
 // Measured (H200, full-size model, inside the decode graph: what issuing the kernel twice adds
 // to a step): commit 1c5da43 gate/up 8.4 us, down 12.0 us (every block weighted h itself: 256
 // blocks x 4608 activations with exp); commit b3b9f4f gate/up with the selection 12.0 us for
@@ -29,9 +29,6 @@
 #define MAX_K_H 4096
 // routed + shared down activations: (k + 1) * I elements (11 * 512 for Qwen3-Next's top-10)
 #define MAX_KV 6144
-// 16-byte chunks a lane of moe_down loads at once: a whole down row of 9 segments of I = 512
-// (144 chunks); longer rows take several such batches
-#define DOWN_CHUNKS 5
 
 struct GateUpArgs {
     ExpertStack gate, up;     // [E*I, H]
@@ -228,91 +225,58 @@ struct DownArgs {
     int H, I, k;
 };
 
-// Output rows per warp: their loads are in flight together, and the block's prologue (h into
-// shared memory, chunk sums) is paid once per 8·DOWN_ROWS rows.
-#define DOWN_ROWS 2
-
-extern "C" __global__ void __launch_bounds__(256) moe_down(DownArgs a) {
+// One block per 16 output rows; warp s multiplies segment s (routed slot s, or the shared expert
+// for s = k) of the tile's rows: I/64 groups, two batches of 4 requested at a time.
+extern "C" __global__ void __launch_bounds__(32 * (MAX_TOPK + 1)) moe_down(DownArgs a) {
     __shared__ __align__(16) float hs[MAX_KV + MAX_KV / 8];
-    __shared__ float chunk_sum[MAX_KV / 32];
-    __shared__ const uint32_t* seg_codes[MAX_TOPK + 1];
-    __shared__ const __nv_bfloat16* seg_scales[MAX_TOPK + 1];
-    __shared__ const __nv_bfloat16* seg_biases[MAX_TOPK + 1];
-    const int I = a.I, k = a.k, segs = k + 1, Kv = segs * I;
-    const int gpr = I / 64, wpr = I / 8;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __shared__ uint4 xb8[MAX_KV / 64 * 8];
+    __shared__ float2 gx[MAX_KV / 64];
+    __shared__ float part[MAX_TOPK + 1][16];
+    const int I = a.I, k = a.k, segs = k + 1, Kv = segs * I, gps = I / 64;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row0 = blockIdx.x * 16;
     step_overlap_begin();
     prefetch_share_l2(a.shared_down.codes, (size_t)a.H * I / 2);
-    prefetch_share_l2(a.shared_down.scales, (size_t)a.H * gpr * 2);
-    prefetch_share_l2(a.shared_down.biases, (size_t)a.H * gpr * 2);
+    prefetch_share_l2(a.shared_down.scales, (size_t)a.H * gps * 2);
+    prefetch_share_l2(a.shared_down.biases, (size_t)a.H * gps * 2);
     step_inputs_ready();
-    if (threadIdx.x < segs) {
-        const int s = threadIdx.x;
-        const size_t row0 = s < k ? (size_t)a.topk->ids[s] * a.H : 0;
-        const ExpertStack st = s < k ? a.down : a.shared_down;
-        seg_codes[s] = st.codes + row0 * wpr;
-        seg_scales[s] = st.scales + row0 * gpr;
-        seg_biases[s] = st.biases + row0 * gpr;
-    }
-    // h is already weighted: a warp copies 32-element chunks and sums each with shuffles
-#pragma unroll 6
-    for (int c = warp; c < Kv / 32; c += 8) {
-        const float v = __ldcg(a.h + c * 32 + lane);
-        hs[pad_idx(c * 32 + lane)] = v;
-        const float cs = warp_sum(v);
-        if (lane == 0) chunk_sum[c] = cs;
+    const int e = warp < k ? a.topk->ids[warp] : 0;
+    const ExpertStack st = warp < k ? a.down : a.shared_down;
+    const size_t base = (size_t)e * a.H;
+    const QRows rows{st.codes + base * (I / 8), st.scales + base * gps, st.biases + base * gps, a.H};
+    TileBatch b[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+        if (j * TILE_BATCH < gps) tile_load(rows, I, row0, j * TILE_BATCH, gps, b[j]);
+    // h is already weighted (moe_gate_up): into shared memory, then as signed-byte fragments
+    for (int i = threadIdx.x; i < Kv / 4; i += blockDim.x) {
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(a.h) + i);
+        float* d = hs + pad_idx(4 * i);
+        d[0] = v.x; d[1] = v.y; d[2] = v.z; d[3] = v.w;
     }
     __syncthreads();
-    const int cps = I / 32, chunks = segs * cps;
-    // a warp owns DOWN_ROWS output rows: `segs` segments of I codes each, compact loop over chunks
-    for (int n0 = (blockIdx.x * 8 + warp) * DOWN_ROWS; n0 < a.H; n0 += gridDim.x * 8 * DOWN_ROWS) {
-        float acc[DOWN_ROWS] = {};
-        for (int c0 = 0; c0 < chunks; c0 += 32 * DOWN_CHUNKS) {
-            // all chunks of all DOWN_ROWS rows requested before any is used
-            uint4 w[DOWN_ROWS][DOWN_CHUNKS];
-            float sc[DOWN_ROWS][DOWN_CHUNKS], bi[DOWN_ROWS][DOWN_CHUNKS];
+    build_x_s8(hs, Kv, xb8, gx);
+    __syncthreads();
+    const uint4* xq = xb8 + warp * gps * 8 + (lane & 3);
+    const float2* gxs = gx + warp * gps;
+    float yA = 0.f, yB = 0.f;
+    for (int G0 = 0; G0 < gps; G0 += 2 * TILE_BATCH) {
+        if (G0 > 0) {
 #pragma unroll
-            for (int r = 0; r < DOWN_ROWS; ++r) {
-                const size_t n = min(n0 + r, a.H - 1);
-#pragma unroll
-                for (int j = 0; j < DOWN_CHUNKS; ++j) {
-                    const int c = c0 + lane + 32 * j;
-                    if (c < chunks) {
-                        const int s = c / cps, cl = c % cps;
-                        w[r][j] = __ldcs(reinterpret_cast<const uint4*>(seg_codes[s] + n * wpr) + cl);
-                        sc[r][j] = bf16_to_f32(seg_scales[s][n * gpr + cl / 2]);
-                        bi[r][j] = bf16_to_f32(seg_biases[s][n * gpr + cl / 2]);
-                    }
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < DOWN_CHUNKS; ++j) {
-                const int c = c0 + lane + 32 * j;
-                if (c >= chunks) break;
-                const float4* xv = reinterpret_cast<const float4*>(hs + pad_idx(c * 32));
-                float xx[32];
-#pragma unroll
-                for (int q = 0; q < 8; ++q) {
-                    const float4 v = xv[q];
-                    xx[4 * q] = v.x; xx[4 * q + 1] = v.y; xx[4 * q + 2] = v.z; xx[4 * q + 3] = v.w;
-                }
-#pragma unroll
-                for (int r = 0; r < DOWN_ROWS; ++r) {
-                    const uint32_t w4[4] = {w[r][j].x, w[r][j].y, w[r][j].z, w[r][j].w};
-                    float pd[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                    for (int q = 0; q < 4; ++q)
-#pragma unroll
-                        for (int m = 0; m < 8; ++m) pd[m] = fmaf(nib(w4[q], m), xx[8 * q + m], pd[m]);
-                    const float d = ((pd[0] + pd[1]) + (pd[2] + pd[3])) + ((pd[4] + pd[5]) + (pd[6] + pd[7]));
-                    acc[r] = fmaf(sc[r][j], d, fmaf(bi[r][j], chunk_sum[c], acc[r]));
-                }
-            }
+            for (int j = 0; j < 2; ++j)
+                if (G0 + j * TILE_BATCH < gps) tile_load(rows, I, row0, G0 + j * TILE_BATCH, gps, b[j]);
         }
 #pragma unroll
-        for (int r = 0; r < DOWN_ROWS; ++r) {
-            const float y = warp_sum(acc[r]);
-            if (lane == 0 && n0 + r < a.H) a.x[n0 + r] += y;
-        }
+        for (int j = 0; j < 2; ++j)
+            if (G0 + j * TILE_BATCH < gps) tile_compute_s8(b[j], G0 + j * TILE_BATCH, gps, xq, gxs, yA, yB);
+    }
+    if ((lane & 3) == 0) {
+        part[warp][lane >> 2] = yA;
+        part[warp][(lane >> 2) + 8] = yB;
+    }
+    __syncthreads();
+    if (threadIdx.x < 16 && row0 + threadIdx.x < a.H) {
+        float y = 0.f;
+        for (int s = 0; s < segs; ++s) y += part[s][threadIdx.x];
+        a.x[row0 + threadIdx.x] += y;
     }
 }

@@ -79,13 +79,17 @@ __device__ __forceinline__ uint32_t pack_s8(const int* v) {
 }
 
 __device__ __forceinline__ void build_x_s8(const float* xs, int K, uint4* xb8, float2* gx) {
-    // 8 consecutive threads per group: thread (T, q) of group G holds the 8 elements its fragments take
-    for (int idx = threadIdx.x; idx < K / 64 * 8; idx += blockDim.x) {
+    // 8 consecutive threads per group: thread (T, q) of group G holds the 8 elements its fragments
+    // take; the passes are block-uniform so every lane of a warp meets the shuffles
+    const int items = K / 64 * 8;
+    for (int pass = 0; pass < items; pass += blockDim.x) {
+        const int idx = pass + threadIdx.x;
+        const bool active = idx < items;
         const int G = idx >> 3, T = (idx >> 2) & 1, q = idx & 3, e0 = G * 64 + 8 * (2 * q + T);
         float v[8], mx = 0.f, sum = 0.f;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            v[j] = xs[pad_idx(e0 + j)];
+            v[j] = active ? xs[pad_idx(e0 + j)] : 0.f;
             mx = fmaxf(mx, fabsf(v[j]));
             sum += v[j];
         }
@@ -103,8 +107,10 @@ __device__ __forceinline__ void build_x_s8(const float* xs, int K, uint4* xb8, f
         }
         const int h0[4] = {h[0], h[2], h[4], h[6]}, h1[4] = {h[1], h[3], h[5], h[7]};
         const int l0[4] = {l[0], l[2], l[4], l[6]}, l1[4] = {l[1], l[3], l[5], l[7]};
-        xb8[idx] = make_uint4(pack_s8(h0), pack_s8(h1), pack_s8(l0), pack_s8(l1));
-        if ((idx & 7) == 0) gx[G] = make_float2(s, sum);
+        if (active) {
+            xb8[idx] = make_uint4(pack_s8(h0), pack_s8(h1), pack_s8(l0), pack_s8(l1));
+            if ((idx & 7) == 0) gx[G] = make_float2(s, sum);
+        }
     }
 }
 

@@ -41,8 +41,6 @@ fn moe_gate_up_kparts(hidden: usize) -> usize {
     (hidden / 256).min(8)
 }
 
-/// Output rows each warp of moe_down owns (DOWN_ROWS in moe.cu).
-const DOWN_ROWS_PER_WARP: usize = 2;
 /// Largest GEMV whose weights are prefetched into L2 (60 MB) while its predecessor drains.
 const PREFETCH_MAX_BYTES: usize = 32 << 20;
 /// How the decode step's kernels may overlap: `1` programmatic dependent launch with the GEMVs'
@@ -1076,7 +1074,10 @@ impl CudaDecoder {
                 "moe down (8 experts + shared) + residual",
                 self.launch_step(
                     &self.f.down,
-                    launch_cfg((h.div_ceil(8 * DOWN_ROWS_PER_WARP) as u32, 1), 256),
+                    launch_cfg(
+                        (h.div_ceil(16) as u32, 1),
+                        32 * (c.num_experts_per_tok as u32 + 1)
+                    ),
                     &da
                 )?
             );
