@@ -3,27 +3,31 @@
 // mixed (the router and shared-expert gate are 8-bit).
 //
 // Shapes: K (input width) a multiple of 64 up to 4096, group 32/64/128.
-// Geometry: 256 threads = 8 warps, grid = resident blocks (3 per SM). Two kernels:
+// Three kernels:
 //   gemv_q_tiles — launches with enough 4-bit group-64 rows (>= 2 tiles per SM): 16-row tiles on
-//     the tensor cores (mma.sync m16n8k16), 4 warps per tile splitting K, two tiles per block at
-//     a time; a warp requests its groups 4 at a time, the next batch (of this tile or its next)
-//     in flight while this one is multiplied, and the very first batch before the prologue; the
-//     4 partial sums of a tile meet in a double buffer behind one slot barrier (no block barrier).
-//   gemv_q — the rest (the router's 8-bit rows, the 2048-row output projections): a warp per row,
-//     lane l reading 16-byte chunks l, l+32, ... (whole 512-byte spans per warp).
+//     the integer tensor cores (tiles.cuh: x as two signed bytes per element, mma m16n8k32), 4
+//     warps per tile splitting K, two tiles per block at a time, 256 threads, grid = resident
+//     blocks (3 per SM); a warp requests its groups 4 at a time, the next batch (of this tile or
+//     its next) in flight while this one is multiplied, and the very first batch before the
+//     prologue; the 4 partial sums of a tile meet in a double buffer behind one slot barrier.
+//   gemv_q_stream — launches of only 4-bit group-64 rows too small for the tiles (the 2048-row
+//     output projections, K = 4096): one block of 16 warps per SM, its tiles' codes requested at
+//     once by 16 KB bulk copies into shared memory (below).
+//   gemv_q — the rest (the router's 8-bit rows with the shared expert's): a warp per row, lane l
+//     reading 16-byte chunks l, l+32, ... (whole 512-byte spans per warp).
 // Prologue: x is loaded once per block into padded shared memory and, optionally, RMS-normalised
 // with a weight (the layer's pre-norm), or per-head RMS-normalised and gated by silu(z) (the GDN
-// output norm), fused here instead of separate kernels; sums of x per 16 elements are precomputed
-// so the affine bias costs one FMA per chunk: y = Σ s·(q·x) + b·Σx.
+// output norm), fused here instead of separate kernels; sums of x per 16 elements (rows) or per
+// group (tiles) are precomputed so the affine bias costs one FMA: y = Σ s·(q·x) + b·Σx.
 // Epilogue: write, or add into the output (residual add fused).
-// Ceiling: bytes of codes + scales + biases / ~3.7 TB/s streaming read (budget.md); a plain
-// streaming read of in_proj's 12.6 MB of codes takes 4.6 us in a graph (launch included).
+// Ceiling: bytes of codes + scales + biases / ~3.7 TB/s streaming read (budget.md); one thread
+// per SM bulk-copying 16 KB requests streams 4.5-4.75 TB/s (bench/kernels/tma_read.cu).
 // Measured (H200, full-size model, inside the decode graph: what issuing the family twice adds
-// to a step): commit 1c5da43 (tiles with one group in flight per warp, block barriers per tile):
-// GDN in_proj 12.9 us, lm_head 170 us (286 MB = 1.68 TB/s); this layout: GDN in_proj 12.9 us
-// (14.2 MB = 1.1 TB/s: the prologue and the launch dominate), lm_head 129 us (2.2 TB/s, 60%).
-// A standalone bench of the same tile code (random weights, 20 launches in a graph) measured
-// in_proj 9.3 us and lm_head 117 us, against 12.2 and 170 for the old layout.
+// to a step), commit 072c82a: GDN in_proj 12.6 us (14.2 MB = 1.1 TB/s: launch, prologue and the
+// tensor-core latencies of 24 warps per SM dominate), GDN out_proj (stream) 7.4 us, lm_head 86 us
+// (286 MB = 3.3 TB/s, 90%). Standalone (bench/kernels/gemv_stream.cu, 24 launches in a graph):
+// in_proj 11.6 us, out_proj 7.0 (stream) vs 9.3 (tiles), lm_head 100.6 us; with bf16 fragments
+// the tiles took 11.9 and 124.
 #include "tiles.cuh"
 
 #define MAX_SEGS 4

@@ -43,15 +43,16 @@ fn moe_gate_up_kparts(hidden: usize) -> usize {
 
 /// Largest GEMV whose weights are prefetched into L2 (60 MB) while its predecessor drains.
 const PREFETCH_MAX_BYTES: usize = 32 << 20;
-/// How the decode step's kernels may overlap: `1` programmatic dependent launch with the GEMVs'
-/// L2 prefetches, `pdl` the launch alone, `prefetch` the prefetches alone (at kernel start, under
-/// the prologue). Off by default: `1` measured 1-7% slower on the H200 as the kernels stand
-/// (bench/results/cuda-decode-overlap-h200.json); the parts are there to be measured apart, and
-/// for the next steps (finer triggers, a persistent step kernel) that need the same launch path.
+/// How the decode step's kernels may overlap: `pdl` (the default) programmatic dependent launch,
+/// `1` that with the GEMVs' L2 prefetches, `prefetch` the prefetches alone (at kernel start, under
+/// the prologue), `0` plain graph launches. With the integer-tensor-core kernels (072c82a) `pdl`
+/// measured 1% faster than `0` at 256 and 4K context and even at 128K
+/// (bench/results/cuda-decode-overlap-pdl-072c82a.json; at 3885b19 it was 2-6% slower), and
+/// `osprey check` passes both ways (bench/results/cuda-check-*-pdl.json).
 const OVERLAP_ENV: &str = "OSPREY_CUDA_OVERLAP";
 
 /// See `OVERLAP_ENV`.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 struct StepOverlap {
     /// Launch with programmatic stream serialization (griddepcontrol in the kernels).
     pdl: bool,
@@ -74,7 +75,14 @@ impl StepOverlap {
                 pdl: false,
                 prefetch: true,
             },
-            _ => StepOverlap::default(),
+            Ok("0") => StepOverlap {
+                pdl: false,
+                prefetch: false,
+            },
+            _ => StepOverlap {
+                pdl: true,
+                prefetch: false,
+            },
         }
     }
 }
