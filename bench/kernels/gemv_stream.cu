@@ -1,11 +1,12 @@
 // The decode GEMV's tile kernel (gemv_q_tiles) against the streamed form (gemv_q_stream: a block's
-// tiles requested at once by bulk copies into shared memory), both from
+// tiles requested at once by 16 KB bulk copies into shared memory), both from
 // crates/osprey-cuda/kernels/gemv.cu included as is, on the full model's decode shapes.
 // Per shape: enough weight copies to pass the 60 MB L2, 24 launches cycling through them in one
 // CUDA graph, best of 5 replays; microseconds per launch. Variants of the streamed form: the most
-// stages that fit (one block per SM), and 4 stages (~110 KB, so the next launch's block fits
-// beside this one) with and without programmatic dependent launch. Outputs are compared with the
-// tile kernel's (relative RMS difference).
+// stages (tiles per slot) that fit, 2 stages, and 2 or 1 stages with programmatic dependent
+// launch. Outputs are compared with the tile kernel's (relative RMS difference).
+// Ran on the H200 at 072c82a: bench/results/cuda-gemv-stream-h200.json (the engine streams only
+// the K = 4096 output projections, where it wins: 7.0 vs 9.3 us).
 // Run on the GPU machine:  nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 \
 //     bench/kernels/gemv_stream.cu -o /tmp/gemv_stream && /tmp/gemv_stream
 #include "../../crates/osprey-cuda/kernels/gemv.cu"

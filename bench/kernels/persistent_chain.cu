@@ -1,7 +1,9 @@
 // A chain of decode GEMVs as separate launches in a CUDA graph against the same chain inside one
 // resident launch with grid barriers between them: the gain a persistent decode kernel would get
 // per phase, measured with the engine's own tile GEMV (crates/osprey-cuda/kernels/gemv.cu,
-// included as is). Not yet run on a GPU.
+// included as is). Ran on the H200 at
+// 9872248 (bf16 tile fragments then): 11.17 us per separate launch, 14.56 inside one launch
+// (bench/results/cuda-kernel-harnesses-h200.json).
 // Shape: GDN in_proj (12352 x 2048, 4-bit group 64), 30 GEMVs on 8 copies of the weights (past
 // the 60 MB L2), no prologue norm; grid 3 blocks x 256 threads per SM in both forms. ptxas: the
 // chain kernel spills more than gemv_q_tiles alone (~460 vs 128 bytes at the 80-register cap),
