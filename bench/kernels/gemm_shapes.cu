@@ -13,29 +13,7 @@
 #include "harness.cuh"
 #include <vector>
 
-template <typename T>
-static T* upload(const std::vector<T>& v) {
-    T* d;
-    CK(cudaMalloc(&d, v.size() * sizeof(T)));
-    CK(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-    return d;
-}
-
-struct Weights {
-    uint32_t* codes;
-    __nv_bfloat16 *scales, *biases;
-};
-
-static Weights random_weights(size_t rows, int K) {
-    std::vector<uint32_t> c(rows * K / 8);
-    for (auto& w : c) w = (uint32_t)rand() * 2654435761u;
-    std::vector<__nv_bfloat16> s(rows * K / 64), b(rows * K / 64);
-    for (size_t i = 0; i < s.size(); ++i) {
-        s[i] = __float2bfloat16(0.002f * (1 + rand() % 7));
-        b[i] = __float2bfloat16(-0.01f * (rand() % 5));
-    }
-    return {upload(c), upload(s), upload(b)};
-}
+static DevQ4 random_weights(size_t rows, int K) { return upload_q4(random_q4(rows, K, 0.002f, 0.01f)); }
 
 static __nv_bfloat16* random_activations(size_t n) {
     std::vector<__nv_bfloat16> a(n);
@@ -66,7 +44,7 @@ int main() {
     // dense: GDN in_proj
     {
         const int N = 12352, K = H;
-        Weights w = random_weights(N, K);
+        DevQ4 w = random_weights(N, K);
         GemmArgs g{};
         g.a = random_activations((size_t)T * K);
         g.codes[0] = g.codes[1] = w.codes;
@@ -89,7 +67,7 @@ int main() {
     int* d_rows = upload(a_rows);
     float* d_scale = upload(row_scale);
     {
-        Weights gate = random_weights((size_t)E * I, H), up = random_weights((size_t)E * I, H);
+        DevQ4 gate = random_weights((size_t)E * I, H), up = random_weights((size_t)E * I, H);
         GemmArgs g{};
         g.a = random_activations((size_t)T * H);
         g.a_rows = d_rows;
@@ -103,7 +81,7 @@ int main() {
         report("gate/up", time_launches(gemm_q4_m8, g, dim3((I + 127) / 128, (unsigned)plan.size(), 1)), 2.0 * P * 2 * I * H);
     }
     {
-        Weights down = random_weights((size_t)E * H, I);
+        DevQ4 down = random_weights((size_t)E * H, I);
         GemmArgs g{};
         g.a = random_activations((size_t)P * I);
         g.codes[0] = g.codes[1] = down.codes;

@@ -48,34 +48,17 @@ int main() {
         for (int r : sh.rows) rows += r;
         const size_t bytes = rows * (K / 2 + K / 64 * 4);
         const int copies = (int)std::min<size_t>(LAUNCHES, std::max<size_t>(1, (150u << 20) / bytes + 1));
-        std::vector<uint32_t> hc(rows * K / 8);
-        for (auto& w : hc) w = (uint32_t)rand() * 2654435761u;
-        std::vector<__nv_bfloat16> hs(rows * K / 64), hb(rows * K / 64);
-        for (size_t i = 0; i < hs.size(); ++i) {
-            hs[i] = __float2bfloat16(0.01f * (1 + rand() % 7));
-            hb[i] = __float2bfloat16(-0.05f * (rand() % 5));
-        }
-        std::vector<float> hx(K);
-        for (auto& v : hx) v = (rand() % 2001 - 1000) / 1000.f;
-        float* x;
-        CK(cudaMalloc(&x, K * 4));
-        CK(cudaMemcpy(x, hx.data(), K * 4, cudaMemcpyHostToDevice));
+        const HostQ4 w = random_q4(rows, K, 0.01f, 0.05f);
+        float* x = random_x(K);
         std::vector<GemvArgs> args(copies);
         float* outs;
         CK(cudaMalloc(&outs, (size_t)copies * rows * 4));
         for (int c = 0; c < copies; ++c) {
-            uint32_t* dc;
-            __nv_bfloat16 *ds, *db;
-            CK(cudaMalloc(&dc, hc.size() * 4));
-            CK(cudaMalloc(&ds, hs.size() * 2));
-            CK(cudaMalloc(&db, hb.size() * 2));
-            CK(cudaMemcpy(dc, hc.data(), hc.size() * 4, cudaMemcpyHostToDevice));
-            CK(cudaMemcpy(ds, hs.data(), hs.size() * 2, cudaMemcpyHostToDevice));
-            CK(cudaMemcpy(db, hb.data(), hb.size() * 2, cudaMemcpyHostToDevice));
+            const DevQ4 d = upload_q4(w);
             GemvArgs a{};
             size_t r0 = 0;
             for (size_t i = 0; i < sh.rows.size(); ++i) {
-                a.seg[i] = Segment{dc + r0 * K / 8, ds + r0 * K / 64, db + r0 * K / 64, outs + c * rows + r0, sh.rows[i], 4, 0, 0};
+                a.seg[i] = Segment{d.codes + r0 * K / 8, d.scales + r0 * K / 64, d.biases + r0 * K / 64, outs + c * rows + r0, sh.rows[i], 4, 0, 0};
                 r0 += sh.rows[i];
             }
             a.nseg = (int)sh.rows.size();

@@ -1,9 +1,12 @@
 // Shared pieces of the standalone kernel harnesses in this folder: error checks, timing, and a
 // grid-wide barrier for resident launches.
 #pragma once
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <vector>
 
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); exit(1); } } while (0)
 
@@ -57,4 +60,46 @@ __device__ __forceinline__ void grid_barrier(GridBarrier b) {
         }
     }
     __syncthreads();
+}
+
+// Random 4-bit group-64 weights in the MLX layout: codes, then per group a scale of
+// scale_unit·(1..7) and a bias of -bias_unit·(0..4) (host copies, uploaded as often as needed).
+struct HostQ4 {
+    std::vector<uint32_t> codes;
+    std::vector<__nv_bfloat16> scales, biases;
+};
+
+static HostQ4 random_q4(size_t rows, int K, float scale_unit, float bias_unit) {
+    HostQ4 h;
+    h.codes.resize(rows * K / 8);
+    for (auto& w : h.codes) w = (uint32_t)rand() * 2654435761u;
+    h.scales.resize(rows * K / 64);
+    h.biases.resize(rows * K / 64);
+    for (size_t i = 0; i < h.scales.size(); ++i) {
+        h.scales[i] = __float2bfloat16(scale_unit * (1 + rand() % 7));
+        h.biases[i] = __float2bfloat16(-bias_unit * (rand() % 5));
+    }
+    return h;
+}
+
+template <typename T>
+static T* upload(const std::vector<T>& v) {
+    T* d;
+    CK(cudaMalloc(&d, v.size() * sizeof(T)));
+    CK(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+    return d;
+}
+
+struct DevQ4 {
+    uint32_t* codes;
+    __nv_bfloat16 *scales, *biases;
+};
+
+static DevQ4 upload_q4(const HostQ4& h) { return DevQ4{upload(h.codes), upload(h.scales), upload(h.biases)}; }
+
+// K activations in [-1, 1] on the device
+static float* random_x(int K) {
+    std::vector<float> x(K);
+    for (auto& v : x) v = (rand() % 2001 - 1000) / 1000.f;
+    return upload(x);
 }

@@ -35,33 +35,15 @@ int main() {
     int sms = 0;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     const int N = 12352, K = 2048, grid = sms * 3;
-    const size_t code_words = (size_t)N * K / 8, groups = (size_t)N * K / 64;
-    std::vector<uint32_t> hc(code_words);
-    for (auto& w : hc) w = (uint32_t)rand() * 2654435761u;
-    std::vector<__nv_bfloat16> hs(groups), hb(groups);
-    for (size_t i = 0; i < groups; ++i) {
-        hs[i] = __float2bfloat16(0.01f * (1 + rand() % 7));
-        hb[i] = __float2bfloat16(-0.05f * (rand() % 5));
-    }
-    std::vector<float> hx(K);
-    for (auto& v : hx) v = (rand() % 2001 - 1000) / 1000.f;
-    float* x;
-    CK(cudaMalloc(&x, K * 4));
-    CK(cudaMemcpy(x, hx.data(), K * 4, cudaMemcpyHostToDevice));
+    const HostQ4 w = random_q4(N, K, 0.01f, 0.05f);
+    float* x = random_x(K);
     float *out_graph, *out_chain;
     CK(cudaMalloc(&out_graph, (size_t)CHAIN * N * 4));
     CK(cudaMalloc(&out_chain, (size_t)CHAIN * N * 4));
     Segment copies[COPIES];
     for (int c = 0; c < COPIES; ++c) {
-        uint32_t* dc;
-        __nv_bfloat16 *ds, *db;
-        CK(cudaMalloc(&dc, code_words * 4));
-        CK(cudaMalloc(&ds, groups * 2));
-        CK(cudaMalloc(&db, groups * 2));
-        CK(cudaMemcpy(dc, hc.data(), code_words * 4, cudaMemcpyHostToDevice));
-        CK(cudaMemcpy(ds, hs.data(), groups * 2, cudaMemcpyHostToDevice));
-        CK(cudaMemcpy(db, hb.data(), groups * 2, cudaMemcpyHostToDevice));
-        copies[c] = Segment{dc, ds, db, nullptr, N, 4, 0, 0};
+        const DevQ4 d = upload_q4(w);
+        copies[c] = Segment{d.codes, d.scales, d.biases, nullptr, N, 4, 0, 0};
     }
     auto args_for = [&](float* out, int i) {
         GemvArgs a{};
