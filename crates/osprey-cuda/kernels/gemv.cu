@@ -331,17 +331,20 @@ extern "C" __global__ void __launch_bounds__(256, 3) gemv_q_tiles(GemvArgs a) { 
 // ---- streamed tiles: a block's weights requested at once, by bulk copies into shared memory ----
 // gemv_q_stream: the tile GEMV for launches whose segments are all 4-bit group-64 rows. One block
 // per SM takes a contiguous run of 16-row tiles, dealt alternately to its two slots of 8 warps.
-// A slot's lead warp asks the copy engine for the slot's first `stages` tiles before anything
-// else (each tile is three copies: 16 rows of codes, 16 KB at K = 2048, then scales and biases):
-// the DRAM system sees the block's bytes at once instead of a few batches per warp (measured: one
-// thread's 16 KB bulk copies stream 4.6 TB/s; 1 KB copies only 1.1), and the prologue runs under
-// that latency. The 8 warps of a slot each multiply an eighth of K of the slot's tile (the A
-// fragments read from shared memory, as tile_load reads them from global) and leave 16 partial
-// sums; the lead warp adds a tile's 8 partials once all 8 warps have released its stage, writes
-// the 16 outputs and refills the stage with the slot's next tile (the lm_head's ~118 tiles per
-// block cycle through the ring).
-// Shared memory per stage: 16 rows of K/2 code bytes as stored, then the tile's scales and
-// biases ([16][K/64] bf16 each).
+// A slot's lead warp asks the copy engine for the codes of the slot's first `stages` tiles before
+// anything else (one copy per tile: 16 rows of codes, 16 KB at K = 2048): the DRAM system sees the
+// block's bytes at once instead of a few batches per warp (bench/kernels/tma_read.cu: 16 KB
+// requests stream 4.5 TB/s, 1 KB requests only 1.1, so scales and biases travel through
+// registers, one tile ahead), and the prologue runs under that latency. The 8 warps of a slot
+// each multiply an eighth of K of the slot's tile (the A fragments read from shared memory, as
+// tile_load reads them from global) and leave 16 partial sums; the lead warp adds a tile's 8
+// partials once all 8 warps have released its stage, writes the 16 outputs and refills the stage
+// with the slot's next tile. Shared memory per stage: the tile's codes as stored (rows 1 KB or
+// 2 KB apart, so a quarter-warp's 8-byte reads of rows g = 0..3 meet in 4-way bank conflicts;
+// padding rows needs one copy per row, which the copy engine serves 4x slower).
+// Measured: faster than the tile kernel only where that has too few tiles to fill the GPU (the
+// K = 4096 output projections, 7.0 vs 9.3 us); with 16 warps per SM the multiply cannot keep up
+// on bigger launches (in_proj 12.9 vs 11.6 us, lm_head 137 vs 101; bench/kernels/gemv_stream.cu).
 #define STREAM_SLOTS 2
 #define STREAM_WARPS 8  // per slot
 #define STREAM_MAX_STAGES 8  // per slot
