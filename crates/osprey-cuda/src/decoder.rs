@@ -35,6 +35,25 @@ const ARGMAX_PARTS: usize = 256;
 const STREAM_SLOTS: usize = 2;
 const STREAM_WARPS: usize = 8;
 const STREAM_MAX_STAGES: usize = 8;
+/// gemv_q_stream's launch for `tiles` 16-row tiles of `k` inputs on `sms` multiprocessors with
+/// `smem` bytes of dynamic shared memory per block: (blocks, stages per slot, dynamic shared
+/// memory bytes). A block's tiles alternate between its slots, so a slot needs at most
+/// ceil(tiles per block / slots) stages; None when not even one stage fits.
+fn stream_launch(tiles: usize, k: usize, sms: usize, smem: usize) -> Option<(usize, usize, usize)> {
+    if tiles == 0 || sms == 0 {
+        return None;
+    }
+    let blocks = tiles.min(sms);
+    // per stage and slot: the tile's codes, then its 8 warps' 16 partial sums
+    let per_stage = STREAM_SLOTS * (16 * k / 2 + STREAM_WARPS * 16 * 4);
+    let stages = tiles
+        .div_ceil(blocks)
+        .div_ceil(STREAM_SLOTS)
+        .min(STREAM_MAX_STAGES)
+        .min(smem / per_stage);
+    (stages > 0).then_some((blocks, stages, stages * per_stage))
+}
+
 /// Warps of moe_gate_up splitting K of one 16-row tile: 4 or 8 groups of 64 each (a whole number
 /// of the tile code's 4-group batches; check_shapes admits the hidden sizes this covers).
 fn moe_gate_up_kparts(hidden: usize) -> usize {
@@ -694,20 +713,15 @@ impl CudaDecoder {
         // launches too small for the tile kernel (the 2048-row output projections, K = 4096):
         // streamed tiles, each block's share requested at once by bulk copies (gemv.cu)
         if all_tiled && tiles < 2 * self.sms && k.is_multiple_of(1024) {
-            let blocks = tiles.min(self.sms);
-            let per_stage = STREAM_SLOTS * (16 * k / 2 + STREAM_WARPS * 16 * 4);
-            let stages = tiles
-                .div_ceil(blocks)
-                .div_ceil(STREAM_SLOTS)
-                .min(STREAM_MAX_STAGES)
-                .min(self.stream_smem / per_stage);
-            if stages > 0 {
+            if let Some((blocks, stages, smem)) =
+                stream_launch(tiles, k, self.sms, self.stream_smem)
+            {
                 a.tiles = 1;
                 a.stages = stages as i32;
                 let cfg = LaunchConfig {
                     grid_dim: (blocks as u32, 1, 1),
                     block_dim: ((STREAM_SLOTS * STREAM_WARPS * 32) as u32, 1, 1),
-                    shared_mem_bytes: (stages * per_stage) as u32,
+                    shared_mem_bytes: smem as u32,
                 };
                 return self.launch_step(&self.f.gemv_stream, cfg, &a);
             }
@@ -1523,6 +1537,42 @@ fn check_shapes(c: &ModelConfig) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn streamed_gemv_launches_fit_their_shared_memory() {
+        // the H200: 132 SMs, 227 KB per block less gemv_q_stream's 27.5 KB of static memory
+        let (sms, smem) = (132, 232_448 - 27_520);
+        // the 2048-row output projections (K 4096): one tile per block, one stage
+        assert_eq!(
+            stream_launch(128, 4096, sms, smem),
+            Some((128, 1, 2 * (32_768 + 512)))
+        );
+        // many tiles per block (an lm_head-sized launch): as many stages as fit, at most 8
+        let (blocks, stages, bytes) = stream_launch(15_520, 2048, sms, smem).unwrap();
+        assert_eq!((blocks, stages), (132, 6));
+        assert!(bytes <= smem);
+        // nothing to run, or not one stage that fits
+        assert_eq!(stream_launch(0, 2048, sms, smem), None);
+        assert_eq!(stream_launch(64, 4096, sms, 40_000), None);
+    }
+
+    #[test]
+    fn moe_gate_up_splits_every_admitted_hidden_size_in_whole_batches() {
+        for hidden in [512, 1024, 2048, 4096] {
+            let groups = hidden / 64;
+            let kparts = moe_gate_up_kparts(hidden);
+            assert!(
+                8usize.is_multiple_of(kparts),
+                "{hidden}: a block holds whole tiles"
+            );
+            assert!(groups.is_multiple_of(kparts), "{hidden}");
+            let per_warp = groups / kparts;
+            assert!(
+                per_warp.is_multiple_of(4) && per_warp <= 8,
+                "{hidden}: {per_warp} groups per warp (one or two batches of 4)"
+            );
+        }
+    }
 
     fn qwen36() -> ModelConfig {
         ModelConfig::from_json_str(include_str!("../../../assets/qwen3.6-35b-a3b/config.json"))
