@@ -9,8 +9,8 @@
 // The question behind it: gate/up takes 11 us in the decode graph for 8.4 MB (a 2 us read), and
 // requesting its weights earlier inside the kernel did not help
 // (bench/results/cuda-decode-gate-up-selection-ablation.json): where does the time go? Run it
-// under `ncu --section SourceCounters` as well. Written after this session's device time ran out: not yet
-// run on a GPU.
+// under `ncu --section SourceCounters` as well. Written after the session's device time ran out:
+// not yet run on a GPU.
 // Run on the GPU machine:  nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 \
 //     bench/kernels/moe_decode.cu -o /tmp/moe_decode && /tmp/moe_decode
 #include "../../crates/osprey-cuda/kernels/moe.cu"
