@@ -62,16 +62,16 @@ __device__ __forceinline__ void grid_barrier(GridBarrier b) {
     __syncthreads();
 }
 
-// Random 4-bit group-64 weights in the MLX layout: codes, then per group a scale of
+// Random 4- or 8-bit group-64 weights in the MLX layout: codes, then per group a scale of
 // scale_unit·(1..7) and a bias of -bias_unit·(0..4) (host copies, uploaded as often as needed).
 struct HostQ4 {
     std::vector<uint32_t> codes;
     std::vector<__nv_bfloat16> scales, biases;
 };
 
-static HostQ4 random_q4(size_t rows, int K, float scale_unit, float bias_unit) {
+static HostQ4 random_q(size_t rows, int K, int bits, float scale_unit, float bias_unit) {
     HostQ4 h;
-    h.codes.resize(rows * K / 8);
+    h.codes.resize(rows * K * bits / 32);
     for (auto& w : h.codes) w = (uint32_t)rand() * 2654435761u;
     h.scales.resize(rows * K / 64);
     h.biases.resize(rows * K / 64);
@@ -80,6 +80,10 @@ static HostQ4 random_q4(size_t rows, int K, float scale_unit, float bias_unit) {
         h.biases[i] = __float2bfloat16(-bias_unit * (rand() % 5));
     }
     return h;
+}
+
+static HostQ4 random_q4(size_t rows, int K, float scale_unit, float bias_unit) {
+    return random_q(rows, K, 4, scale_unit, bias_unit);
 }
 
 template <typename T>
