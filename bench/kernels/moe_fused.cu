@@ -9,7 +9,8 @@
 // cluster holds the selection after one cluster barrier. The shared expert's gate/up rows are
 // independent of the routing and spread over all blocks of the same launch. If it works: 2 launches
 // per MoE block instead of 3 (router + gate/up = 17.7 us per layer in the graph today).
-// Geometry: 128 blocks of 256 threads (16 clusters of 8, one block per SM); block b takes expert
+// Geometry (E = 256 experts): 128 blocks of 256 threads (16 clusters of 8, one block per SM),
+// every row requested before the input is normalised; block b takes expert
 // tiles [2b, 2b + 2) of the 256 (slot, 16 intermediate rows) tiles, 4 warps splitting K of each
 // (8 groups per warp, two batches of 4), and shared-expert rows [4b, 4b + 4).
 // Checked here against the two-launch path on the same inputs (selected experts equal, h relative
@@ -26,6 +27,8 @@
 namespace cg = cooperative_groups;
 
 #define CLUSTER 8
+// router rows per warp: E / CLUSTER / 8 warps (256 experts: 4)
+#define ROUTER_ROWS 4
 #define LAUNCHES 24
 
 struct FusedArgs {
@@ -54,40 +57,41 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(256
     cg::cluster_group cluster = cg::this_cluster();
     const int rank = (int)cluster.block_rank(), warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int H = a.gu.H, I = a.gu.I, E = a.gu.experts, per = E / CLUSTER;
+    // every row this block multiplies is requested before the input's normalisation: the router
+    // rows of its rank (ROUTER_ROWS per warp), one shared-expert row per warp, and in warp 0 the
+    // shared gate logit's row
+    const Segment& shared_seg = a.in.seg[warp < 4 ? 2 : 3];
+    const int f = blockIdx.x * 4 + (warp & 3);
+    RowLoads rl[ROUTER_ROWS], sl, gl;
+#pragma unroll
+    for (int j = 0; j < ROUTER_ROWS; ++j)
+        if (warp + 8 * j < per) load_row(a.in.seg[0], rank * per + warp + 8 * j, H, a.in.group, rl[j]);
+    load_row(shared_seg, min(f, I - 1), H, a.in.group, sl);
+    if (warp == 0) load_row(a.in.seg[1], 0, H, a.in.group, gl);
     step_overlap_begin();
     step_inputs_ready();
     load_input(a.in, xs, chunk_sum, scratch);
     build_x_s8(xs, H, xb8, gx);
-    // the router rows of this block's rank; the shared expert's rows of this block; warp 0 also
-    // the shared gate logit (every block: it is one row)
-    for (int r = warp; r < per; r += 8) {
-        RowLoads L;
-        load_row(a.in.seg[0], rank * per + r, H, a.in.group, L);
-        const float y = row_dot(a.in.seg[0], L, H, xs, chunk_sum);
-        if (lane == 0) slice[r] = y;
+#pragma unroll
+    for (int j = 0; j < ROUTER_ROWS; ++j) {
+        if (warp + 8 * j < per) {
+            const float y = row_dot(a.in.seg[0], rl[j], H, xs, chunk_sum);
+            if (lane == 0) slice[warp + 8 * j] = y;
+        }
     }
     {
-        const int f = blockIdx.x * 4 + (warp & 3);
-        const Segment& s = a.in.seg[warp < 4 ? 2 : 3];
-        RowLoads L;
-        load_row(s, min(f, I - 1), H, a.in.group, L);
-        const float y = row_dot(s, L, H, xs, chunk_sum);
+        const float y = row_dot(shared_seg, sl, H, xs, chunk_sum);
         if (lane == 0) shared_rows[warp] = y;
     }
     if (warp == 0) {
-        RowLoads L;
-        load_row(a.in.seg[1], 0, H, a.in.group, L);
-        const float y = row_dot(a.in.seg[1], L, H, xs, chunk_sum);
+        const float y = row_dot(a.in.seg[1], gl, H, xs, chunk_sum);
         if (lane == 0) shared_logit = y;
     }
     cluster.sync();  // every rank's slice written (and this block's shared rows, x fragments)
     for (int i = threadIdx.x; i < E; i += blockDim.x) logits[i] = *cluster.map_shared_rank(&slice[i % per], i / per);
-    if (threadIdx.x < 4) {
-        const int f = blockIdx.x * 4 + threadIdx.x;
-        if (f < I)
-            a.gu.h[a.gu.k * I + f] =
-                sigmoidf(shared_logit) * siluf(shared_rows[threadIdx.x]) * shared_rows[4 + threadIdx.x];
-    }
+    if (threadIdx.x < 4 && blockIdx.x * 4 + threadIdx.x < I)
+        a.gu.h[a.gu.k * I + blockIdx.x * 4 + threadIdx.x] =
+            sigmoidf(shared_logit) * siluf(shared_rows[threadIdx.x]) * shared_rows[4 + threadIdx.x];
     __syncthreads();
     if (warp == 0) {
         GateUpArgs sel = a.gu;
