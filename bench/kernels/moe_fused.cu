@@ -105,47 +105,15 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(256
     const int fblocks = I / 16, total = a.gu.k * fblocks;
     const QRows gate{a.gu.gate.codes, a.gu.gate.scales, a.gu.gate.biases, E * I};
     const QRows up{a.gu.up.codes, a.gu.up.scales, a.gu.up.biases, E * I};
-    const uint4* xq = xb8 + (lane & 3);
     for (int b0 = blockIdx.x * per_block; b0 < total; b0 += gridDim.x * per_block) {
         const int u = b0 + wt;
         if (u < total) {
-            const int row0 = ids[u / fblocks] * I + (u % fblocks) * 16;
             TileBatch gb[2], ub[2];
-#pragma unroll
-            for (int k = 0; k < 2; ++k) {
-                if (g0 + k * TILE_BATCH < g1) {
-                    tile_load(gate, H, row0, g0 + k * TILE_BATCH, g1, gb[k]);
-                    tile_load(up, H, row0, g0 + k * TILE_BATCH, g1, ub[k]);
-                }
-            }
-            float gA = 0.f, gB = 0.f, uA = 0.f, uB = 0.f;
-#pragma unroll
-            for (int k = 0; k < 2; ++k) {
-                if (g0 + k * TILE_BATCH < g1) {
-                    tile_compute_s8(gb[k], g0 + k * TILE_BATCH, g1, xq, gx, gA, gB);
-                    tile_compute_s8(ub[k], g0 + k * TILE_BATCH, g1, xq, gx, uA, uB);
-                }
-            }
-            if ((lane & 3) == 0) {
-                part[warp][lane >> 2] = gA;
-                part[warp][(lane >> 2) + 8] = gB;
-                part[warp][(lane >> 2) + 16] = uA;
-                part[warp][(lane >> 2) + 24] = uB;
-            }
+            gate_up_request(gate, up, H, ids[u / fblocks] * I + (u % fblocks) * 16, g0, g1, gb, ub);
+            gate_up_multiply(gb, ub, g0, g1, xb8, gx, part[warp]);
         }
         __syncthreads();
-        if (threadIdx.x < per_block * 16) {
-            const int tt = threadIdx.x / 16, r = threadIdx.x % 16, uu = b0 + tt;
-            if (uu < total) {
-                float g = 0.f, uv = 0.f;
-                for (int k = 0; k < P; ++k) {
-                    g += part[tt * P + k][r];
-                    uv += part[tt * P + k][16 + r];
-                }
-                const int sl = uu / fblocks;
-                a.gu.h[sl * I + (uu % fblocks) * 16 + r] = wts[sl] * (siluf(g) * uv);
-            }
-        }
+        gate_up_write(a.gu, part, wts, b0, P, total);
         __syncthreads();
     }
     cluster.sync();  // no block leaves while another may still read its slice

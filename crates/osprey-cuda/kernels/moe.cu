@@ -115,6 +115,60 @@ __device__ __forceinline__ void select_experts(const GateUpArgs& a, int* ids, fl
     }
 }
 
+// Requests one warp's share of a 16-row tile's gate and up rows: groups [g0, g1), at most two
+// batches of TILE_BATCH.
+__device__ __forceinline__ void gate_up_request(const QRows& gate, const QRows& up, int H, int row0, int g0, int g1,
+                                                TileBatch* gb, TileBatch* ub) {
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+        if (g0 + k * TILE_BATCH < g1) {
+            tile_load(gate, H, row0, g0 + k * TILE_BATCH, g1, gb[k]);
+            tile_load(up, H, row0, g0 + k * TILE_BATCH, g1, ub[k]);
+        }
+    }
+}
+
+// Multiplies them by x (signed-byte fragments) and leaves the warp's 16 gate then 16 up partial
+// sums in part_row.
+__device__ __forceinline__ void gate_up_multiply(const TileBatch* gb, const TileBatch* ub, int g0, int g1, const uint4* xb8,
+                                                 const float2* gx, float* part_row) {
+    const int lane = threadIdx.x & 31;
+    const uint4* xq = xb8 + (lane & 3);
+    float gA = 0.f, gB = 0.f, uA = 0.f, uB = 0.f;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+        if (g0 + k * TILE_BATCH < g1) {
+            tile_compute_s8(gb[k], g0 + k * TILE_BATCH, g1, xq, gx, gA, gB);
+            tile_compute_s8(ub[k], g0 + k * TILE_BATCH, g1, xq, gx, uA, uB);
+        }
+    }
+    if ((lane & 3) == 0) {
+        part_row[lane >> 2] = gA;
+        part_row[(lane >> 2) + 8] = gB;
+        part_row[(lane >> 2) + 16] = uA;
+        part_row[(lane >> 2) + 24] = uB;
+    }
+}
+
+// After a block barrier: thread tt·16 + r adds the P partial sums of row r of the block's tile tt
+// (tiles b0, b0 + 1, ...) and writes w_slot · silu(g)·u.
+__device__ __forceinline__ void gate_up_write(const GateUpArgs& a, const float (*part)[32], const float* wts, int b0, int P,
+                                              int total) {
+    const int fblocks = a.I / 16;
+    if (threadIdx.x < 8 / P * 16) {
+        const int tt = threadIdx.x / 16, r = threadIdx.x % 16, uu = b0 + tt;
+        if (uu < total) {
+            float g = 0.f, uv = 0.f;
+            for (int k = 0; k < P; ++k) {
+                g += part[tt * P + k][r];
+                uv += part[tt * P + k][16 + r];
+            }
+            const int sl = uu / fblocks, f = (uu % fblocks) * 16 + r;
+            a.h[sl * a.I + f] = wts[sl] * (siluf(g) * uv);
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(GateUpArgs a) {
     __shared__ __align__(16) float xs[MAX_K_H + MAX_K_H / 8];
     __shared__ uint4 xb8[MAX_K_H / 64 * 8];
@@ -157,61 +211,25 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(GateUpArgs a) {
 
     // 16-row tiles of (slot, f0..f0+15): warp (tile wt, part kp) multiplies groups [g0, g1) of the
     // tile's gate and up rows (at most 2 batches), requested before x's fragments are built
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, P = a.kparts, per_block = 8 / P;
+    const int warp = threadIdx.x >> 5, P = a.kparts, per_block = 8 / P;
     const int wt = warp / P, kp = warp % P, gpr = H / 64, g0 = kp * gpr / P, g1 = (kp + 1) * gpr / P;
     const int fblocks = a.I / 16, total = a.k * fblocks;
     const QRows gate{a.gate.codes, a.gate.scales, a.gate.biases, a.experts * a.I};
     const QRows up{a.up.codes, a.up.scales, a.up.biases, a.experts * a.I};
     bool built = false;
     for (int b0 = blockIdx.x * per_block; b0 < total; b0 += gridDim.x * per_block) {
-        const int u = b0 + wt, slot = u / fblocks, f0 = (u % fblocks) * 16;
+        const int u = b0 + wt;
         const bool mine = u < total;
-        const int row0 = mine ? ids[slot] * a.I + f0 : 0;
         TileBatch gb[2], ub[2];
-        if (mine) {
-#pragma unroll
-            for (int k = 0; k < 2; ++k) {
-                if (g0 + k * TILE_BATCH < g1) {
-                    tile_load(gate, H, row0, g0 + k * TILE_BATCH, g1, gb[k]);
-                    tile_load(up, H, row0, g0 + k * TILE_BATCH, g1, ub[k]);
-                }
-            }
-        }
+        if (mine) gate_up_request(gate, up, H, ids[u / fblocks] * a.I + (u % fblocks) * 16, g0, g1, gb, ub);
         if (!built) {
             build_x_s8(xs, H, xb8, gx);
             __syncthreads();
             built = true;
         }
-        if (mine) {
-            const uint4* xq = xb8 + (lane & 3);
-            float gA = 0.f, gB = 0.f, uA = 0.f, uB = 0.f;
-#pragma unroll
-            for (int k = 0; k < 2; ++k) {
-                if (g0 + k * TILE_BATCH < g1) {
-                    tile_compute_s8(gb[k], g0 + k * TILE_BATCH, g1, xq, gx, gA, gB);
-                    tile_compute_s8(ub[k], g0 + k * TILE_BATCH, g1, xq, gx, uA, uB);
-                }
-            }
-            if ((lane & 3) == 0) {
-                part[warp][lane >> 2] = gA;
-                part[warp][(lane >> 2) + 8] = gB;
-                part[warp][(lane >> 2) + 16] = uA;
-                part[warp][(lane >> 2) + 24] = uB;
-            }
-        }
+        if (mine) gate_up_multiply(gb, ub, g0, g1, xb8, gx, part[warp]);
         __syncthreads();
-        if (threadIdx.x < per_block * 16) {
-            const int tt = threadIdx.x / 16, r = threadIdx.x % 16, uu = b0 + tt;
-            if (uu < total) {
-                float g = 0.f, uv = 0.f;
-                for (int k = 0; k < P; ++k) {
-                    g += part[tt * P + k][r];
-                    uv += part[tt * P + k][16 + r];
-                }
-                const int sl = uu / fblocks, f = (uu % fblocks) * 16 + r;
-                a.h[sl * a.I + f] = wts[sl] * (siluf(g) * uv);
-            }
-        }
+        gate_up_write(a, part, wts, b0, P, total);
         __syncthreads();
     }
 }
