@@ -13,7 +13,7 @@
 #include "harness.cuh"
 #include <vector>
 
-static DevQ4 random_weights(size_t rows, int K) { return upload_q4(random_q4(rows, K, 0.002f, 0.01f)); }
+static ExpertStack random_weights(size_t rows, int K) { return upload_q4(random_q4(rows, K, 0.002f, 0.01f)); }
 
 static __nv_bfloat16* random_activations(size_t n) {
     std::vector<__nv_bfloat16> a(n);
@@ -44,7 +44,7 @@ int main() {
     // dense: GDN in_proj
     {
         const int N = 12352, K = H;
-        DevQ4 w = random_weights(N, K);
+        ExpertStack w = random_weights(N, K);
         GemmArgs g{};
         g.a = random_activations((size_t)T * K);
         g.codes[0] = g.codes[1] = w.codes;
@@ -67,7 +67,7 @@ int main() {
     int* d_rows = upload(a_rows);
     float* d_scale = upload(row_scale);
     {
-        DevQ4 gate = random_weights((size_t)E * I, H), up = random_weights((size_t)E * I, H);
+        ExpertStack gate = random_weights((size_t)E * I, H), up = random_weights((size_t)E * I, H);
         GemmArgs g{};
         g.a = random_activations((size_t)T * H);
         g.a_rows = d_rows;
@@ -81,7 +81,7 @@ int main() {
         report("gate/up", time_launches(gemm_q4_m8, g, dim3((I + 127) / 128, (unsigned)plan.size(), 1)), 2.0 * P * 2 * I * H);
     }
     {
-        DevQ4 down = random_weights((size_t)E * H, I);
+        ExpertStack down = random_weights((size_t)E * H, I);
         GemmArgs g{};
         g.a = random_activations((size_t)P * I);
         g.codes[0] = g.codes[1] = down.codes;

@@ -54,7 +54,7 @@ int main() {
         float* outs;
         CK(cudaMalloc(&outs, (size_t)copies * rows * 4));
         for (int c = 0; c < copies; ++c) {
-            const DevQ4 d = upload_q4(w);
+            const ExpertStack d = upload_q4(w);
             GemvArgs a{};
             size_t r0 = 0;
             for (size_t i = 0; i < sh.rows.size(); ++i) {

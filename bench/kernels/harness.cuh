@@ -1,6 +1,7 @@
-// Shared pieces of the standalone kernel harnesses in this folder: error checks, timing, and a
-// grid-wide barrier for resident launches.
+// Shared pieces of the standalone kernel harnesses in this folder: error checks, timing, a
+// grid-wide barrier for resident launches, and random quantised weights and activations.
 #pragma once
+#include "../../crates/osprey-cuda/kernels/common.cuh"
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -94,12 +95,8 @@ static T* upload(const std::vector<T>& v) {
     return d;
 }
 
-struct DevQ4 {
-    uint32_t* codes;
-    __nv_bfloat16 *scales, *biases;
-};
-
-static DevQ4 upload_q4(const HostQ4& h) { return DevQ4{upload(h.codes), upload(h.scales), upload(h.biases)}; }
+// on the device as the kernels take a matrix (common.cuh's ExpertStack: codes, scales, biases)
+static ExpertStack upload_q4(const HostQ4& h) { return ExpertStack{upload(h.codes), upload(h.scales), upload(h.biases)}; }
 
 // K activations in [-1, 1] on the device
 static float* random_x(int K) {

@@ -42,7 +42,7 @@ int main() {
     const int H = 2048, I = 512, E = 256, K = 8, kparts = 8;
     const HostQ4 gate = random_q4((size_t)E * I, H, 0.01f, 0.05f), up = random_q4((size_t)E * I, H, 0.01f, 0.05f);
     const HostQ4 down = random_q4((size_t)E * H, I, 0.01f, 0.05f), sdown = random_q4(H, I, 0.01f, 0.05f);
-    const DevQ4 dg = upload_q4(gate), du = upload_q4(up), dd = upload_q4(down), dsd = upload_q4(sdown);
+    const ExpertStack dg = upload_q4(gate), du = upload_q4(up), dd = upload_q4(down), dsd = upload_q4(sdown);
     std::vector<float> logits((size_t)LAUNCHES * E), x(H), nw(H), sg(I), su(I), sl{0.3f};
     for (auto& v : logits) v = (rand() % 8001 - 4000) / 1000.f;
     for (auto& v : x) v = (rand() % 2001 - 1000) / 1000.f;
@@ -58,8 +58,8 @@ int main() {
 
     auto gate_up_args = [&](int i) {
         GateUpArgs a{};
-        a.gate = ExpertStack{dg.codes, dg.scales, dg.biases};
-        a.up = ExpertStack{du.codes, du.scales, du.biases};
+        a.gate = dg;
+        a.up = du;
         a.topk = d_topk;
         a.x = d_x;
         a.norm_weight = d_nw;
@@ -78,8 +78,8 @@ int main() {
         return a;
     };
     DownArgs da{};
-    da.down = ExpertStack{dd.codes, dd.scales, dd.biases};
-    da.shared_down = ExpertStack{dsd.codes, dsd.scales, dsd.biases};
+    da.down = dd;
+    da.shared_down = dsd;
     da.h = d_h;
     da.topk = d_topk;
     da.x = d_x;

@@ -124,8 +124,8 @@ int main() {
     const HostQ4 router = random_q(E, H, 8, 0.001f, 0.002f), gate_logit = random_q(1, H, 8, 0.001f, 0.002f);
     const HostQ4 sgate = random_q4(I, H, 0.01f, 0.05f), sup = random_q4(I, H, 0.01f, 0.05f);
     const HostQ4 gate = random_q4((size_t)E * I, H, 0.01f, 0.05f), up = random_q4((size_t)E * I, H, 0.01f, 0.05f);
-    const DevQ4 d_router = upload_q4(router), d_gl = upload_q4(gate_logit), d_sg = upload_q4(sgate), d_su = upload_q4(sup);
-    const DevQ4 d_gate = upload_q4(gate), d_up = upload_q4(up);
+    const ExpertStack d_router = upload_q4(router), d_gl = upload_q4(gate_logit), d_sg = upload_q4(sgate), d_su = upload_q4(sup);
+    const ExpertStack d_gate = upload_q4(gate), d_up = upload_q4(up);
     std::vector<float> xs_host((size_t)LAUNCHES * H), nw(H);
     for (auto& v : xs_host) v = (rand() % 2001 - 1000) / 1000.f;
     for (auto& v : nw) v = 0.5f + (rand() % 1001) / 1000.f;
@@ -157,8 +157,8 @@ int main() {
     };
     auto gu_args = [&](int i, float* h, TopK* topk, int kparts) {
         GateUpArgs a{};
-        a.gate = ExpertStack{d_gate.codes, d_gate.scales, d_gate.biases};
-        a.up = ExpertStack{d_up.codes, d_up.scales, d_up.biases};
+        a.gate = d_gate;
+        a.up = d_up;
         a.topk = topk;
         a.x = d_x + (size_t)i * H;
         a.norm_weight = d_nw;

@@ -42,7 +42,7 @@ int main() {
     CK(cudaMalloc(&out_chain, (size_t)CHAIN * N * 4));
     Segment copies[COPIES];
     for (int c = 0; c < COPIES; ++c) {
-        const DevQ4 d = upload_q4(w);
+        const ExpertStack d = upload_q4(w);
         copies[c] = Segment{d.codes, d.scales, d.biases, nullptr, N, 4, 0, 0};
     }
     auto args_for = [&](float* out, int i) {
