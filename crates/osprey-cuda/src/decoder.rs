@@ -105,6 +105,7 @@ impl StepOverlap {
         }
     }
 }
+
 /// Blocks of the sampler's prepass, the candidates each keeps (sample.cu PREPASS_SLOTS) and the
 /// largest vocabulary slice a block holds in shared memory (PREPASS_MAX_SLICE).
 const SAMPLE_PARTS: usize = 128;
@@ -704,15 +705,16 @@ impl CudaDecoder {
         // work units: 16-row tensor-core tiles (4-bit, group 64) when the launch has enough of
         // them to fill the GPU (measured: small launches are faster one row per warp), else rows;
         // a block takes two units at a time, the grid is what stays resident (3 blocks per SM)
+        let tileable = |s: &Segment| s.bits == 4 && group == 64;
         let tiles: usize = segs
             .iter()
-            .filter(|s| s.bits == 4 && group == 64)
+            .filter(|s| tileable(s))
             .map(|s| (s.rows as usize).div_ceil(16))
             .sum();
-        let all_tiled = group == 64 && segs.iter().all(|s| s.bits == 4);
+        let fills_gpu = tiles >= 2 * self.sms;
         // launches too small for the tile kernel (the 2048-row output projections, K = 4096):
         // streamed tiles, each block's share requested at once by bulk copies (gemv.cu)
-        if all_tiled && tiles < 2 * self.sms && k.is_multiple_of(1024) {
+        if segs.iter().all(tileable) && !fills_gpu && k.is_multiple_of(1024) {
             if let Some((blocks, stages, smem)) =
                 stream_launch(tiles, k, self.sms, self.stream_smem)
             {
@@ -728,11 +730,11 @@ impl CudaDecoder {
         }
         // (each of a tile's 4 warps takes an even number of groups: the kernel reads scales and
         // biases in pairs, so K must be a multiple of 4 · 2 · 64)
-        a.tiles = i32::from(tiles >= 2 * self.sms && k.is_multiple_of(512));
+        a.tiles = i32::from(fills_gpu && k.is_multiple_of(512));
         let units: usize = segs
             .iter()
             .map(|s| {
-                if a.tiles == 1 && s.bits == 4 && group == 64 {
+                if a.tiles == 1 && tileable(s) {
                     (s.rows as usize).div_ceil(16)
                 } else {
                     s.rows as usize
