@@ -111,11 +111,11 @@ def checks():
 
     def pre(d):
         p = d["prefill"]
-        return max(p["chunked_relative_rms"], p["whole_relative_rms"], p.get("whole_chunked_gdn_relative_rms", 0.0))
+        return max(p["chunked_relative_rms"], p["whole_relative_rms"], p.get("whole_recurrent_gdn_relative_rms", p.get("whole_chunked_gdn_relative_rms", 0.0)))
 
     items = [
         ("decode, worst relative RMS of the logits", lambda d: f"{d['worst_relative_rms']:.1e}", f"{tiny['limit_relative_rms']:.0e}"),
-        ("prefill (chunked, whole, chunked GDN form), last-position logits", lambda d: f"{pre(d):.1e}", f"{tiny['prefill']['limit_relative_rms']:.0e}"),
+        ("prefill (chunked, whole, both GDN forms), last-position logits", lambda d: f"{pre(d):.1e}", f"{tiny['prefill']['limit_relative_rms']:.0e}"),
         ("prefill then decode, worst relative RMS", lambda d: f"{d['prefill']['decode_after_prefill']['worst_relative_rms']:.1e}", f"{tiny['prefill']['limit_relative_rms']:.0e}"),
         ("greedy disagreements (outside near-ties)", lambda d: str(d["greedy_disagreements"] + d["prefill"]["greedy_disagreements"] + d["prefill"]["decode_after_prefill"]["greedy_disagreements"]), "0"),
         ("GPU sampling: total variation vs the host distribution", lambda d: f"{d['gpu_sampling']['total_variation']:.3f}", f"{tiny['gpu_sampling']['limit_total_variation']}"),

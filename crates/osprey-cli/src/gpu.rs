@@ -139,18 +139,18 @@ pub fn check(
         steps,
         valid,
     )?;
-    // the chunked GDN form (the default is the token-by-token scan)
-    gpu.set_gdn_prefill(GdnPrefill::Chunked);
+    // the register-scan GDN form (the default runs this prompt in the chunked form)
+    gpu.set_gdn_prefill(GdnPrefill::Recurrent);
     gpu.reset()?;
     gpu.prefill(0, &long, prefill_len)?;
-    let chunked_gdn = gpu.logits()?;
+    let recurrent_gdn = gpu.logits()?;
     gpu.set_gdn_prefill(GdnPrefill::Auto);
-    let c_chunked_gdn = Compared::new(&cpu_logits[..valid], &chunked_gdn[..valid]);
-    let chunked_gdn_choice = argmax(&chunked_gdn[..valid]);
+    let c_recurrent_gdn = Compared::new(&cpu_logits[..valid], &recurrent_gdn[..valid]);
+    let recurrent_gdn_choice = argmax(&recurrent_gdn[..valid]);
     let prefill_disagree = usize::from(c_chunked.disagrees(chunked_choice))
         + usize::from(c_whole.disagrees(whole_choice))
-        + usize::from(c_chunked_gdn.disagrees(chunked_gdn_choice));
-    let prefill_rel = c_chunked.rel.max(c_whole.rel).max(c_chunked_gdn.rel);
+        + usize::from(c_recurrent_gdn.disagrees(recurrent_gdn_choice));
+    let prefill_rel = c_chunked.rel.max(c_whole.rel).max(c_recurrent_gdn.rel);
 
     let sampling = check_sampling(&mut gpu, &long, valid, prefill_len)?;
 
@@ -168,8 +168,8 @@ pub fn check(
         if record_ok { "consistent" } else { "INCONSISTENT" },
     );
     println!(
-        "prefill: {prefill_len} tokens, last-position logits: chunks of {chunk} {:.2e}, whole {:.2e}, whole with the chunked GDN form {:.2e} relative RMS vs cpu (limit {MAX_PREFILL_RELATIVE_RMS:.0e}), chunked vs whole {:.2e}; greedy disagreements {prefill_disagree}",
-        c_chunked.rel, c_whole.rel, c_chunked_gdn.rel, c_between.rel
+        "prefill: {prefill_len} tokens, last-position logits: chunks of {chunk} {:.2e}, whole {:.2e}, whole with the register-scan GDN form {:.2e} relative RMS vs cpu (limit {MAX_PREFILL_RELATIVE_RMS:.0e}), chunked vs whole {:.2e}; greedy disagreements {prefill_disagree}",
+        c_chunked.rel, c_whole.rel, c_recurrent_gdn.rel, c_between.rel
     );
     println!("{}", sampling.summary);
     println!(
@@ -188,7 +188,7 @@ pub fn check(
                 "tokens": prefill_len, "chunk": chunk, "limit_relative_rms": MAX_PREFILL_RELATIVE_RMS,
                 "chunked_relative_rms": c_chunked.rel, "chunked_max_abs": c_chunked.max_abs,
                 "whole_relative_rms": c_whole.rel, "whole_max_abs": c_whole.max_abs,
-                "whole_chunked_gdn_relative_rms": c_chunked_gdn.rel, "whole_chunked_gdn_max_abs": c_chunked_gdn.max_abs,
+                "whole_recurrent_gdn_relative_rms": c_recurrent_gdn.rel, "whole_recurrent_gdn_max_abs": c_recurrent_gdn.max_abs,
                 "chunked_vs_whole_relative_rms": c_between.rel, "greedy_disagreements": prefill_disagree,
                 "decode_after_prefill": {"steps": steps, "worst_relative_rms": after.worst_rel, "worst_max_abs": after.worst_abs, "greedy_disagreements": after.disagree, "per_step": after.rows},
             },
@@ -574,9 +574,28 @@ pub fn bench_prefill(
                 100.0 * tflops * 1e12 / BF16_CEILING_FLOP_PER_S,
                 BF16_CEILING_FLOP_PER_S / 1e12
             );
+            // the recurrence's kernels under each form forced
+            let mut gdn_forms = serde_json::Map::new();
+            for (name, form) in [
+                ("recurrent", GdnPrefill::Recurrent),
+                ("chunked", GdnPrefill::Chunked),
+            ] {
+                gpu.set_gdn_prefill(form);
+                gpu.reset()?;
+                let forced = gpu.profile_prefill(0, &tokens[..len], chunk)?;
+                let mut kernels = Vec::new();
+                for k in forced.iter().filter(|k| k.kernel.starts_with("gdn")) {
+                    info!("  {name:<9} {:<34} {:>10.1} us", k.kernel, k.micros);
+                    kernels
+                        .push(json!({"kernel": k.kernel, "launches": k.launches, "us": k.micros}));
+                }
+                gdn_forms.insert(name.into(), json!(kernels));
+            }
+            gpu.set_gdn_prefill(GdnPrefill::Auto);
             profiles.push(json!({"tokens": len, "total_us": total,
                 "expert_gemm": {"flop": expert_flop, "us": expert_us, "tflop_per_s": tflops, "fraction_of_bf16_ceiling": tflops * 1e12 / BF16_CEILING_FLOP_PER_S},
-                "kernels": p.iter().map(|k| json!({"kernel": k.kernel, "launches": k.launches, "us": k.micros})).collect::<Vec<_>>()}));
+                "kernels": p.iter().map(|k| json!({"kernel": k.kernel, "launches": k.launches, "us": k.micros})).collect::<Vec<_>>(),
+                "gdn_kernels_per_form": gdn_forms}));
         }
     }
     let report = json!({

@@ -21,18 +21,17 @@
 //                    is far longer than one token of work. Grid (Hv, Dv/16), 8 warps per block:
 //                    2048 warps in all, so each scheduler has several independent chains
 //                    (measured: 4 columns per warp, 1024 warps, issued only half the cycles).
-//   gdn_chunk_prep / gdn_chunk_scan — the same recurrence in the chunked (WY) form, chunks of 64
-//                    tokens, all fp32 on the CUDA cores (see below). The first version was slower
-//                    than the scan at every length (H200, 4K prompt, 30 layers: prep 21.7 ms +
-//                    scan 40.8 ms vs 34.7 ms; its inner loops waited on global loads); this one
-//                    stages every chunk's inputs in shared memory and is closer but still slower
-//                    (4K prompt: 21.2K vs 23.0K tok/s end to end, commit 9a9dbcb,
-//                    bench/results/cuda-prefill-gdn-forms.json). `osprey bench prefill` times both.
+//   gdn_chunk_prep / gdn_chunk_state / gdn_chunk_out — the same recurrence in the chunked (WY) form,
+//                    chunks of 64 tokens, its products on the tensor cores (TF32 mma, see below):
+//                    the default from 64 tokens. An earlier fp32 CUDA-core version of it was slower
+//                    than the scan (4K prompt: 21.2K vs 23.0K tok/s end to end, commit 9a9dbcb).
 // Shapes: Dk = Dv = 128, Hv value heads over Hk key heads (value head h reads key head h/(Hv/Hk)).
 // Ceiling: the scan is a dependent chain per token (two warp reductions); the state traffic is
-// 64 KB per head per chunk, not per token. Measured (H200, commit 7bf2668, 4K prompt): scan
-// 1.15 ms per layer (0.28 us per token; 2.9 ms in the first version with global loads one token
-// ahead); conv + norms + gates 0.25 ms per layer for ~400 MB moved (~1.6 TB/s).
+// 64 KB per head per chunk, not per token. Measured (H200, 4K prompt, 30 layers): register scan
+// 1.15 ms per layer (0.28 us per token); chunked form 0.21 (prep) + 0.25 (state pass) + 0.14
+// (output) = 0.60 ms per layer; the state pass moves ~820 MB per layer (W, K and U staged by each
+// of a head's 4 column blocks, the states saved for the output), ~3.3 TB/s: bandwidth-bound.
+// conv + norms + gates 0.25 ms per layer for ~400 MB moved (~1.6 TB/s).
 #include "common.cuh"
 
 #define DK 128
@@ -229,207 +228,363 @@ extern "C" __global__ void __launch_bounds__(SCAN_WARPS * 32) gdn_scan(GdnPrefil
     for (int i = 0; i < 4; ++i) *reinterpret_cast<float2*>(S + (4 * lane + i) * DV + j0) = make_float2(s[i][0], s[i][1]);
 }
 
-// ---- chunked (WY) form ------------------------------------------------------------------------
+// ---- chunked (WY) form, on the tensor cores ----------------------------------------------------
 // Per chunk of C = 64 tokens and value head, with G the cumulative log decay inside the chunk
 // (G_t = Σ_{s≤t} g_s ≤ 0), as in crates/osprey-engine/src/cpu/gdn.rs `chunked`:
 //   A[t][s] = β_t (k_t·k_s) e^{G_t − G_s} (s < t), (I + A) U = β V, (I + A) W = β e^{G} K
-//   M[t][s] = (q_t·k_s) e^{G_t − G_s} (s ≤ t), Q̃ = e^{G} Q, K̃ = e^{G_last − G} K
-// (gdn_chunk_prep: everything that does not depend on the state, all chunks in parallel), then
-// per chunk in order (gdn_chunk_scan, state S in shared memory):
-//   U' = U − W S, O = Q̃ S + M U', S ← e^{G_last} S + K̃ᵀ U'.
-// Every exponent is ≤ 0, so nothing overflows.
+//   M[t][s] = (q_t·k_s) e^{G_t − G_s} (s ≤ t)
+// gdn_chunk_prep (all chunks in parallel): K Kᵀ and Q Kᵀ on the tensor cores, A and M from them, then
+//   U and W by forward substitution (a thread per column of [U | W]).
+// gdn_chunk_state (per head and 32 state columns, chunks in order; S = the state before the chunk):
+//   saves S, U' = U − W S, S ← e^{G_last} S + Kᵀ (e^{G_last − G} ∘ U').
+// gdn_chunk_out (all chunks in parallel): O = e^{G} ∘ (Q S) + M U'.
+// Every exponent is ≤ 0, so nothing overflows. The products are mma.sync m16n8k8 TF32 (operands
+// rounded to 10-bit mantissas, fp32 accumulation; the state itself is carried in fp32): 2^-11
+// relative per operand, well inside the prefill check's tolerance (osprey check reports this form).
+// Shared-memory row strides: 132 (≡ 4 mod 32) for operands read along rows, 136 / 40 (≡ 8 mod 32)
+// for operands read down columns: an mma fragment's 32 reads hit 32 distinct banks either way.
 
 #define CHUNK 64
-#define KS (DK + 1)  // padded rows: lanes reading different rows of one column hit distinct banks
+#define ROW_STRIDE 132  // [rows][128] read along rows (A row-major, Bᵀ)
+#define COL_STRIDE 136  // [rows][128] read down columns (A transposed, B)
+#define A_STRIDE 68     // [64][64] read along rows
+#define STATE_COLS 32   // state columns per gdn_chunk_state block
+#define STATE_STRIDE 40 // [rows][32] read down columns
 
 struct GdnChunkArgs {
     const float* conv_out;  // [T, conv_dim]: q, k normalised (gdn_qk_gates), v
     const float* gates;     // [T, Hv, 4]
     float* wy;              // [T, Hv, 2·Dv]: U then W (Dk = Dv)
-    float* qk_decayed;      // [T, Hv, 2·Dk]: Q̃ then K̃
+    float* u_new;           // [T, Hv, Dv]: U' = U − W S
     float* m;               // [T, Hv, C]
-    float* chunk_decay;     // [chunks, Hv]: e^{G_last}
+    float* g_cum;           // [Hv, chunks·C]: G per token
+    float* chunk_states;    // [chunks, Hv, Dk, Dv]: the state before each chunk
     float* state;           // [Hv, Dk, Dv]
     float* o;               // [T, Hv·Dv]
     int T, conv_dim, hk, hv;
 };
 
-// Grid (chunks, Hv), 256 threads; dynamic shared memory (2·64·129 + 64·65 + 128) floats.
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+    uint32_t r;
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+    return r;
+}
+
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Fragments of m16n8k8 (g = lane / 4, t = lane % 4). A is 16x8 at (m0, k0), B is 8x8 at (k0, n0).
+// A[m][k] = X[m][k]
+__device__ __forceinline__ void frag_a_rows(uint32_t (&a)[4], const float* X, int stride, int m0, int k0, int lane) {
+    const float* r = X + (m0 + (lane >> 2)) * stride + k0 + (lane & 3);
+    a[0] = to_tf32(r[0]);
+    a[1] = to_tf32(r[8 * stride]);
+    a[2] = to_tf32(r[4]);
+    a[3] = to_tf32(r[8 * stride + 4]);
+}
+// A[m][k] = X[k][m]
+__device__ __forceinline__ void frag_a_cols(uint32_t (&a)[4], const float* X, int stride, int m0, int k0, int lane) {
+    const float* r = X + (k0 + (lane & 3)) * stride + m0 + (lane >> 2);
+    a[0] = to_tf32(r[0]);
+    a[1] = to_tf32(r[8]);
+    a[2] = to_tf32(r[4 * stride]);
+    a[3] = to_tf32(r[4 * stride + 8]);
+}
+// B[k][n] = X[n][k]
+__device__ __forceinline__ void frag_b_rows(uint32_t (&b)[2], const float* X, int stride, int k0, int n0, int lane) {
+    const float* r = X + (n0 + (lane >> 2)) * stride + k0 + (lane & 3);
+    b[0] = to_tf32(r[0]);
+    b[1] = to_tf32(r[4]);
+}
+// B[k][n] = X[k][n]
+__device__ __forceinline__ void frag_b_cols(uint32_t (&b)[2], const float* X, int stride, int k0, int n0, int lane) {
+    const float* r = X + (k0 + (lane & 3)) * stride + n0 + (lane >> 2);
+    b[0] = to_tf32(r[0]);
+    b[1] = to_tf32(r[4 * stride]);
+}
+
+// Copies `rows` rows of `width` floats (a multiple of 4) from src (row pitch src_pitch floats) to
+// shared dst (row pitch dst_pitch); rows past `valid` are zero-filled.
+__device__ __forceinline__ void stage_rows(float* dst, int dst_pitch, const float* src, size_t src_pitch, int rows,
+                                           int width, int valid) {
+    const int per_row = width / 4;
+    for (int e = threadIdx.x; e < rows * per_row; e += blockDim.x) {
+        const int r = e / per_row, c = 4 * (e % per_row);
+        const bool ok = r < valid;
+        cp_async16(dst + r * dst_pitch + c, src + (size_t)(ok ? r : 0) * src_pitch + c, ok);
+    }
+}
+
+__device__ __forceinline__ int g_pitch(const GdnChunkArgs& p) { return (p.T + CHUNK - 1) / CHUNK * CHUNK; }
+
+// Grid (chunks, Hv), 256 threads; dynamic shared memory GDN_CHUNK_PREP_SMEM floats.
+#define GDN_CHUNK_PREP_SMEM ((2 * CHUNK * ROW_STRIDE + CHUNK * A_STRIDE + 2 * CHUNK) * 4)
 extern "C" __global__ void __launch_bounds__(256) gdn_chunk_prep(GdnChunkArgs p) {
-    extern __shared__ float sm[];
-    float* ks = sm;                  // [C][KS]
-    float* qs = ks + CHUNK * KS;     // [C][KS]
-    float* A = qs + CHUNK * KS;      // [C][C + 1]
-    float* G = A + CHUNK * (CHUNK + 1);
+    extern __shared__ __align__(16) float sm[];
+    float* ks = sm;                         // [C][ROW_STRIDE]
+    float* qs = ks + CHUNK * ROW_STRIDE;    // [C][ROW_STRIDE], later v
+    float* A = qs + CHUNK * ROW_STRIDE;     // [C][A_STRIDE]
+    float* G = A + CHUNK * A_STRIDE;
     float* beta = G + CHUNK;
-    const int c = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+    const int c = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int t0 = c * CHUNK, n = min(CHUNK, p.T - t0);
     const int kh = h / (p.hv / p.hk);
-    for (int e = tid; e < CHUNK * DK; e += blockDim.x) {
-        const int t = e / DK, i = e % DK;
-        const float* row = p.conv_out + (size_t)(t0 + t) * p.conv_dim;
-        ks[t * KS + i] = t < n ? row[(p.hk + kh) * DK + i] : 0.f;
-        qs[t * KS + i] = t < n ? row[kh * DK + i] : 0.f;
-    }
-    if (tid < CHUNK) {
-        const float4 gt = t0 + tid < p.T ? reinterpret_cast<const float4*>(p.gates)[(size_t)(t0 + tid) * p.hv + h]
-                                         : make_float4(0.f, 1.f, 0.f, 0.f);
-        beta[tid] = gt.x;
-        G[tid] = gt.w;
-    }
-    __syncthreads();
-    if (tid == 0)
-        for (int t = 1; t < CHUNK; ++t) G[t] += G[t - 1];
-    __syncthreads();
-    // A (strictly lower) and M (lower with the diagonal); a warp shares t, lanes take s
-    for (int e = tid; e < CHUNK * CHUNK; e += blockDim.x) {
-        const int t = e / CHUNK, s = e % CHUNK;
-        float kk = 0.f, qk = 0.f;
-#pragma unroll 8
-        for (int i = 0; i < DK; ++i) {
-            const float kv = ks[s * KS + i];
-            kk = fmaf(ks[t * KS + i], kv, kk);
-            qk = fmaf(qs[t * KS + i], kv, qk);
+    const float* rows = p.conv_out + (size_t)t0 * p.conv_dim;
+    stage_rows(ks, ROW_STRIDE, rows + (p.hk + kh) * DK, p.conv_dim, CHUNK, DK, n);
+    stage_rows(qs, ROW_STRIDE, rows + kh * DK, p.conv_dim, CHUNK, DK, n);
+    asm volatile("cp.async.commit_group;\n" ::);
+    if (warp == 0) {
+        // β and the inclusive scan of the log decays, two tokens per lane
+        float g2[2];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int t = 2 * lane + j;
+            const float4 gt = t < n ? reinterpret_cast<const float4*>(p.gates)[(size_t)(t0 + t) * p.hv + h]
+                                    : make_float4(0.f, 1.f, 0.f, 0.f);
+            beta[t] = gt.x;
+            g2[j] = gt.w;
         }
-        const float decay = s <= t ? __expf(G[t] - G[s]) : 0.f;
-        A[t * (CHUNK + 1) + s] = s < t ? beta[t] * kk * decay : 0.f;
-        if (t < n) p.m[((size_t)(t0 + t) * p.hv + h) * CHUNK + s] = qk * decay;
+        g2[1] += g2[0];
+        float run = g2[1];
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const float up = __shfl_up_sync(FULL_MASK, run, o);
+            if (lane >= o) run += up;
+        }
+        const float before = run - g2[1];
+        G[2 * lane] = before + g2[0];
+        G[2 * lane + 1] = run;
+        float* gc = p.g_cum + (size_t)h * g_pitch(p) + t0;
+        gc[2 * lane] = before + g2[0];
+        gc[2 * lane + 1] = run;
     }
+    asm volatile("cp.async.wait_group 0;\n" ::);
     __syncthreads();
-    // decayed q and k out (q no longer needed after this)
-    const float last = G[n - 1];
-    for (int e = tid; e < n * DK; e += blockDim.x) {
-        const int t = e / DK, i = e % DK;
-        float* out = p.qk_decayed + ((size_t)(t0 + t) * p.hv + h) * 2 * DK;
-        out[i] = qs[t * KS + i] * __expf(G[t]);
-        out[DK + i] = ks[t * KS + i] * __expf(last - G[t]);
+    {
+        // K Kᵀ and Q Kᵀ: warp = (16-row tile mt, half of the 64 columns)
+        const int mt = warp & 3, nb = (warp >> 2) * 4;
+        float kk[4][4] = {}, qk[4][4] = {};
+#pragma unroll 4
+        for (int k0 = 0; k0 < DK; k0 += 8) {
+            uint32_t ak[4], aq[4];
+            frag_a_rows(ak, ks, ROW_STRIDE, 16 * mt, k0, lane);
+            frag_a_rows(aq, qs, ROW_STRIDE, 16 * mt, k0, lane);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                uint32_t b[2];
+                frag_b_rows(b, ks, ROW_STRIDE, k0, 8 * (nb + j), lane);
+                mma_tf32(kk[j], ak, b);
+                mma_tf32(qk[j], aq, b);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int t = 16 * mt + (lane >> 2) + 8 * (i >> 1), s = 8 * (nb + j) + 2 * (lane & 3) + (i & 1);
+                const float decay = s <= t ? __expf(G[t] - G[s]) : 0.f;
+                A[t * A_STRIDE + s] = s < t ? beta[t] * kk[j][i] * decay : 0.f;
+                if (t < n) p.m[((size_t)(t0 + t) * p.hv + h) * CHUNK + s] = qk[j][i] * decay;
+            }
     }
     __syncthreads();
     // v of the chunk into q's place, so the substitution below reads shared memory only
-    float* vs = qs;
-    for (int e = tid; e < CHUNK * DV; e += blockDim.x) {
-        const int t = e / DV, j = e % DV;
-        vs[t * KS + j] = t < n ? p.conv_out[(size_t)(t0 + t) * p.conv_dim + 2 * p.hk * DK + h * DV + j] : 0.f;
-    }
+    stage_rows(qs, ROW_STRIDE, rows + 2 * p.hk * DK + h * DV, p.conv_dim, CHUNK, DV, n);
+    asm volatile("cp.async.commit_group;\n" ::);
+    asm volatile("cp.async.wait_group 0;\n" ::);
     __syncthreads();
     // forward substitution, one column of [U | W] per thread, the column in registers
     const int j = tid;
     const bool is_u = j < DV;
+    const float* vs = qs;
     float x[CHUNK];
 #pragma unroll
     for (int t = 0; t < CHUNK; ++t) {
-        float init = is_u ? beta[t] * vs[t * KS + j] : beta[t] * __expf(G[t]) * ks[t * KS + (j - DV)];
+        float init = is_u ? beta[t] * vs[t * ROW_STRIDE + j] : beta[t] * __expf(G[t]) * ks[t * ROW_STRIDE + (j - DV)];
 #pragma unroll
-        for (int s = 0; s < t; ++s) init = fmaf(-A[t * (CHUNK + 1) + s], x[s], init);
+        for (int s = 0; s < t; ++s) init = fmaf(-A[t * A_STRIDE + s], x[s], init);
         x[t] = init;
     }
 #pragma unroll
     for (int t = 0; t < CHUNK; ++t)
         if (t < n) p.wy[((size_t)(t0 + t) * p.hv + h) * 2 * DV + j] = x[t];
-    if (tid == 0) p.chunk_decay[c * p.hv + h] = __expf(last);
 }
 
-#define SCAN_COLS_C 32
-#define RS 132   // padded row stride of the staged [64][128] inputs (16-byte aligned, conflict-free)
-#define MS 68    // padded row stride of M
+// One chunk's inputs of gdn_chunk_state, for the block's 32 state columns.
+struct __align__(16) StateStage {
+    float w[CHUNK * ROW_STRIDE];
+    float k[CHUNK * COL_STRIDE];
+    float u[CHUNK * STATE_STRIDE];
+    float g[CHUNK];
+};
+#define GDN_CHUNK_STATE_SMEM ((int)(2 * sizeof(StateStage)) + (DK + CHUNK) * STATE_STRIDE * 4 + CHUNK * 4)
 
-__device__ __forceinline__ void cp_async16_ca(void* smem, const void* gmem, bool valid) {
-    const unsigned sa = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sa), "l"(gmem), "r"(valid ? 16 : 0));
+__device__ __forceinline__ void stage_state_inputs(const GdnChunkArgs& p, StateStage& st, int c, int h, int kh, int j0) {
+    const int t0 = c * CHUNK, n = min(CHUNK, p.T - t0);
+    const size_t row = (size_t)t0 * p.hv + h;
+    stage_rows(st.w, ROW_STRIDE, p.wy + row * 2 * DV + DV, (size_t)p.hv * 2 * DV, CHUNK, DK, n);
+    stage_rows(st.u, STATE_STRIDE, p.wy + row * 2 * DV + j0, (size_t)p.hv * 2 * DV, CHUNK, STATE_COLS, n);
+    stage_rows(st.k, COL_STRIDE, p.conv_out + (size_t)t0 * p.conv_dim + (p.hk + kh) * DK, p.conv_dim, CHUNK, DK, n);
+    stage_rows(st.g, CHUNK, p.g_cum + (size_t)h * g_pitch(p) + t0, 0, 1, CHUNK, 1);
 }
 
 // Grid (Hv, Dv/32), 256 threads: the block owns state columns j0..j0+31 of one head, in shared
-// memory for the whole prompt chunk, and walks the 64-token chunks in order; each chunk's W, Q̃,
-// K̃, M and U columns are first staged in shared memory (cp.async), so the inner loops read
-// shared memory only. Dynamic shared memory: S 128x32, U' 64x32, W/Q̃/K̃ 64x132 each, M 64x68.
-extern "C" __global__ void __launch_bounds__(256, 1) gdn_chunk_scan(GdnChunkArgs p) {
+// memory, and walks the chunks in order, the next chunk's inputs staged (cp.async) while this one
+// is computed. Per chunk: warp w computes U' for rows 16(w%4).., columns 16(w/4).. (k = 128), then
+// the state rows 16w.. for all 32 columns (k = 64 tokens).
+extern "C" __global__ void __launch_bounds__(256, 1) gdn_chunk_state(GdnChunkArgs p) {
     extern __shared__ __align__(16) float smc[];
-    float* S = smc;                          // [DK][32]
-    float* Up = S + DK * SCAN_COLS_C;        // [C][32]
-    float* W = Up + CHUNK * SCAN_COLS_C;     // [C][RS]
-    float* Qd = W + CHUNK * RS;              // [C][RS]
-    float* Kd = Qd + CHUNK * RS;             // [C][RS]
-    float* M = Kd + CHUNK * RS;              // [C][MS]
-    const int h = blockIdx.x, j0 = blockIdx.y * SCAN_COLS_C, tid = threadIdx.x;
+    StateStage* st = reinterpret_cast<StateStage*>(smc);
+    float* S = smc + 2 * sizeof(StateStage) / 4;  // [DK][STATE_STRIDE]
+    float* Up = S + DK * STATE_STRIDE;            // [C][STATE_STRIDE]
+    float* f = Up + CHUNK * STATE_STRIDE;         // e^{G_last − G_s}
+    const int h = blockIdx.x, j0 = blockIdx.y * STATE_COLS, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int kh = h / (p.hv / p.hk);
+    const int g = lane >> 2, q = lane & 3;
     float* Sg = p.state + (size_t)h * DK * DV;
-    for (int e = tid; e < DK * SCAN_COLS_C; e += blockDim.x) S[e] = Sg[(e / SCAN_COLS_C) * DV + j0 + e % SCAN_COLS_C];
-    const int t = tid / 4, jq = (tid % 4) * 8;   // phase 1: row t, columns jq..jq+7
-    const int i2 = tid / 2, jh = (tid % 2) * 16; // phase 2: state row i2, columns jh..jh+15
+    for (int e = tid; e < DK * STATE_COLS; e += blockDim.x)
+        S[(e / STATE_COLS) * STATE_STRIDE + e % STATE_COLS] = Sg[(e / STATE_COLS) * DV + j0 + e % STATE_COLS];
     const int chunks = (p.T + CHUNK - 1) / CHUNK;
+    stage_state_inputs(p, st[0], 0, h, kh, j0);
+    asm volatile("cp.async.commit_group;\n" ::);
     for (int c = 0; c < chunks; ++c) {
         const int t0 = c * CHUNK, n = min(CHUNK, p.T - t0);
-        __syncthreads();  // the previous chunk's readers are done with the staging buffers
-        // stage: W, Q̃, K̃ rows (32 chunks of 16 bytes each), M rows (16), U columns (8)
-        for (int e = tid; e < CHUNK * (3 * 32 + 16 + 8); e += blockDim.x) {
-            const int r = e / (3 * 32 + 16 + 8), k = e % (3 * 32 + 16 + 8);
-            const bool ok = r < n;
-            const size_t row = (size_t)(t0 + (ok ? r : 0)) * p.hv + h;
-            float* dst;
-            const float* src;
-            if (k < 32) { dst = W + r * RS + 4 * k; src = p.wy + row * 2 * DV + DV + 4 * k; }
-            else if (k < 64) { dst = Qd + r * RS + 4 * (k - 32); src = p.qk_decayed + row * 2 * DK + 4 * (k - 32); }
-            else if (k < 96) { dst = Kd + r * RS + 4 * (k - 64); src = p.qk_decayed + row * 2 * DK + DK + 4 * (k - 64); }
-            else if (k < 112) { dst = M + r * MS + 4 * (k - 96); src = p.m + row * CHUNK + 4 * (k - 96); }
-            else { dst = Up + r * SCAN_COLS_C + 4 * (k - 112); src = p.wy + row * 2 * DV + j0 + 4 * (k - 112); }
-            cp_async16_ca(dst, src, ok);
-        }
+        if (c + 1 < chunks) stage_state_inputs(p, st[(c + 1) & 1], c + 1, h, kh, j0);
         asm volatile("cp.async.commit_group;\n" ::);
-        asm volatile("cp.async.wait_group 0;\n" ::);
+        asm volatile("cp.async.wait_group 1;\n" ::);
         __syncthreads();
-        // W S and Q̃ S for row t, columns jq..jq+7
-        float ws[8], qsum[8];
-#pragma unroll
-        for (int q = 0; q < 8; ++q) ws[q] = qsum[q] = 0.f;
+        const StateStage& in = st[c & 1];
+        const float g_last = in.g[n - 1];
+        if (tid < CHUNK) f[tid] = tid < n ? __expf(g_last - in.g[tid]) : 0.f;
+        float* saved = p.chunk_states + ((size_t)c * p.hv + h) * DK * DV + j0;
+        for (int e = tid; e < DK * STATE_COLS / 4; e += blockDim.x) {
+            const int i = e / (STATE_COLS / 4), jj = 4 * (e % (STATE_COLS / 4));
+            *reinterpret_cast<float4*>(saved + i * DV + jj) = *reinterpret_cast<const float4*>(S + i * STATE_STRIDE + jj);
+        }
+        {
+            // U' = U − W S
+            const int mt = warp & 3, nb = (warp >> 2) * 2;
+            float acc[2][4] = {};
 #pragma unroll 4
-        for (int i = 0; i < DK; ++i) {
-            const float wv = W[t * RS + i], qv = Qd[t * RS + i];
-            const float4 s0 = *reinterpret_cast<const float4*>(&S[i * SCAN_COLS_C + jq]);
-            const float4 s1 = *reinterpret_cast<const float4*>(&S[i * SCAN_COLS_C + jq + 4]);
-            const float sv[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
+            for (int k0 = 0; k0 < DK; k0 += 8) {
+                uint32_t a[4];
+                frag_a_rows(a, in.w, ROW_STRIDE, 16 * mt, k0, lane);
 #pragma unroll
-            for (int q = 0; q < 8; ++q) {
-                ws[q] = fmaf(wv, sv[q], ws[q]);
-                qsum[q] = fmaf(qv, sv[q], qsum[q]);
+                for (int j = 0; j < 2; ++j) {
+                    uint32_t b[2];
+                    frag_b_cols(b, S, STATE_STRIDE, k0, 8 * (nb + j), lane);
+                    mma_tf32(acc[j], a, b);
+                }
             }
-        }
-        // U' = U − W S (rows past the prompt stay zero)
 #pragma unroll
-        for (int q = 0; q < 8; ++q) Up[t * SCAN_COLS_C + jq + q] -= ws[q];
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int t = 16 * mt + g + 8 * (i >> 1), col = 8 * (nb + j) + 2 * q + (i & 1);
+                    const float u = in.u[t * STATE_STRIDE + col] - acc[j][i];
+                    Up[t * STATE_STRIDE + col] = u;
+                    if (t < n) p.u_new[((size_t)(t0 + t) * p.hv + h) * DV + j0 + col] = u;
+                }
+        }
         __syncthreads();
-        // O = Q̃ S + M U'
-        for (int s = 0; s <= t; ++s) {
-            const float mv = M[t * MS + s];
-            const float4 u0 = *reinterpret_cast<const float4*>(&Up[s * SCAN_COLS_C + jq]);
-            const float4 u1 = *reinterpret_cast<const float4*>(&Up[s * SCAN_COLS_C + jq + 4]);
-            qsum[0] = fmaf(mv, u0.x, qsum[0]); qsum[1] = fmaf(mv, u0.y, qsum[1]);
-            qsum[2] = fmaf(mv, u0.z, qsum[2]); qsum[3] = fmaf(mv, u0.w, qsum[3]);
-            qsum[4] = fmaf(mv, u1.x, qsum[4]); qsum[5] = fmaf(mv, u1.y, qsum[5]);
-            qsum[6] = fmaf(mv, u1.z, qsum[6]); qsum[7] = fmaf(mv, u1.w, qsum[7]);
-        }
-        if (t < n) {
-            float* o = p.o + (size_t)(t0 + t) * p.hv * DV + h * DV + j0 + jq;
-            *reinterpret_cast<float4*>(o) = make_float4(qsum[0], qsum[1], qsum[2], qsum[3]);
-            *reinterpret_cast<float4*>(o + 4) = make_float4(qsum[4], qsum[5], qsum[6], qsum[7]);
-        }
-        // S ← e^{G_last} S + K̃ᵀ U' for state row i2 (its own elements only)
-        const float decay = p.chunk_decay[c * p.hv + h];
-        float acc[16];
+        {
+            // S ← e^{G_last} S + Kᵀ (f ∘ U'), state rows 16·warp..
+            const float decay = __expf(g_last);
+            float acc[4][4];
 #pragma unroll
-        for (int q = 0; q < 16; ++q) acc[q] = S[i2 * SCAN_COLS_C + jh + q] * decay;
-        for (int s = 0; s < n; ++s) {
-            const float kv = Kd[s * RS + i2];
+            for (int j = 0; j < 4; ++j)
 #pragma unroll
-            for (int q4 = 0; q4 < 4; ++q4) {
-                const float4 u = *reinterpret_cast<const float4*>(&Up[s * SCAN_COLS_C + jh + 4 * q4]);
-                acc[4 * q4] = fmaf(kv, u.x, acc[4 * q4]);
-                acc[4 * q4 + 1] = fmaf(kv, u.y, acc[4 * q4 + 1]);
-                acc[4 * q4 + 2] = fmaf(kv, u.z, acc[4 * q4 + 2]);
-                acc[4 * q4 + 3] = fmaf(kv, u.w, acc[4 * q4 + 3]);
+                for (int i = 0; i < 4; ++i)
+                    acc[j][i] = decay * S[(16 * warp + g + 8 * (i >> 1)) * STATE_STRIDE + 8 * j + 2 * q + (i & 1)];
+#pragma unroll
+            for (int k0 = 0; k0 < CHUNK; k0 += 8) {
+                uint32_t a[4];
+                frag_a_cols(a, in.k, COL_STRIDE, 16 * warp, k0, lane);
+                const float f0 = f[k0 + q], f1 = f[k0 + q + 4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const float* u = Up + (k0 + q) * STATE_STRIDE + 8 * j + g;
+                    const uint32_t b[2] = {to_tf32(f0 * u[0]), to_tf32(f1 * u[4 * STATE_STRIDE])};
+                    mma_tf32(acc[j], a, b);
+                }
             }
-        }
 #pragma unroll
-        for (int q = 0; q < 16; ++q) S[i2 * SCAN_COLS_C + jh + q] = acc[q];
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    S[(16 * warp + g + 8 * (i >> 1)) * STATE_STRIDE + 8 * j + 2 * q + (i & 1)] = acc[j][i];
+        }
+        __syncthreads();  // S complete; this stage's buffer may be refilled
     }
+    for (int e = tid; e < DK * STATE_COLS; e += blockDim.x)
+        Sg[(e / STATE_COLS) * DV + j0 + e % STATE_COLS] = S[(e / STATE_COLS) * STATE_STRIDE + e % STATE_COLS];
+}
+
+// Grid (chunks, Hv), 256 threads: O = e^{G} ∘ (Q S) + M U' for one chunk of one head; warp w owns
+// rows 16(w%4).. and columns 64(w/4)...
+#define GDN_CHUNK_OUT_SMEM ((CHUNK * ROW_STRIDE + DK * COL_STRIDE + CHUNK * A_STRIDE + CHUNK * COL_STRIDE + CHUNK) * 4)
+extern "C" __global__ void __launch_bounds__(256) gdn_chunk_out(GdnChunkArgs p) {
+    extern __shared__ __align__(16) float smo[];
+    float* Q = smo;                          // [C][ROW_STRIDE]
+    float* S = Q + CHUNK * ROW_STRIDE;       // [Dk][COL_STRIDE]
+    float* M = S + DK * COL_STRIDE;          // [C][A_STRIDE]
+    float* U = M + CHUNK * A_STRIDE;         // [C][COL_STRIDE]
+    float* G = U + CHUNK * COL_STRIDE;
+    const int c = blockIdx.x, h = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int t0 = c * CHUNK, n = min(CHUNK, p.T - t0);
+    const int kh = h / (p.hv / p.hk);
+    const size_t row = (size_t)t0 * p.hv + h;
+    stage_rows(Q, ROW_STRIDE, p.conv_out + (size_t)t0 * p.conv_dim + kh * DK, p.conv_dim, CHUNK, DK, n);
+    stage_rows(S, COL_STRIDE, p.chunk_states + ((size_t)c * p.hv + h) * DK * DV, DV, DK, DV, DK);
+    stage_rows(M, A_STRIDE, p.m + row * CHUNK, (size_t)p.hv * CHUNK, CHUNK, CHUNK, n);
+    stage_rows(U, COL_STRIDE, p.u_new + row * DV, (size_t)p.hv * DV, CHUNK, DV, n);
+    stage_rows(G, CHUNK, p.g_cum + (size_t)h * g_pitch(p) + t0, 0, 1, CHUNK, 1);
+    asm volatile("cp.async.commit_group;\n" ::);
+    asm volatile("cp.async.wait_group 0;\n" ::);
     __syncthreads();
-    for (int e = tid; e < DK * SCAN_COLS_C; e += blockDim.x) Sg[(e / SCAN_COLS_C) * DV + j0 + e % SCAN_COLS_C] = S[e];
+    const int mt = warp & 3, nb = (warp >> 2) * 8, g = lane >> 2, q = lane & 3;
+    float acc[8][4] = {};
+#pragma unroll 2
+    for (int k0 = 0; k0 < DK; k0 += 8) {
+        uint32_t a[4];
+        frag_a_rows(a, Q, ROW_STRIDE, 16 * mt, k0, lane);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            uint32_t b[2];
+            frag_b_cols(b, S, COL_STRIDE, k0, 8 * (nb + j), lane);
+            mma_tf32(acc[j], a, b);
+        }
+    }
+    const float e0 = __expf(G[16 * mt + g]), e1 = __expf(G[16 * mt + g + 8]);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        acc[j][0] *= e0;
+        acc[j][1] *= e0;
+        acc[j][2] *= e1;
+        acc[j][3] *= e1;
+    }
+#pragma unroll 2
+    for (int k0 = 0; k0 < CHUNK; k0 += 8) {
+        uint32_t a[4];
+        frag_a_rows(a, M, A_STRIDE, 16 * mt, k0, lane);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            uint32_t b[2];
+            frag_b_cols(b, U, COL_STRIDE, k0, 8 * (nb + j), lane);
+            mma_tf32(acc[j], a, b);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int t = 16 * mt + g + 8 * r;
+            if (t < n)
+                *reinterpret_cast<float2*>(p.o + (size_t)(t0 + t) * p.hv * DV + h * DV + 8 * (nb + j) + 2 * q) =
+                    make_float2(acc[j][2 * r], acc[j][2 * r + 1]);
+        }
 }

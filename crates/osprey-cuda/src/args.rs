@@ -341,9 +341,10 @@ pub struct GdnChunkArgs {
     pub conv_out: u64,
     pub gates: u64,
     pub wy: u64,
-    pub qk_decayed: u64,
+    pub u_new: u64,
     pub m: u64,
-    pub chunk_decay: u64,
+    pub g_cum: u64,
+    pub chunk_states: u64,
     pub state: u64,
     pub o: u64,
     pub t: i32,
@@ -436,7 +437,7 @@ mod tests {
         assert_eq!(std::mem::size_of::<NormArgs>(), 4 * 8 + 4 * 4);
         assert_eq!(std::mem::size_of::<GdnPrefillArgs>(), 12 * 8 + 5 * 4 + 4);
         assert_eq!(std::mem::size_of::<AttnPrepRowsArgs>(), 8 * 8 + 6 * 4);
-        assert_eq!(std::mem::size_of::<GdnChunkArgs>(), 8 * 8 + 4 * 4);
+        assert_eq!(std::mem::size_of::<GdnChunkArgs>(), 9 * 8 + 4 * 4);
         assert_eq!(std::mem::size_of::<AttnPrefillArgs>(), 5 * 8 + 5 * 4 + 4);
     }
 }

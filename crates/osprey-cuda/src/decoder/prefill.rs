@@ -1,6 +1,6 @@
 //! Prefill on the GPU: a prompt runs in chunks of up to `chunk` tokens, each chunk through every
 //! layer as a handful of batched kernels (tensor-core GEMMs on the stored 4/8-bit weights, the
-//! GDN conv + register-resident scan, causal flash attention over the cache, routing grouped on
+//! GDN conv + chunked (WY) recurrence on the tensor cores, causal flash attention over the cache, routing grouped on
 //! the GPU), continuing the same device state (KV cache, conv and recurrent state) that the
 //! decode step uses. Only the last position's logits are computed. Scratch memory is bounded by
 //! the chunk size, whatever the prompt length.
@@ -14,23 +14,41 @@ use crate::args::*;
 /// Flash-attention tiles: shared memory Q 128x264 + 2 x (K 64x264 + V 64x264) bf16.
 const ATTN_SMEM_BYTES: usize = (128 + 4 * 64) * 264 * 2;
 const ATTN_QUERY_TILE: usize = 128;
-/// Tokens per chunk of the chunked GDN form, and its preparation kernel's shared memory.
+/// Tokens per chunk of the chunked GDN form, and its kernels' shared memory (f32; the row strides
+/// 132, 136, 68 and 40 of gdn_prefill.cu).
 const GDN_CHUNK: usize = 64;
-const GDN_CHUNK_PREP_SMEM_BYTES: usize = (2 * 64 * 129 + 64 * 65 + 128) * 4;
-/// The chunked form's state pass: S 128x32, U' 64x32, W/Q̃/K̃ 64x132 each, M 64x68 (f32).
-const GDN_CHUNK_SCAN_SMEM_BYTES: usize = (128 * 32 + 64 * 32 + 3 * 64 * 132 + 64 * 68) * 4;
+/// Prep: K and Q (later V) 64x132, A 64x68, G and β.
+const GDN_CHUNK_PREP_SMEM_BYTES: usize = (2 * 64 * 132 + 64 * 68 + 2 * 64) * 4;
+/// State pass: two stages of (W 64x132, K 64x136, U 64x40, G 64), S 128x40, U' 64x40, decays 64.
+const GDN_CHUNK_STATE_SMEM_BYTES: usize =
+    (2 * (64 * 132 + 64 * 136 + 64 * 40 + 64) + (128 + 64) * 40 + 64) * 4;
+/// Output: Q 64x132, S 128x136, M 64x68, U' 64x136, G 64.
+const GDN_CHUNK_OUT_SMEM_BYTES: usize = (64 * 132 + 128 * 136 + 64 * 68 + 64 * 136 + 64) * 4;
 
 /// Which form of the Gated DeltaNet recurrence the prefill runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GdnPrefill {
-    /// The form measured fastest: token by token at every length (`osprey bench prefill` times
-    /// both forms up to 16K; at 4K the whole prefill runs at 23.0K tok/s with the register scan
-    /// and 21.2K with the chunked kernels, bench/results/cuda-prefill-gdn-forms.json).
+    /// The form measured fastest: the chunked form from `AUTO_CHUNKED_FROM` tokens of a prompt
+    /// chunk, the register scan below (`osprey bench prefill` times both forms up to 16K).
     Auto,
     /// Token by token, the state in registers.
     Recurrent,
-    /// 64-token chunks (WY form).
+    /// 64-token chunks (WY form) on the tensor cores.
     Chunked,
+}
+
+/// Prompt-chunk length from which `Auto` runs the chunked GDN form.
+const AUTO_CHUNKED_FROM: usize = GDN_CHUNK;
+
+impl GdnPrefill {
+    /// Whether a prompt chunk of `tokens` runs the chunked form.
+    fn chunked(self, tokens: usize) -> bool {
+        match self {
+            GdnPrefill::Auto => tokens >= AUTO_CHUNKED_FROM,
+            GdnPrefill::Recurrent => false,
+            GdnPrefill::Chunked => true,
+        }
+    }
 }
 
 /// Split-K partial sums: a dense launch splits only when it has fewer blocks than SMs, so its
@@ -54,7 +72,8 @@ pub(super) struct PrefillKernels {
     gdn_qk_gates: CudaFunction,
     gdn_scan: CudaFunction,
     gdn_chunk_prep: CudaFunction,
-    gdn_chunk_scan: CudaFunction,
+    gdn_chunk_state: CudaFunction,
+    gdn_chunk_out: CudaFunction,
     attn_prep_rows: CudaFunction,
     attn_prefill: CudaFunction,
 }
@@ -71,10 +90,15 @@ impl PrefillKernels {
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             GDN_CHUNK_PREP_SMEM_BYTES as i32,
         )?;
-        let gdn_chunk_scan = func("gdn_prefill", "gdn_chunk_scan")?;
-        gdn_chunk_scan.set_attribute(
+        let gdn_chunk_state = func("gdn_prefill", "gdn_chunk_state")?;
+        gdn_chunk_state.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            GDN_CHUNK_SCAN_SMEM_BYTES as i32,
+            GDN_CHUNK_STATE_SMEM_BYTES as i32,
+        )?;
+        let gdn_chunk_out = func("gdn_prefill", "gdn_chunk_out")?;
+        gdn_chunk_out.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            GDN_CHUNK_OUT_SMEM_BYTES as i32,
         )?;
         Ok(PrefillKernels {
             gemm4: [
@@ -96,7 +120,8 @@ impl PrefillKernels {
             gdn_qk_gates: func("gdn_prefill", "gdn_qk_gates")?,
             gdn_scan: func("gdn_prefill", "gdn_scan")?,
             gdn_chunk_prep,
-            gdn_chunk_scan,
+            gdn_chunk_state,
+            gdn_chunk_out,
             attn_prep_rows: func("attention_prefill", "attn_prep_rows")?,
             attn_prefill,
         })
@@ -120,9 +145,10 @@ pub(super) struct PrefillScratch {
     gates: CudaSlice<f32>,
     y: CudaSlice<f32>,
     wy: CudaSlice<f32>,
-    qk_decayed: CudaSlice<f32>,
+    u_new: CudaSlice<f32>,
     m: CudaSlice<f32>,
-    chunk_decay: CudaSlice<f32>,
+    g_cum: CudaSlice<f32>,
+    chunk_states: CudaSlice<f32>,
     k: CudaSlice<f32>,
     v: CudaSlice<f32>,
     q_bf16: CudaSlice<u16>,
@@ -205,13 +231,20 @@ impl CudaDecoder {
                 chunk * c.linear_num_value_heads * 2 * c.linear_value_head_dim,
             ),
             (
-                "qk_decayed",
-                chunk * c.linear_num_value_heads * 2 * c.linear_key_head_dim,
+                "u_new",
+                chunk * c.linear_num_value_heads * c.linear_value_head_dim,
             ),
             ("m", chunk * c.linear_num_value_heads * GDN_CHUNK),
             (
-                "chunk_decay",
-                chunk.div_ceil(GDN_CHUNK) * c.linear_num_value_heads,
+                "g_cum",
+                chunk.div_ceil(GDN_CHUNK) * GDN_CHUNK * c.linear_num_value_heads,
+            ),
+            (
+                "chunk_states",
+                chunk.div_ceil(GDN_CHUNK)
+                    * c.linear_num_value_heads
+                    * c.linear_key_head_dim
+                    * c.linear_value_head_dim,
             ),
             ("k", chunk * hkv * d),
             ("v", chunk * hkv * d),
@@ -245,29 +278,30 @@ impl CudaDecoder {
             gates: f(f32s[6].1)?,
             y: f(f32s[7].1)?,
             wy: f(f32s[8].1)?,
-            qk_decayed: f(f32s[9].1)?,
+            u_new: f(f32s[9].1)?,
             m: f(f32s[10].1)?,
-            chunk_decay: f(f32s[11].1)?,
-            k: f(f32s[12].1)?,
-            v: f(f32s[13].1)?,
+            g_cum: f(f32s[11].1)?,
+            chunk_states: f(f32s[12].1)?,
+            k: f(f32s[13].1)?,
+            v: f(f32s[14].1)?,
             q_bf16: hb(chunk * hq * d)?,
-            router: f(f32s[14].1)?,
-            shared_gate: f(f32s[15].1)?,
+            router: f(f32s[15].1)?,
+            shared_gate: f(f32s[16].1)?,
             ids: i(chunk * k)?,
-            weights: f(f32s[16].1)?,
+            weights: f(f32s[17].1)?,
             counts: i(c.num_experts)?,
             fill: i(c.num_experts)?,
             offsets: i(c.num_experts)?,
             tiles: [i(4 * max_tiles)?, i(4 * max_tiles)?],
             tile_count: [i(1)?, i(1)?],
             a_rows: i(chunk * k)?,
-            row_weight: f(f32s[17].1)?,
+            row_weight: f(f32s[18].1)?,
             slot_pos: i(chunk * k)?,
             expert_h: hb(chunk * k * c.moe_intermediate_size)?,
-            expert_y: f(f32s[18].1)?,
+            expert_y: f(f32s[19].1)?,
             partials: f(PARTIAL_FLOATS)?,
             shared_h: hb(chunk * c.shared_expert_intermediate_size)?,
-            shared_y: f(f32s[19].1)?,
+            shared_y: f(f32s[20].1)?,
             bytes,
         });
         Ok(())
@@ -583,14 +617,15 @@ impl CudaDecoder {
                         dd.launch(&dd.pk.gdn_qk_gates, launch_cfg((t as u32, 1), 256), &ga)?;
                         Ok(())
                     })?;
-                    if self.gdn_prefill == GdnPrefill::Chunked {
+                    if self.gdn_prefill.chunked(t) {
                         let ca = GdnChunkArgs {
                             conv_out: self.p(&s.mixed),
                             gates: self.p(&s.gates),
                             wy: self.p(&s.wy),
-                            qk_decayed: self.p(&s.qk_decayed),
+                            u_new: self.p(&s.u_new),
                             m: self.p(&s.m),
-                            chunk_decay: self.p(&s.chunk_decay),
+                            g_cum: self.p(&s.g_cum),
+                            chunk_states: self.p(&s.chunk_states),
                             state: self.p(state),
                             o: self.p(&s.y),
                             t: t as i32,
@@ -598,29 +633,24 @@ impl CudaDecoder {
                             hk: c.linear_num_key_heads as i32,
                             hv: hv as i32,
                         };
+                        let chunks = t.div_ceil(GDN_CHUNK) as u32;
+                        let with_smem = |grid_dim: (u32, u32, u32), bytes: usize| LaunchConfig {
+                            grid_dim,
+                            block_dim: (256, 1, 1),
+                            shared_mem_bytes: bytes as u32,
+                        };
                         timed(self, events, "gdn chunked (WY) prep", |dd| {
-                            dd.launch(
-                                &dd.pk.gdn_chunk_prep,
-                                LaunchConfig {
-                                    grid_dim: (t.div_ceil(GDN_CHUNK) as u32, hv as u32, 1),
-                                    block_dim: (256, 1, 1),
-                                    shared_mem_bytes: GDN_CHUNK_PREP_SMEM_BYTES as u32,
-                                },
-                                &ca,
-                            )?;
-                            Ok(())
+                            let cfg = with_smem((chunks, hv as u32, 1), GDN_CHUNK_PREP_SMEM_BYTES);
+                            dd.launch(&dd.pk.gdn_chunk_prep, cfg, &ca)
                         })?;
-                        timed(self, events, "gdn chunked (WY) scan", |dd| {
-                            dd.launch(
-                                &dd.pk.gdn_chunk_scan,
-                                LaunchConfig {
-                                    grid_dim: (hv as u32, (c.linear_value_head_dim / 32) as u32, 1),
-                                    block_dim: (256, 1, 1),
-                                    shared_mem_bytes: GDN_CHUNK_SCAN_SMEM_BYTES as u32,
-                                },
-                                &ca,
-                            )?;
-                            Ok(())
+                        timed(self, events, "gdn chunked (WY) state pass", |dd| {
+                            let split = (c.linear_value_head_dim / 32) as u32;
+                            let cfg = with_smem((hv as u32, split, 1), GDN_CHUNK_STATE_SMEM_BYTES);
+                            dd.launch(&dd.pk.gdn_chunk_state, cfg, &ca)
+                        })?;
+                        timed(self, events, "gdn chunked (WY) output", |dd| {
+                            let cfg = with_smem((chunks, hv as u32, 1), GDN_CHUNK_OUT_SMEM_BYTES);
+                            dd.launch(&dd.pk.gdn_chunk_out, cfg, &ca)
                         })?;
                     } else {
                         timed(self, events, "gdn scan (delta rule)", |dd| {
