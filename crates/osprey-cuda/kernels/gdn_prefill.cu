@@ -118,10 +118,6 @@ struct __align__(16) ScanStage {
     float4 gate[SCAN_TOKENS];
 };
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
-}
 
 __device__ __forceinline__ void load_stage(const GdnPrefillArgs& p, ScanStage& st, int t0, int h, int kh, int jb) {
     constexpr int QK_CHUNKS = SCAN_TOKENS * DK / 4, V_CHUNKS = SCAN_TOKENS * SCAN_WARPS * SCAN_COLS / 4;

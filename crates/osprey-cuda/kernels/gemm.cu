@@ -23,10 +23,15 @@
 // fill the GPU (short prompts, the router) split K over grid z into partial sums that
 // gemm_reduce adds in a fixed order.
 // Ceiling: bf16 dense mma ~790 TFLOP/s measured (gpu.md); mma.sync reaches about 2/3 of it.
-// Measured (H200, commit 7bf2668, 4K prompt, full-size model): routed experts 8.25 TFLOP in
-// 51.5 ms = 160 TFLOP/s (20%); GDN in_proj 6.2 TFLOP in 30.6 ms = 200 TFLOP/s (25%). ncu: tensor
-// pipe active 34%, 2 warps per scheduler (208 registers at 64-position tiles), most stalls on
-// fixed-latency dependencies. Next: wgmma from dequantised shared-memory tiles.
+// gemm_q4_wgmma (bottom of the file) takes the launches with whole 128-position tiles: warpgroup
+// MMA from shared memory, each weight dequantised once per block into shared memory.
+// Measured (H200, 4K prompt, full-size model, 30 layers): GDN in_proj 31.0 ms (mma.sync, 200
+// TFLOP/s, ncu: tensor pipe 34% active, most stalls fixed-latency dependencies) -> 23.4 ms with
+// gemm_q4_wgmma (265 TFLOP/s; ncu: L2 63% busy, 1.39 GB read from L2 per 137 GFLOP launch: every
+// block re-reads its positions' activations per weight-row block, so L2 is the next wall; next:
+// clusters sharing the activation tile by TMA multicast). Routed gate/up 31.5 -> 28.0 ms; the down
+// projection (K = 512) stays on mma.sync (20.1 ms; 23.3 with wgmma). A mma.sync kernel with
+// ldmatrix and shared-memory dequantisation (256 x 128 tiles) reached 28.1 ms on in_proj: dropped.
 #include "common.cuh"
 
 #define GEMM_WARPS 8
@@ -56,10 +61,6 @@ struct GemmArgs {
     int _pad;
 };
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
@@ -187,10 +188,10 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p) {
         if (s < groups) load_a(s, s);
         cp_async_commit();
     }
-    WeightRegs<BITS> cur, nxt;
-    load_weights<BITS>(cur, row, srow, brow, g_begin, q, p.group);
-    for (int G = 0; G < groups; ++G) {
-        if (G + 1 < groups) load_weights<BITS>(nxt, row, srow, brow, g_begin + G + 1, q, p.group);
+    // group G multiplied with `use` while `fill` receives group G + 1; the two swap roles each
+    // group, so no register copy waits for a load still in flight
+    auto step = [&](const WeightRegs<BITS>& use, WeightRegs<BITS>& fill, int G) {
+        if (G + 1 < groups) load_weights<BITS>(fill, row, srow, brow, g_begin + G + 1, q, p.group);
         cp_async_wait<STAGES - 2>();
         __syncthreads();
         if (G + STAGES - 1 < groups) load_a(G + STAGES - 1, (G + STAGES - 1) % STAGES);
@@ -207,8 +208,8 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p) {
                 uint32_t af[2][4];
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
-                    dequant_row<BITS>(cur, i, 0, t, af[i][0], af[i][2]);
-                    dequant_row<BITS>(cur, i, 1, t, af[i][1], af[i][3]);
+                    dequant_row<BITS>(use, i, 0, t, af[i][0], af[i][2]);
+                    dequant_row<BITS>(use, i, 1, t, af[i][1], af[i][3]);
                 }
 #pragma unroll
                 for (int j = 0; j < MT; ++j) {
@@ -218,7 +219,12 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p) {
                 }
             }
         }
-        cur = nxt;
+    };
+    WeightRegs<BITS> w0, w1;
+    load_weights<BITS>(w0, row, srow, brow, g_begin, q, p.group);
+    for (int G = 0; G < groups; G += 2) {
+        step(w0, w1, G);
+        if (G + 1 < groups) step(w1, w0, G + 1);
     }
     cp_async_wait<0>();
 
@@ -274,3 +280,228 @@ GEMM_KERNEL(4, 4, 2)
 GEMM_KERNEL(4, 8, 1)
 GEMM_KERNEL(8, 2, 2)
 GEMM_KERNEL(8, 8, 1)
+
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
+}
+
+// ---- warpgroup MMA: dequantised weights and activations from shared memory -----------------------
+// gemm_q4_wgmma: 4-bit group-64 weights, block = 2 warpgroups, 256 weight rows x 128 positions;
+// warpgroup wg multiplies its 128 weight rows (two m64 halves) by all 128 positions with wgmma
+// m64n128k16, both operands from shared memory in the K-major layout without swizzle (core column
+// kc = 8 k's of the group at kc · rows · 16 bytes, row r at r · 16). Thread r dequantises block row
+// r per group into that layout (one 16-byte store per code word, perm64 order = the activations'
+// storage order, so the dot products are unchanged).
+// Why 256 rows: every block re-reads its 128 positions' activations from L2 for each group, so the
+// L2 traffic per FLOP falls with the rows per block (measured with 128 rows: L2 75% busy, 2.5 GB
+// read for one 137 GFLOP in_proj launch, slower than mma.sync).
+// Step G: wait for ring slot G + 1 (activations, codes; a 5-slot cp.async ring three groups
+// ahead; scales and biases 8 groups at a time in two more buffers), issue group G's wgmma on weight
+// buffer G % 2, retire group G - 1's, dequantise group G + 1 into the buffer those read; group G's
+// wgmma run on through the next step's barrier and copies.
+// SwiGLU: the block's 256 rows are 128 gate + 128 up rows; each 16-row group of a warp holds 8 gate
+// rows (g) and the up rows of the same outputs (g + 8), so both land in one thread.
+// Needs N % 256 == 0 (SwiGLU: % 128), K % 512 == 0, group 64, no K split.
+#define WG_POS 128
+#define WG_ROWS 256
+#define WG_SLOTS 5  // groups G - 1 (wgmma in flight), G, G + 1, G + 2, G + 3
+#define WG_AHEAD 3
+#define WG_X_BYTES (WG_POS * 128)
+#define WG_CODE_BYTES (WG_ROWS * 32)
+#define WG_SB_BYTES (WG_ROWS * 32)
+#define WG_W_BYTES (WG_ROWS * 128)
+#define WG_SMEM_BYTES (WG_SLOTS * (WG_X_BYTES + WG_CODE_BYTES) + 2 * WG_SB_BYTES + 2 * WG_W_BYTES)
+
+__device__ __forceinline__ uint64_t wg_desc(const void* p, uint32_t lbo, uint32_t sbo) {
+    const uint32_t addr = (uint32_t)__cvta_generic_to_shared(p);
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32);
+}
+
+// D[64 x 128] = A[64 x 16] · B[16 x 128] (+ D when accumulate), both from shared memory, fp32.
+__device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+    asm volatile(
+        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "
+        "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, "
+        "%47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, acc, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+          "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+          "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+          "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+          "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+          "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+          "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+          "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"((int)accumulate));
+}
+
+// keeps the compiler from moving accumulator registers across the asynchronous wgmma (a copy while
+// one is in flight would serialise them)
+__device__ __forceinline__ void fence_accumulators(float (&d)[64]) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(GemmArgs p) {
+    extern __shared__ __align__(128) unsigned char wg_smem[];
+    unsigned char* Xs = wg_smem;                                                   // [slot][8 kc][128 pos][16 B]
+    uint4* Cs = reinterpret_cast<uint4*>(wg_smem + WG_SLOTS * WG_X_BYTES);         // [slot][2 halves][256 rows]
+    uint4* SBs = reinterpret_cast<uint4*>(wg_smem + WG_SLOTS * (WG_X_BYTES + WG_CODE_BYTES));  // [2][scale, bias][256 rows]: 8 groups
+    unsigned char* Ws = wg_smem + WG_SLOTS * (WG_X_BYTES + WG_CODE_BYTES) + 2 * WG_SB_BYTES;  // [2][8 kc][256 rows][16 B]
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    const int wg = warp >> 2;
+    const bool swiglu = p.epilogue == EPI_SWIGLU;
+
+    int expert = 0, m0, m_end;
+    if (p.tiles) {
+        if ((int)blockIdx.y >= *p.tile_count) return;
+        const int4 t = p.tiles[blockIdx.y];
+        expert = t.x;
+        m0 = t.y;
+        m_end = t.z;
+    } else {
+        m0 = blockIdx.y * WG_POS;
+        m_end = p.M;
+    }
+    const int groups = p.K / 64, wpr = p.K / 8;
+
+    // block row r -> weight matrix and global row
+    auto weight_row = [&](int r, int& mat) -> size_t {
+        int n = (int)blockIdx.x * WG_ROWS + r;
+        mat = 0;
+        if (swiglu) {
+            mat = (r & 15) >> 3;
+            n = (int)blockIdx.x * 128 + 8 * (r >> 4) + (r & 7);
+        }
+        return (size_t)expert * p.expert_rows + min(n, p.N - 1);
+    };
+    // staging: thread t copies 16-byte halves of rows t / 2 and 128 + t / 2 (codes, and at every
+    // 8th group 8 scales or biases), neighbouring lanes the two halves of one 32-byte sector
+    const int st_half = tid & 1;
+    const uint32_t* crow[2];
+    const uint4* sbrow[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        int mat;
+        const size_t rr = weight_row((tid >> 1) + 128 * i, mat);
+        crow[i] = p.codes[mat] + rr * wpr + 4 * st_half;
+        sbrow[i] = reinterpret_cast<const uint4*>((st_half ? p.biases[mat] : p.scales[mat]) + rr * groups);
+    }
+
+    const __nv_bfloat16* src[4];
+    bool valid[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        const int chunk = tid + 256 * c, r = chunk >> 3, pos = m0 + r;
+        valid[c] = pos < m_end;
+        const int arow = valid[c] ? (p.a_rows ? p.a_rows[pos] : pos) : 0;
+        src[c] = p.a + (size_t)arow * p.K + (chunk & 7) * 8;
+    }
+    auto load_stage = [&](int G) {
+        if (G < groups) {
+            const int slot = G % WG_SLOTS;
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int chunk = tid + 256 * c;
+                cp_async16(Xs + slot * WG_X_BYTES + (chunk & 7) * (WG_POS * 16) + (chunk >> 3) * 16, src[c] + G * 64, valid[c]);
+            }
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const int r = (tid >> 1) + 128 * i;
+                cp_async16(Cs + (slot * 2 + st_half) * WG_ROWS + r, crow[i] + G * 8, true);
+                if ((G & 7) == 0) cp_async16(SBs + (((G >> 3) & 1) * 2 + st_half) * WG_ROWS + r, sbrow[i] + (G >> 3), true);
+            }
+        }
+        cp_async_commit();
+    };
+    // group G of block row tid into weight buffer G % 2
+    auto dequant = [&](int G) {
+        const int slot = G % WG_SLOTS;
+        const uint4* sb = SBs + ((G >> 3) & 1) * 2 * WG_ROWS + tid;
+        const uint32_t sw = reinterpret_cast<const uint32_t*>(sb)[(G & 7) >> 1];
+        const uint32_t bw = reinterpret_cast<const uint32_t*>(sb + WG_ROWS)[(G & 7) >> 1];
+        const int hi = (G & 1) * 16;
+        const __nv_bfloat16_raw sr{(unsigned short)(sw >> hi)}, br{(unsigned short)(bw >> hi)};
+        const __nv_bfloat162 s = __bfloat162bfloat162(__nv_bfloat16(sr)), b = __bfloat162bfloat162(__nv_bfloat16(br));
+        unsigned char* dst = Ws + (G & 1) * WG_W_BYTES + tid * 16;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const uint4 c = Cs[(slot * 2 + h) * WG_ROWS + tid];
+            const uint32_t w[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                *reinterpret_cast<uint4*>(dst + (4 * h + i) * (WG_ROWS * 16)) =
+                    make_uint4(dequant_pair4(w[i], s, b), dequant_pair4(w[i] >> 4, s, b),
+                               dequant_pair4(w[i] >> 8, s, b), dequant_pair4(w[i] >> 12, s, b));
+        }
+    };
+    float d[2][64];  // the first wgmma overwrites them (no zeroing: a register written outside
+                     // wgmma between them serialises the pipeline)
+
+#pragma unroll
+    for (int G = 0; G < WG_AHEAD; ++G) load_stage(G);
+    cp_async_wait<WG_AHEAD - 1>();
+    __syncthreads();
+    dequant(0);
+    for (int G = 0; G < groups; ++G) {
+        // slot G + 1 landed (this thread's copies), everyone's copies and weight stores visible;
+        // every warpgroup has retired wgmma(G - 2), so slot G + 3 (= G - 2) is free
+        cp_async_wait<WG_AHEAD - 2>();
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        load_stage(G + WG_AHEAD);
+        const unsigned char* W = Ws + (G & 1) * WG_W_BYTES + wg * 128 * 16;
+        const unsigned char* X = Xs + (G % WG_SLOTS) * WG_X_BYTES;
+        fence_accumulators(d[0]);
+        fence_accumulators(d[1]);
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int s4 = 0; s4 < 4; ++s4) {
+            const uint64_t db = wg_desc(X + 2 * s4 * (WG_POS * 16), WG_POS * 16, 128);
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+                wgmma_m64n128k16_ss(d[m], wg_desc(W + 2 * s4 * (WG_ROWS * 16) + m * 64 * 16, WG_ROWS * 16, 128), db,
+                                    G > 0 || s4 > 0);
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        fence_accumulators(d[0]);
+        fence_accumulators(d[1]);
+        // wgmma(G - 1) retired: its weight buffer takes group G + 1 while wgmma(G) runs on
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        if (G + 1 < groups) dequant(G + 1);
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    fence_accumulators(d[0]);
+    fence_accumulators(d[1]);
+    cp_async_wait<0>();
+
+    // d[m][4j + 2h + e]: block row 128·wg + 64·m + 16·(warp % 4) + g + 8h, position 8j + 2q + e
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+        const int wrow = 128 * wg + 64 * m + 16 * (warp & 3) + g;
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int pos = m0 + 8 * j + 2 * q + e;
+                if (pos >= m_end) continue;
+                if (swiglu) {
+                    const int n = blockIdx.x * 128 + 8 * (wrow >> 4) + g;
+                    p.out_h[(size_t)pos * p.N + perm64(n)] = __float2bfloat16(siluf(d[m][4 * j + e]) * d[m][4 * j + 2 + e]);
+                    continue;
+                }
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int n = blockIdx.x * WG_ROWS + wrow + 8 * h;
+                    float* o = p.out + (size_t)pos * p.ldo + n;
+                    const float v = d[m][4 * j + 2 * h + e];
+                    if (p.epilogue == EPI_ADD) *o += v;
+                    else if (p.epilogue == EPI_SCALED) *o = v * p.row_scale[pos];
+                    else *o = v;
+                }
+            }
+    }
+}

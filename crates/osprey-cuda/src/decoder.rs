@@ -303,6 +303,8 @@ pub struct CudaDecoder {
     /// Prefill activations, allocated for the chunk size of the first prefill.
     prefill: Option<prefill::PrefillScratch>,
     gdn_prefill: GdnPrefill,
+    /// Where the prefill runs its warpgroup-MMA GEMM (OSPREY_PREFILL_WGMMA).
+    wgmma: prefill::Wgmma,
     /// Programmatic dependent launch and prefetches in the decode step (see `launch_step`).
     overlap: StepOverlap,
 }
@@ -617,6 +619,7 @@ impl CudaDecoder {
             pk,
             prefill: None,
             gdn_prefill: GdnPrefill::Auto,
+            wgmma: prefill::Wgmma::from_env(),
             overlap: StepOverlap::from_env(),
         })
     }

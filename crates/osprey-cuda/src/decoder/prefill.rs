@@ -25,6 +25,34 @@ const GDN_CHUNK_STATE_SMEM_BYTES: usize =
 /// Output: Q 64x132, S 128x136, M 64x68, U' 64x136, G 64.
 const GDN_CHUNK_OUT_SMEM_BYTES: usize = (64 * 132 + 128 * 136 + 64 * 68 + 64 * 136 + 64) * 4;
 
+/// gemm_q4_wgmma: 5 ring slots of (activations 128x128 bytes, codes 256x32), two buffers of 8
+/// groups' scales and biases 256x32, two dequantised weight tiles 256x128 bytes.
+const GEMM_WGMMA_SMEM_BYTES: usize = 5 * (128 * 128 + 256 * 32) + 2 * 256 * 32 + 2 * 256 * 128;
+/// Tile height / 8 of gemm_q4_wgmma (128 positions).
+const WGMMA_MT: usize = 16;
+/// Rows per expert (on average) from which the grouped gate/up GEMM runs gemm_q4_wgmma.
+const WGMMA_FROM_ROWS_PER_EXPERT: usize = 96;
+
+/// Where the prefill runs gemm_q4_wgmma (the rest on mma.sync): `OSPREY_PREFILL_WGMMA=0` nowhere,
+/// `dense` in the dense projections only, otherwise (the default) also in the grouped expert
+/// gate/up GEMM. For ablations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Wgmma {
+    dense: bool,
+    grouped: bool,
+}
+
+impl Wgmma {
+    pub(super) fn from_env() -> Self {
+        let (dense, grouped) = match std::env::var("OSPREY_PREFILL_WGMMA").as_deref() {
+            Ok("0") => (false, false),
+            Ok("dense") => (true, false),
+            _ => (true, true),
+        };
+        Wgmma { dense, grouped }
+    }
+}
+
 /// Which form of the Gated DeltaNet recurrence the prefill runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GdnPrefill {
@@ -58,6 +86,7 @@ const PARTIAL_FLOATS: usize = MAX_K_SPLITS * 132 * 64 * 256;
 
 pub(super) struct PrefillKernels {
     gemm4: [CudaFunction; 3],
+    gemm4_wgmma: CudaFunction,
     gemm_reduce: CudaFunction,
     gemm8: [CudaFunction; 2],
     embed_rows: CudaFunction,
@@ -100,7 +129,13 @@ impl PrefillKernels {
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             GDN_CHUNK_OUT_SMEM_BYTES as i32,
         )?;
+        let gemm4_wgmma = func("gemm", "gemm_q4_wgmma")?;
+        gemm4_wgmma.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            GEMM_WGMMA_SMEM_BYTES as i32,
+        )?;
         Ok(PrefillKernels {
+            gemm4_wgmma,
             gemm4: [
                 func("gemm", "gemm_q4_m2")?,
                 func("gemm", "gemm_q4_m4")?,
@@ -432,7 +467,14 @@ impl CudaDecoder {
         let fit = |mt: usize| if m.bits == 8 && mt == 4 { 2 } else { mt };
         let rows_per_block = if epilogue == EPI_SWIGLU { 128 } else { 256 };
         let blocks_x = w[0].rows.div_ceil(rows_per_block);
+        // gemm_q4_wgmma: 4-bit group-64 weights in whole 256-row (SwiGLU: 128-output) blocks
+        let wgmma_fits =
+            m.bits == 4 && m.group == 64 && m.cols % 512 == 0 && w[0].rows % rows_per_block == 0;
+        let wgmma_dense = wgmma_fits && self.wgmma.dense;
         let (mt, blocks_y) = match grouped {
+            None if wgmma_dense && blocks_x * positions.div_ceil(8 * WGMMA_MT) >= self.sms => {
+                (WGMMA_MT, positions.div_ceil(8 * WGMMA_MT))
+            }
             None => {
                 // shorter position tiles when the launch would not fill the GPU twice over (short
                 // prompts, narrow outputs such as the router): a few long blocks are latency-bound
@@ -443,6 +485,9 @@ impl CudaDecoder {
                 (mt, positions.div_ceil(8 * mt))
             }
             Some(gr) => {
+                if gr.mt == WGMMA_MT && !wgmma_fits {
+                    bail!("grouped GEMM: 128-position tiles need 4-bit group-64 weights in whole blocks");
+                }
                 if fit(gr.mt) != gr.mt {
                     bail!(
                         "grouped GEMM: the plan's tile height has no {}-bit kernel",
@@ -458,6 +503,7 @@ impl CudaDecoder {
             }
         };
         let func = match (m.bits, mt) {
+            (4, WGMMA_MT) => &self.pk.gemm4_wgmma,
             (4, 2) => &self.pk.gemm4[0],
             (4, 4) => &self.pk.gemm4[1],
             (4, _) => &self.pk.gemm4[2],
@@ -471,7 +517,11 @@ impl CudaDecoder {
         let groups = m.cols / 64;
         let mut splits = 1;
         let few_blocks = blocks_x * blocks_y * 8 <= self.sms;
-        if grouped.is_none() && few_blocks && (epilogue == EPI_STORE || epilogue == EPI_ADD) {
+        if grouped.is_none()
+            && mt != WGMMA_MT
+            && few_blocks
+            && (epilogue == EPI_STORE || epilogue == EPI_ADD)
+        {
             let blocks = blocks_x * blocks_y;
             splits = self
                 .sms
@@ -502,7 +552,11 @@ impl CudaDecoder {
             LaunchConfig {
                 grid_dim: (blocks_x as u32, blocks_y as u32, splits as u32),
                 block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
+                shared_mem_bytes: if mt == WGMMA_MT {
+                    GEMM_WGMMA_SMEM_BYTES as u32
+                } else {
+                    0
+                },
             },
             &g,
         )?;
@@ -813,8 +867,15 @@ impl CudaDecoder {
         })?;
         // tile heights from the rows per expert; the down projection (K = I, a short loop) runs
         // faster with tiles of at most 32 rows (measured at 4K: 20.2 vs 25.8 ms over 40 layers)
-        let mt_up = m_tiles(t * k / c.num_experts);
-        let mt_down = mt_up.min(4);
+        let per_expert = t * k / c.num_experts;
+        let (mt_up, mt_down) = if self.wgmma.grouped && per_expert >= WGMMA_FROM_ROWS_PER_EXPERT {
+            // the down projection (K = 512, 8 groups) stays on the narrow tiles: measured 20.2 vs
+            // 23.3 ms at a 4K prompt with gemm_q4_wgmma
+            (WGMMA_MT, m_tiles(per_expert).min(4))
+        } else {
+            let mt = m_tiles(per_expert);
+            (mt, mt.min(4))
+        };
         let ra = RouteArgs {
             logits: self.p(&s.router),
             ids: self.p(&s.ids),
