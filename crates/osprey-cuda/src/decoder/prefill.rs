@@ -468,8 +468,10 @@ impl CudaDecoder {
         let rows_per_block = if epilogue == EPI_SWIGLU { 128 } else { 256 };
         let blocks_x = w[0].rows.div_ceil(rows_per_block);
         // gemm_q4_wgmma: 4-bit group-64 weights in whole 256-row (SwiGLU: 128-output) blocks
-        let wgmma_fits =
-            m.bits == 4 && m.group == 64 && m.cols % 512 == 0 && w[0].rows % rows_per_block == 0;
+        let wgmma_fits = m.bits == 4
+            && m.group == 64
+            && m.cols.is_multiple_of(512)
+            && w[0].rows.is_multiple_of(rows_per_block);
         let wgmma_dense = wgmma_fits && self.wgmma.dense;
         let (mt, blocks_y) = match grouped {
             None if wgmma_dense && blocks_x * positions.div_ceil(8 * WGMMA_MT) >= self.sms => {
