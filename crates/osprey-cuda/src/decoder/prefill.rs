@@ -474,7 +474,9 @@ impl CudaDecoder {
             && w[0].rows.is_multiple_of(rows_per_block);
         let wgmma_dense = wgmma_fits && self.wgmma.dense;
         let (mt, blocks_y) = match grouped {
-            None if wgmma_dense && blocks_x * positions.div_ceil(8 * WGMMA_MT) >= self.sms => {
+            // at least half a wave of blocks: one block of 256 rows x 128 positions on wgmma
+            // beats the mma.sync kernel's 2+ blocks per SM on the same work
+            None if wgmma_dense && 2 * blocks_x * positions.div_ceil(8 * WGMMA_MT) >= self.sms => {
                 (WGMMA_MT, positions.div_ceil(8 * WGMMA_MT))
             }
             None => {
