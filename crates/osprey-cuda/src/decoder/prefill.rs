@@ -226,6 +226,12 @@ struct Grouped {
     plan: usize,
 }
 
+/// Whether gemm_q4_wgmma takes a weight matrix: 4-bit group-64 codes, K a multiple of 512 (its
+/// scales and biases are staged 8 groups at a time), whole blocks of `rows_per_block` rows.
+fn wgmma_fits(bits: u32, group: usize, cols: usize, rows: usize, rows_per_block: usize) -> bool {
+    bits == 4 && group == 64 && cols.is_multiple_of(512) && rows.is_multiple_of(rows_per_block)
+}
+
 /// Position-tile height (8·MT rows) of the GEMM for about `rows` rows per weight matrix.
 fn m_tiles(rows: usize) -> usize {
     if rows >= 48 {
@@ -469,11 +475,7 @@ impl CudaDecoder {
         let fit = |mt: usize| if m.bits == 8 && mt == 4 { 2 } else { mt };
         let rows_per_block = if epilogue == EPI_SWIGLU { 128 } else { 256 };
         let blocks_x = w[0].rows.div_ceil(rows_per_block);
-        // gemm_q4_wgmma: 4-bit group-64 weights in whole 256-row (SwiGLU: 128-output) blocks
-        let wgmma_fits = m.bits == 4
-            && m.group == 64
-            && m.cols.is_multiple_of(512)
-            && w[0].rows.is_multiple_of(rows_per_block);
+        let wgmma_fits = wgmma_fits(m.bits, m.group, m.cols, w[0].rows, rows_per_block);
         let wgmma_dense = wgmma_fits && self.wgmma.dense;
         let (mt, blocks_y) = match grouped {
             // at least half a wave of blocks: one block of 256 rows x 128 positions on wgmma
@@ -1016,4 +1018,32 @@ fn timed(
     end.record(&d.stream)?;
     list.push((name, start, end));
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gdn_form_follows_the_prompt_chunk_length() {
+        assert!(!GdnPrefill::Auto.chunked(AUTO_CHUNKED_FROM - 1));
+        assert!(GdnPrefill::Auto.chunked(AUTO_CHUNKED_FROM));
+        assert!(GdnPrefill::Chunked.chunked(1));
+        assert!(!GdnPrefill::Recurrent.chunked(4096));
+    }
+
+    #[test]
+    fn wgmma_takes_the_model_projections_it_can_tile() {
+        // GDN in_proj qkv (8192 x 2048), out_proj (2048 x 4096), expert down (2048 x 512)
+        assert!(wgmma_fits(4, 64, 2048, 8192, 256));
+        assert!(wgmma_fits(4, 64, 4096, 2048, 256));
+        assert!(wgmma_fits(4, 64, 512, 2048, 256));
+        // expert gate/up through the SwiGLU epilogue: 512 outputs in blocks of 128
+        assert!(wgmma_fits(4, 64, 2048, 512, 128));
+        // the 8-bit router, in_proj b/a (32 rows), another group size, K not a multiple of 512
+        assert!(!wgmma_fits(8, 64, 2048, 256, 256));
+        assert!(!wgmma_fits(4, 64, 2048, 32, 256));
+        assert!(!wgmma_fits(4, 32, 2048, 8192, 256));
+        assert!(!wgmma_fits(4, 64, 1600, 8192, 256));
+    }
 }
