@@ -190,21 +190,8 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p) {
     }
     // group G multiplied with `use` while `fill` receives group G + 1; the two swap roles each
     // group, so no register copy waits for a load still in flight
-    // The registers hold one group ahead; short tiles (few positions per weight row, as in the
-    // routed GEMMs of short prompts) are bound by the weight bytes in flight, so the code lines
-    // PREFETCH_GROUPS ahead are also requested into L2 (one 128-byte line per row every
-    // 128 / (8·BITS) groups, by lane q = 0 of each quad).
-    constexpr int GROUPS_PER_LINE = 128 / (8 * BITS), PREFETCH_GROUPS = 8;
     auto step = [&](const WeightRegs<BITS>& use, WeightRegs<BITS>& fill, int G) {
         if (G + 1 < groups) load_weights<BITS>(fill, row, srow, brow, g_begin + G + 1, q, p.group);
-        const int Gp = g_begin + G + PREFETCH_GROUPS;
-        if (q == 0 && G + PREFETCH_GROUPS < groups && Gp % GROUPS_PER_LINE == 0) {
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-#pragma unroll
-                for (int r = 0; r < 2; ++r)
-                    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(row[i][r] + Gp * BITS * 2));
-        }
         cp_async_wait<STAGES - 2>();
         __syncthreads();
         if (G + STAGES - 1 < groups) load_a(G + STAGES - 1, (G + STAGES - 1) % STAGES);
