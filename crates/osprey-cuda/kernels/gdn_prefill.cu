@@ -303,6 +303,23 @@ __device__ __forceinline__ void frag_b_cols(uint32_t (&b)[2], const float* X, in
     b[1] = to_tf32(r[4 * stride]);
 }
 
+// acc[j] += A[m0.., k] · B[k, n0 + 8j..] over k < K, A read along rows and B down columns.
+template <int NT, int UNROLL>
+__device__ __forceinline__ void mma_rows_cols(float (&acc)[NT][4], const float* A, int a_stride, int m0, const float* B,
+                                              int b_stride, int n0, int K, int lane) {
+#pragma unroll UNROLL
+    for (int k0 = 0; k0 < K; k0 += 8) {
+        uint32_t a[4];
+        frag_a_rows(a, A, a_stride, m0, k0, lane);
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            uint32_t b[2];
+            frag_b_cols(b, B, b_stride, k0, n0 + 8 * j, lane);
+            mma_tf32(acc[j], a, b);
+        }
+    }
+}
+
 // Copies `rows` rows of `width` floats (a multiple of 4) from src (row pitch src_pitch floats) to
 // shared dst (row pitch dst_pitch); rows past `valid` are zero-filled.
 __device__ __forceinline__ void stage_rows(float* dst, int dst_pitch, const float* src, size_t src_pitch, int rows,
@@ -465,17 +482,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) gdn_chunk_state(GdnChunkArg
             // U' = U − W S
             const int mt = warp & 3, nb = (warp >> 2) * 2;
             float acc[2][4] = {};
-#pragma unroll 4
-            for (int k0 = 0; k0 < DK; k0 += 8) {
-                uint32_t a[4];
-                frag_a_rows(a, in.w, ROW_STRIDE, 16 * mt, k0, lane);
-#pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    uint32_t b[2];
-                    frag_b_cols(b, S, STATE_STRIDE, k0, 8 * (nb + j), lane);
-                    mma_tf32(acc[j], a, b);
-                }
-            }
+            mma_rows_cols<2, 4>(acc, in.w, ROW_STRIDE, 16 * mt, S, STATE_STRIDE, 8 * nb, DK, lane);
 #pragma unroll
             for (int j = 0; j < 2; ++j)
 #pragma unroll
@@ -544,17 +551,7 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_out(GdnChunkArgs p) 
     __syncthreads();
     const int mt = warp & 3, nb = (warp >> 2) * 8, g = lane >> 2, q = lane & 3;
     float acc[8][4] = {};
-#pragma unroll 2
-    for (int k0 = 0; k0 < DK; k0 += 8) {
-        uint32_t a[4];
-        frag_a_rows(a, Q, ROW_STRIDE, 16 * mt, k0, lane);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            uint32_t b[2];
-            frag_b_cols(b, S, COL_STRIDE, k0, 8 * (nb + j), lane);
-            mma_tf32(acc[j], a, b);
-        }
-    }
+    mma_rows_cols<8, 2>(acc, Q, ROW_STRIDE, 16 * mt, S, COL_STRIDE, 8 * nb, DK, lane);
     const float e0 = __expf(G[16 * mt + g]), e1 = __expf(G[16 * mt + g + 8]);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -563,17 +560,7 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_out(GdnChunkArgs p) 
         acc[j][2] *= e1;
         acc[j][3] *= e1;
     }
-#pragma unroll 2
-    for (int k0 = 0; k0 < CHUNK; k0 += 8) {
-        uint32_t a[4];
-        frag_a_rows(a, M, A_STRIDE, 16 * mt, k0, lane);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            uint32_t b[2];
-            frag_b_cols(b, U, COL_STRIDE, k0, 8 * (nb + j), lane);
-            mma_tf32(acc[j], a, b);
-        }
-    }
+    mma_rows_cols<8, 2>(acc, M, A_STRIDE, 16 * mt, U, COL_STRIDE, 8 * nb, CHUNK, lane);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll

@@ -117,6 +117,23 @@ __device__ __forceinline__ void dequant_row(const WeightRegs<BITS>& W, int i, in
     }
 }
 
+// This block's positions [m0, m_end) and expert: slot blockIdx.y of the grouped plan, or tile
+// blockIdx.y of `bm` positions of a dense launch. False for a spare slot of the plan.
+__device__ __forceinline__ bool block_positions(const GemmArgs& p, int bm, int& expert, int& m0, int& m_end) {
+    if (p.tiles) {
+        if ((int)blockIdx.y >= *p.tile_count) return false;
+        const int4 t = p.tiles[blockIdx.y];
+        expert = t.x;
+        m0 = t.y;
+        m_end = t.z;
+    } else {
+        expert = 0;
+        m0 = blockIdx.y * bm;
+        m_end = p.M;
+    }
+    return true;
+}
+
 template <int BITS, int MT>
 __device__ __forceinline__ void gemm_body(const GemmArgs& p) {
     constexpr int BM = MT * 8;
@@ -124,17 +141,8 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const bool swiglu = p.epilogue == EPI_SWIGLU;
 
-    int expert = 0, m0, m_end;
-    if (p.tiles) {
-        if ((int)blockIdx.y >= *p.tile_count) return;
-        const int4 t = p.tiles[blockIdx.y];
-        expert = t.x;
-        m0 = t.y;
-        m_end = t.z;
-    } else {
-        m0 = blockIdx.y * BM;
-        m_end = p.M;
-    }
+    int expert, m0, m_end;
+    if (!block_positions(p, BM, expert, m0, m_end)) return;
 
     const int K = p.K;
     // this block's share of the K groups (all of them unless split-K)
@@ -355,17 +363,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(GemmArgs p) {
     const int wg = warp >> 2;
     const bool swiglu = p.epilogue == EPI_SWIGLU;
 
-    int expert = 0, m0, m_end;
-    if (p.tiles) {
-        if ((int)blockIdx.y >= *p.tile_count) return;
-        const int4 t = p.tiles[blockIdx.y];
-        expert = t.x;
-        m0 = t.y;
-        m_end = t.z;
-    } else {
-        m0 = blockIdx.y * WG_POS;
-        m_end = p.M;
-    }
+    int expert, m0, m_end;
+    if (!block_positions(p, WG_POS, expert, m0, m_end)) return;
     const int groups = p.K / 64, wpr = p.K / 8;
 
     // block row r -> weight matrix and global row

@@ -111,31 +111,21 @@ pub(super) struct PrefillKernels {
 
 impl PrefillKernels {
     pub(super) fn load(func: &dyn Fn(&str, &str) -> Result<CudaFunction>) -> Result<Self> {
-        let attn_prefill = func("attention_prefill", "attn_prefill")?;
-        attn_prefill.set_attribute(
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            ATTN_SMEM_BYTES as i32,
-        )?;
-        let gdn_chunk_prep = func("gdn_prefill", "gdn_chunk_prep")?;
-        gdn_chunk_prep.set_attribute(
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            GDN_CHUNK_PREP_SMEM_BYTES as i32,
-        )?;
-        let gdn_chunk_state = func("gdn_prefill", "gdn_chunk_state")?;
-        gdn_chunk_state.set_attribute(
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            GDN_CHUNK_STATE_SMEM_BYTES as i32,
-        )?;
-        let gdn_chunk_out = func("gdn_prefill", "gdn_chunk_out")?;
-        gdn_chunk_out.set_attribute(
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            GDN_CHUNK_OUT_SMEM_BYTES as i32,
-        )?;
-        let gemm4_wgmma = func("gemm", "gemm_q4_wgmma")?;
-        gemm4_wgmma.set_attribute(
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            GEMM_WGMMA_SMEM_BYTES as i32,
-        )?;
+        // a kernel that takes more than 48 KB of dynamic shared memory must say so
+        let with_smem = |module: &str, name: &str, bytes: usize| -> Result<CudaFunction> {
+            let f = func(module, name)?;
+            f.set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )?;
+            Ok(f)
+        };
+        let attn_prefill = with_smem("attention_prefill", "attn_prefill", ATTN_SMEM_BYTES)?;
+        let gdn_chunk_prep = with_smem("gdn_prefill", "gdn_chunk_prep", GDN_CHUNK_PREP_SMEM_BYTES)?;
+        let gdn_chunk_state =
+            with_smem("gdn_prefill", "gdn_chunk_state", GDN_CHUNK_STATE_SMEM_BYTES)?;
+        let gdn_chunk_out = with_smem("gdn_prefill", "gdn_chunk_out", GDN_CHUNK_OUT_SMEM_BYTES)?;
+        let gemm4_wgmma = with_smem("gemm", "gemm_q4_wgmma", GEMM_WGMMA_SMEM_BYTES)?;
         Ok(PrefillKernels {
             gemm4_wgmma,
             gemm4: [
