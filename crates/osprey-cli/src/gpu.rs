@@ -490,15 +490,9 @@ pub fn bench_prefill(
     gpu.synchronize()?;
     let mut results = Vec::new();
     let mut profiles = Vec::new();
-    // where the time goes: at the shortest length (latency), at 4K (or the longest)
-    let profiled = [
-        lengths.iter().copied().min().unwrap_or(0),
-        if lengths.contains(&4096) {
-            4096
-        } else {
-            longest
-        },
-    ];
+    // where the time goes: the shortest length (latency), 4K (the headline) and the longest
+    // (attention's quadratic share)
+    let profiled = [lengths.iter().copied().min().unwrap_or(0), 4096, longest];
     for &len in lengths {
         let mut per_round = Vec::new();
         for _ in 0..rounds {
