@@ -10,7 +10,7 @@
 // slots per weight, for in_proj 25M weights ~2 us of ALU on 132 SMs, under the ~3.5 us its bytes
 // take. Precision: codes exact in fp16, x rounded to fp16 (2^-12 relative), 8 products summed in
 // fp16 then in fp32 (scale and bias applied per group in fp32).
-// Geometry: a warp takes 4 rows at a time; lane l reads 16 bytes (4 words, half a group) of each
+// Geometry: a warp takes ROWS (2, 4 or 8; each timed) rows at a time; lane l reads 16 bytes (4 words, half a group) of each
 // row per 512-byte slice of K, so x's matching 64 halves stay in the lane's registers for every
 // row (K / 1024 slices: 2 at K = 2048, 4 at 4096); per row the lanes' sums meet in 5 shuffles.
 // 8 warps per block, all blocks resident, rows dealt round-robin by warp.
@@ -24,7 +24,6 @@
 #include <vector>
 
 #define LAUNCHES 24
-#define H2_ROWS 4   // rows per warp at a time
 #define H2_WARPS 8
 
 struct H2Args {
@@ -78,18 +77,19 @@ __device__ __forceinline__ float word_dot(uint32_t v, const __half2* xh) {
     return f.x + f.y;
 }
 
-template <int SLICES>
+// ROWS rows per warp at a time (their codes all requested before any is multiplied)
+template <int SLICES, int ROWS>
 __global__ void __launch_bounds__(H2_WARPS * 32) gemv_h2(H2Args p) {
     const int lane = threadIdx.x & 31;
     const int warp = blockIdx.x * H2_WARPS + (threadIdx.x >> 5), warps = gridDim.x * H2_WARPS;
     LaneX<SLICES> lx;
     load_lane_x<SLICES>(lx, p.x, lane);
     const int wpr = p.K / 8, gpr = p.K / 64;
-    for (int r0 = warp * H2_ROWS; r0 < p.rows; r0 += warps * H2_ROWS) {
-        uint4 c[H2_ROWS][SLICES];
-        __nv_bfloat16 sc[H2_ROWS][SLICES], bi[H2_ROWS][SLICES];
+    for (int r0 = warp * ROWS; r0 < p.rows; r0 += warps * ROWS) {
+        uint4 c[ROWS][SLICES];
+        __nv_bfloat16 sc[ROWS][SLICES], bi[ROWS][SLICES];
 #pragma unroll
-        for (int r = 0; r < H2_ROWS; ++r) {
+        for (int r = 0; r < ROWS; ++r) {
             const int row = min(r0 + r, p.rows - 1);
 #pragma unroll
             for (int s = 0; s < SLICES; ++s) {
@@ -99,9 +99,9 @@ __global__ void __launch_bounds__(H2_WARPS * 32) gemv_h2(H2Args p) {
                 bi[r][s] = p.biases[gi];
             }
         }
-        float acc[H2_ROWS];
+        float acc[ROWS];
 #pragma unroll
-        for (int r = 0; r < H2_ROWS; ++r) {
+        for (int r = 0; r < ROWS; ++r) {
             acc[r] = 0.f;
 #pragma unroll
             for (int s = 0; s < SLICES; ++s) {
@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(H2_WARPS * 32) gemv_h2(H2Args p) {
             }
         }
 #pragma unroll
-        for (int r = 0; r < H2_ROWS; ++r) {
+        for (int r = 0; r < ROWS; ++r) {
             const float v = warp_sum(acc[r]);
             if (lane == 0 && r0 + r < p.rows) p.out[r0 + r] = v;
         }
@@ -175,20 +175,27 @@ int main() {
         auto h2_args = [&](int c, float* out) { return H2Args{mats[c].codes, mats[c].scales, mats[c].biases, x, out, (int)rows, K}; };
         const int tiles = (int)(rows + 15) / 16;
         const int tile_grid = std::min((tiles + 1) / 2, 3 * sms);
-        int per_sm = 0;
-        if (K == 2048) CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_h2<2>, H2_WARPS * 32, 0));
-        else CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_h2<4>, H2_WARPS * 32, 0));
-        const int h2_grid = (int)std::min<size_t>((size_t)per_sm * sms, (rows + H2_WARPS * H2_ROWS - 1) / (H2_WARPS * H2_ROWS));
-        auto run = [&](int variant) {  // 0: tiles, 1: gemv_h2
+        // variant 0: the tile kernel; 1, 2, 3: gemv_h2 with 2, 4, 8 rows per warp
+        auto h2_kernel = [&](int variant) -> void (*)(H2Args) {
+            if (K == 2048) return variant == 1 ? gemv_h2<2, 2> : variant == 2 ? gemv_h2<2, 4> : gemv_h2<2, 8>;
+            return variant == 1 ? gemv_h2<4, 2> : variant == 2 ? gemv_h2<4, 4> : gemv_h2<4, 8>;
+        };
+        auto h2_grid = [&](int variant, int* per_sm) {
+            CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, h2_kernel(variant), H2_WARPS * 32, 0));
+            const size_t per_block = (size_t)H2_WARPS << variant;  // rows per block: warps x 2, 4, 8
+            return (int)std::min<size_t>((size_t)*per_sm * sms, (rows + per_block - 1) / per_block);
+        };
+        int grids[4] = {tile_grid, 0, 0, 0}, per_sms[4] = {0, 0, 0, 0};
+        for (int v = 1; v <= 3; ++v) grids[v] = h2_grid(v, &per_sms[v]);  // before any capture
+        auto run = [&](int variant) {
             cudaGraph_t gr;
             cudaGraphExec_t ge;
             CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
             for (int i = 0; i < LAUNCHES; ++i) {
                 const int c = i % copies;
-                float* out = outs + ((size_t)variant * copies + c) * rows;
+                float* out = outs + ((size_t)(variant > 0) * copies + c) * rows;
                 if (variant == 0) gemv_q_tiles<<<tile_grid, 256, 0, st>>>(tile_args(c, out));
-                else if (K == 2048) gemv_h2<2><<<h2_grid, H2_WARPS * 32, 0, st>>>(h2_args(c, out));
-                else gemv_h2<4><<<h2_grid, H2_WARPS * 32, 0, st>>>(h2_args(c, out));
+                else h2_kernel(variant)<<<grids[variant], H2_WARPS * 32, 0, st>>>(h2_args(c, out));
             }
             CK(cudaStreamEndCapture(st, &gr));
             CK(cudaGraphInstantiate(&ge, gr, 0));
@@ -197,22 +204,26 @@ int main() {
             CK(cudaGraphDestroy(gr));
             return us;
         };
-        const float t_tiles = run(0), t_h2 = run(1);
-        std::vector<float> y_tiles(rows), y_h2(rows);
-        CK(cudaMemcpy(y_tiles.data(), outs, rows * 4, cudaMemcpyDeviceToHost));
-        CK(cudaMemcpy(y_h2.data(), outs + (size_t)copies * rows, rows * 4, cudaMemcpyDeviceToHost));
-        // against the host reference on a sample of rows
-        double e_tiles = 0, e_h2 = 0, ref2 = 0;
-        for (size_t r = 0; r < rows; r += std::max<size_t>(1, rows / 2048)) {
-            const double ref = host_row(w, xh, r, K);
-            e_tiles += (y_tiles[r] - ref) * (y_tiles[r] - ref);
-            e_h2 += (y_h2[r] - ref) * (y_h2[r] - ref);
-            ref2 += ref * ref;
+        // relative RMS against the host reference on a sample of rows (the latest run's outputs)
+        auto error = [&](size_t offset) {
+            std::vector<float> y(rows);
+            CK(cudaMemcpy(y.data(), outs + offset, rows * 4, cudaMemcpyDeviceToHost));
+            double e = 0, ref2 = 0;
+            for (size_t r = 0; r < rows; r += std::max<size_t>(1, rows / 2048)) {
+                const double ref = host_row(w, xh, r, K);
+                e += (y[r] - ref) * (y[r] - ref);
+                ref2 += ref * ref;
+            }
+            return std::sqrt(e / ref2);
+        };
+        printf("%-12s %6zu x %d (%5.1f MB, floor at 3.7 TB/s %6.2f us):\n", sh.name, rows, K, bytes / 1e6, bytes / 3.7e6);
+        const float t_tiles = run(0);
+        printf("  tiles            %7.2f us  rel RMS vs host %.1e\n", t_tiles, error(0));
+        for (int v = 1; v <= 3; ++v) {
+            const float t = run(v);
+            printf("  gemv_h2 %d rows   %7.2f us  rel RMS vs host %.1e  (%d blocks, %d per SM)\n", 1 << v, t,
+                   error((size_t)copies * rows), grids[v], per_sms[v]);
         }
-        printf("%-12s %6zu x %d (%5.1f MB, floor at 3.7 TB/s %6.2f us): tiles %7.2f us (rel RMS %.1e), gemv_h2 %7.2f us "
-               "(rel RMS %.1e, %d blocks, %d per SM)\n",
-               sh.name, rows, K, bytes / 1e6, bytes / 3.7e6, t_tiles, std::sqrt(e_tiles / ref2), t_h2, std::sqrt(e_h2 / ref2),
-               h2_grid, per_sm);
         for (auto& m : mats) {
             CK(cudaFree((void*)m.codes));
             CK(cudaFree((void*)m.scales));
