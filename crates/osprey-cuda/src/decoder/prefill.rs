@@ -1,8 +1,8 @@
 //! Prefill on the GPU: a prompt runs in chunks of up to `chunk` tokens, each chunk through every
 //! layer as a handful of batched kernels (tensor-core GEMMs on the stored 4/8-bit weights, the
-//! GDN conv + chunked (WY) recurrence on the tensor cores, causal flash attention over the cache, routing grouped on
-//! the GPU), continuing the same device state (KV cache, conv and recurrent state) that the
-//! decode step uses. Only the last position's logits are computed. Scratch memory is bounded by
+//! GDN conv + chunked (WY) recurrence on the tensor cores, causal flash attention over the cache,
+//! routing grouped on the GPU), continuing the same device state (KV cache, conv and recurrent
+//! state) that the decode step uses. Only the last position's logits are computed. Scratch memory is bounded by
 //! the chunk size, whatever the prompt length.
 
 use anyhow::{bail, Result};
