@@ -10,6 +10,7 @@
 // slots per weight, for in_proj 25M weights ~2 us of ALU on 132 SMs, under the ~3.5 us its bytes
 // take. Precision: codes exact in fp16, x rounded to fp16 (2^-12 relative), 8 products summed in
 // fp16 then in fp32 (scale and bias applied per group in fp32).
+// Also timed: the engine's row kernel (gemv_q, a warp per row in fp32), as the engine launches it.
 // Geometry: a warp takes ROWS (2, 4 or 8; each timed) rows at a time; lane l reads 16 bytes (4 words, half a group) of each
 // row per 512-byte slice of K, so x's matching 64 halves stay in the lane's registers for every
 // row (K / 1024 slices: 2 at K = 2048, 4 at 4096); per row the lanes' sums meet in 5 shuffles.
@@ -162,20 +163,21 @@ int main() {
         CK(cudaMalloc(&outs, (size_t)copies * rows * 4 * 2));
         std::vector<ExpertStack> mats;
         for (int c = 0; c < copies; ++c) mats.push_back(upload_q4(w));
-        auto tile_args = [&](int c, float* out) {
+        auto tile_args = [&](int c, float* out, int tiles) {
             GemvArgs a{};
             a.seg[0] = Segment{mats[c].codes, mats[c].scales, mats[c].biases, out, (int)rows, 4, 0, 0};
             a.nseg = 1;
             a.x = x;
             a.K = K;
             a.group = 64;
-            a.tiles = 1;
+            a.tiles = tiles;
             return a;
         };
         auto h2_args = [&](int c, float* out) { return H2Args{mats[c].codes, mats[c].scales, mats[c].biases, x, out, (int)rows, K}; };
         const int tiles = (int)(rows + 15) / 16;
         const int tile_grid = std::min((tiles + 1) / 2, 3 * sms);
-        // variant 0: the tile kernel; 1, 2, 3: gemv_h2 with 2, 4, 8 rows per warp
+        // variant 0: the tile kernel; 1, 2, 3: gemv_h2 with 2, 4, 8 rows per warp; 4: the engine's
+        // row kernel (gemv_q: a warp per row, fp32 on the CUDA cores), as the engine launches it
         auto h2_kernel = [&](int variant) -> void (*)(H2Args) {
             if (K == 2048) return variant == 1 ? gemv_h2<2, 2> : variant == 2 ? gemv_h2<2, 4> : gemv_h2<2, 8>;
             return variant == 1 ? gemv_h2<4, 2> : variant == 2 ? gemv_h2<4, 4> : gemv_h2<4, 8>;
@@ -185,7 +187,7 @@ int main() {
             const size_t per_block = (size_t)H2_WARPS << variant;  // rows per block: warps x 2, 4, 8
             return (int)std::min<size_t>((size_t)*per_sm * sms, (rows + per_block - 1) / per_block);
         };
-        int grids[4] = {tile_grid, 0, 0, 0}, per_sms[4] = {0, 0, 0, 0};
+        int grids[5] = {tile_grid, 0, 0, 0, (int)std::min<size_t>((rows + 7) / 8, 3 * (size_t)sms)}, per_sms[5] = {};
         for (int v = 1; v <= 3; ++v) grids[v] = h2_grid(v, &per_sms[v]);  // before any capture
         auto run = [&](int variant) {
             cudaGraph_t gr;
@@ -194,7 +196,8 @@ int main() {
             for (int i = 0; i < LAUNCHES; ++i) {
                 const int c = i % copies;
                 float* out = outs + ((size_t)(variant > 0) * copies + c) * rows;
-                if (variant == 0) gemv_q_tiles<<<tile_grid, 256, 0, st>>>(tile_args(c, out));
+                if (variant == 0) gemv_q_tiles<<<tile_grid, 256, 0, st>>>(tile_args(c, out, 1));
+                else if (variant == 4) gemv_q<<<grids[4], 256, 0, st>>>(tile_args(c, out, 0));
                 else h2_kernel(variant)<<<grids[variant], H2_WARPS * 32, 0, st>>>(h2_args(c, out));
             }
             CK(cudaStreamEndCapture(st, &gr));
@@ -219,6 +222,8 @@ int main() {
         printf("%-12s %6zu x %d (%5.1f MB, floor at 3.7 TB/s %6.2f us):\n", sh.name, rows, K, bytes / 1e6, bytes / 3.7e6);
         const float t_tiles = run(0);
         printf("  tiles            %7.2f us  rel RMS vs host %.1e\n", t_tiles, error(0));
+        const float t_rows = run(4);
+        printf("  rows (gemv_q)    %7.2f us  rel RMS vs host %.1e\n", t_rows, error((size_t)copies * rows));
         for (int v = 1; v <= 3; ++v) {
             const float t = run(v);
             printf("  gemv_h2 %d rows   %7.2f us  rel RMS vs host %.1e  (%d blocks, %d per SM)\n", 1 << v, t,
