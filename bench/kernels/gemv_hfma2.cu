@@ -11,9 +11,10 @@
 // take. Precision: codes exact in fp16, x rounded to fp16 (2^-12 relative), 8 products summed in
 // fp16 then in fp32 (scale and bias applied per group in fp32).
 // Also timed: the engine's row kernel (gemv_q, a warp per row in fp32), as the engine launches it.
-// Geometry: a warp takes ROWS (2, 4 or 8; each timed) rows at a time; lane l reads 16 bytes (4 words, half a group) of each
-// row per 512-byte slice of K, so x's matching 64 halves stay in the lane's registers for every
-// row (K / 1024 slices: 2 at K = 2048, 4 at 4096); per row the lanes' sums meet in 5 shuffles.
+// Geometry: a warp takes ROWS (2, 4 or 8; each timed) rows at a time; lane l reads 16 bytes (4
+// words, half a group) of each row per 512-byte slice of K, so x's matching 32 values per slice
+// stay in the lane's registers for every row (K / 1024 slices: 2 at K = 2048, 4 at 4096); per row
+// the lanes' sums meet in 5 shuffles.
 // 8 warps per block, all blocks resident, rows dealt round-robin by warp.
 // Written without a GPU at hand (compiled here with nvcc -c): NOT YET RUN.
 // Run on the GPU machine:  nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 \
