@@ -124,19 +124,7 @@ int main() {
     CK(cudaStreamSynchronize(st));
     printf("conv_out relative RMS %.2e, gates relative RMS %.2e (fused vs engine; identical arithmetic expected)\n",
            rel_rms(f.conv_out, p.conv_out, (size_t)T * conv_dim), rel_rms(f.gates, p.gates, (size_t)T * hv * 4));
-    auto graph_us = [&](auto body) {
-        cudaGraph_t gr;
-        cudaGraphExec_t ge;
-        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-        for (int l = 0; l < layers; ++l) body();
-        CK(cudaStreamEndCapture(st, &gr));
-        CK(cudaGraphInstantiate(&ge, gr, 0));
-        const double us = best_ms(st, [&] { CK(cudaGraphLaunch(ge, st)); }) * 1e3 / layers;
-        CK(cudaGraphExecDestroy(ge));
-        CK(cudaGraphDestroy(gr));
-        return us;
-    };
-    const double te = graph_us(engine), tf = graph_us(fused);
+    const double te = graph_us(st, layers, [&](int) { engine(); }), tf = graph_us(st, layers, [&](int) { fused(); });
     const double bytes = 2.0 * T * conv_dim * 4;  // qkv read once from DRAM, conv_out written once
     printf("T %d: engine gdn_conv + gdn_qk_gates %.1f us, fused %.1f us per layer (floor %.1f us at 3.7 TB/s)\n", T, te, tf,
            bytes / 3.7e6);

@@ -106,26 +106,7 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(256, 1)
         }
         cp_async_commit();
     };
-    auto dequant = [&](int G) {
-        const int slot = G % MC_SLOTS;
-        const uint4* sb = SBs + ((G >> 3) & 1) * 2 * WG_ROWS + tid;
-        const uint32_t sw = reinterpret_cast<const uint32_t*>(sb)[(G & 7) >> 1];
-        const uint32_t bw = reinterpret_cast<const uint32_t*>(sb + WG_ROWS)[(G & 7) >> 1];
-        const int hi = (G & 1) * 16;
-        const __nv_bfloat16_raw sr{(unsigned short)(sw >> hi)}, br{(unsigned short)(bw >> hi)};
-        const __nv_bfloat162 s = __bfloat162bfloat162(__nv_bfloat16(sr)), b = __bfloat162bfloat162(__nv_bfloat16(br));
-        unsigned char* dst = Ws + (G & 1) * WG_W_BYTES + tid * 16;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const uint4 c = Cs[(slot * 2 + h) * WG_ROWS + tid];
-            const uint32_t w[4] = {c.x, c.y, c.z, c.w};
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                *reinterpret_cast<uint4*>(dst + (4 * h + i) * (WG_ROWS * 16)) =
-                    make_uint4(dequant_pair4(w[i], s, b), dequant_pair4(w[i] >> 4, s, b),
-                               dequant_pair4(w[i] >> 8, s, b), dequant_pair4(w[i] >> 12, s, b));
-        }
-    };
+    auto dequant = [&](int G) { wgmma_dequant_row(G, G % MC_SLOTS, Cs, SBs, Ws, tid); };
     float d[2][64];
 
 #pragma unroll
@@ -244,19 +225,10 @@ int main() {
         auto timed = [&](bool mc, float* out) {
             GemmArgs ga = g;
             ga.out = out;
-            cudaGraph_t gr;
-            cudaGraphExec_t ge;
-            CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-            for (int i = 0; i < 10; ++i) {
+            return graph_us(st, 10, [&](int) {
                 if (mc) gemm_q4_wgmma_mc<<<grid, 256, MC_SMEM_BYTES, st>>>(ga, map);
                 else gemm_q4_wgmma<<<grid, 256, wg_smem, st>>>(ga);
-            }
-            CK(cudaStreamEndCapture(st, &gr));
-            CK(cudaGraphInstantiate(&ge, gr, 0));
-            const double us = best_ms(st, [&] { CK(cudaGraphLaunch(ge, st)); }) * 1e3 / 10;
-            CK(cudaGraphExecDestroy(ge));
-            CK(cudaGraphDestroy(gr));
-            return us;
+            });
         };
         const double t0 = timed(false, out0), t1 = timed(true, out1);
         std::vector<float> y0((size_t)sh.M * sh.N), y1(y0.size());

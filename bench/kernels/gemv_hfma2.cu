@@ -191,22 +191,13 @@ int main() {
         int grids[5] = {tile_grid, 0, 0, 0, (int)std::min<size_t>((rows + 7) / 8, 3 * (size_t)sms)}, per_sms[5] = {};
         for (int v = 1; v <= 3; ++v) grids[v] = h2_grid(v, &per_sms[v]);  // before any capture
         auto run = [&](int variant) {
-            cudaGraph_t gr;
-            cudaGraphExec_t ge;
-            CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-            for (int i = 0; i < LAUNCHES; ++i) {
+            return (float)graph_us(st, LAUNCHES, [&](int i) {
                 const int c = i % copies;
                 float* out = outs + ((size_t)(variant > 0) * copies + c) * rows;
                 if (variant == 0) gemv_q_tiles<<<tile_grid, 256, 0, st>>>(tile_args(c, out, 1));
                 else if (variant == 4) gemv_q<<<grids[4], 256, 0, st>>>(tile_args(c, out, 0));
                 else h2_kernel(variant)<<<grids[variant], H2_WARPS * 32, 0, st>>>(h2_args(c, out));
-            }
-            CK(cudaStreamEndCapture(st, &gr));
-            CK(cudaGraphInstantiate(&ge, gr, 0));
-            const float us = best_ms(st, [&] { CK(cudaGraphLaunch(ge, st)); }) * 1e3f / LAUNCHES;
-            CK(cudaGraphExecDestroy(ge));
-            CK(cudaGraphDestroy(gr));
-            return us;
+            });
         };
         // relative RMS against the host reference on a sample of rows (the latest run's outputs)
         auto error = [&](size_t offset) {

@@ -34,6 +34,22 @@ float best_ms(cudaStream_t st, Launch launch) {
     return best;
 }
 
+// Microseconds per launch: `launches` calls of launch(i) captured in one CUDA graph on `st`,
+// best of 5 replays.
+template <class Launch>
+double graph_us(cudaStream_t st, int launches, Launch launch) {
+    cudaGraph_t gr;
+    cudaGraphExec_t ge;
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+    for (int i = 0; i < launches; ++i) launch(i);
+    CK(cudaStreamEndCapture(st, &gr));
+    CK(cudaGraphInstantiate(&ge, gr, 0));
+    const double us = best_ms(st, [&] { CK(cudaGraphLaunch(ge, st)); }) * 1e3 / launches;
+    CK(cudaGraphExecDestroy(ge));
+    CK(cudaGraphDestroy(gr));
+    return us;
+}
+
 // An arrival counter and a generation flag in global memory (zeroed before the launch).
 struct GridBarrier {
     unsigned* count;

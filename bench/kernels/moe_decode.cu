@@ -138,19 +138,10 @@ int main() {
     cudaStream_t st;
     CK(cudaStreamCreate(&st));
     auto graph_of = [&](bool with_gate_up, bool with_down) {
-        cudaGraph_t gr;
-        cudaGraphExec_t ge;
-        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-        for (int i = 0; i < LAUNCHES; ++i) {
+        return graph_us(st, LAUNCHES, [&](int i) {
             if (with_gate_up) moe_gate_up<<<gu_grid, gu_block, 0, st>>>(gate_up_args(i));
             if (with_down) moe_down<<<dn_grid, dn_block, 0, st>>>(da);
-        }
-        CK(cudaStreamEndCapture(st, &gr));
-        CK(cudaGraphInstantiate(&ge, gr, 0));
-        const float us = best_ms(st, [&] { CK(cudaGraphLaunch(ge, st)); }) * 1e3f / LAUNCHES;
-        CK(cudaGraphExecDestroy(ge));
-        CK(cudaGraphDestroy(gr));
-        return us;
+        });
     };
     const double gu_bytes = 2.0 * K * I * (H / 2 + H / 64 * 4), dn_bytes = (K + 1.0) * H * (I / 2 + I / 64 * 4);
     printf("moe_gate_up alone   %6.2f us  (%.1f MB, read at 4.3 TB/s: %.2f us)\n", graph_of(true, false), gu_bytes / 1e6,

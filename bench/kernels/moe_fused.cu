@@ -214,16 +214,7 @@ int main() {
     cudaStream_t st;
     CK(cudaStreamCreate(&st));
     auto time_graph = [&](bool fused) {
-        cudaGraph_t gr;
-        cudaGraphExec_t ge;
-        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-        for (int i = 0; i < LAUNCHES; ++i) fused ? launch_fused(i, st) : launch_ref(i, st);
-        CK(cudaStreamEndCapture(st, &gr));
-        CK(cudaGraphInstantiate(&ge, gr, 0));
-        const float us = best_ms(st, [&] { CK(cudaGraphLaunch(ge, st)); }) * 1e3f / LAUNCHES;
-        CK(cudaGraphExecDestroy(ge));
-        CK(cudaGraphDestroy(gr));
-        return us;
+        return graph_us(st, LAUNCHES, [&](int i) { fused ? launch_fused(i, st) : launch_ref(i, st); });
     };
     printf("router gemv + moe_gate_up: %6.2f us per MoE block\n", time_graph(false));
     printf("moe_route_gate_up (fused): %6.2f us per MoE block\n", time_graph(true));

@@ -346,6 +346,30 @@ __device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t des
         : "l"(desc_a), "l"(desc_b), "r"((int)accumulate));
 }
 
+// gemm_q4_wgmma's dequantisation: group G of block row `row` into weight buffer G % 2 (K-major
+// core-matrix layout, perm64 order), the code words from ring slot `slot` of Cs ([slot][2 halves]
+// [256 rows] uint4), scale and bias from the 8-group buffer of SBs ([2][scale, bias][256 rows]).
+__device__ __forceinline__ void wgmma_dequant_row(int G, int slot, const uint4* Cs, const uint4* SBs, unsigned char* Ws,
+                                                  int row) {
+    const uint4* sb = SBs + ((G >> 3) & 1) * 2 * WG_ROWS + row;
+    const uint32_t sw = reinterpret_cast<const uint32_t*>(sb)[(G & 7) >> 1];
+    const uint32_t bw = reinterpret_cast<const uint32_t*>(sb + WG_ROWS)[(G & 7) >> 1];
+    const int hi = (G & 1) * 16;
+    const __nv_bfloat16_raw sr{(unsigned short)(sw >> hi)}, br{(unsigned short)(bw >> hi)};
+    const __nv_bfloat162 s = __bfloat162bfloat162(__nv_bfloat16(sr)), b = __bfloat162bfloat162(__nv_bfloat16(br));
+    unsigned char* dst = Ws + (G & 1) * WG_W_BYTES + row * 16;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const uint4 c = Cs[(slot * 2 + h) * WG_ROWS + row];
+        const uint32_t w[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            *reinterpret_cast<uint4*>(dst + (4 * h + i) * (WG_ROWS * 16)) =
+                make_uint4(dequant_pair4(w[i], s, b), dequant_pair4(w[i] >> 4, s, b), dequant_pair4(w[i] >> 8, s, b),
+                           dequant_pair4(w[i] >> 12, s, b));
+    }
+}
+
 // keeps the compiler from moving accumulator registers across the asynchronous wgmma (a copy while
 // one is in flight would serialise them)
 __device__ __forceinline__ void fence_accumulators(float (&d)[64]) {
@@ -417,26 +441,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(GemmArgs p) {
         cp_async_commit();
     };
     // group G of block row tid into weight buffer G % 2
-    auto dequant = [&](int G) {
-        const int slot = G % WG_SLOTS;
-        const uint4* sb = SBs + ((G >> 3) & 1) * 2 * WG_ROWS + tid;
-        const uint32_t sw = reinterpret_cast<const uint32_t*>(sb)[(G & 7) >> 1];
-        const uint32_t bw = reinterpret_cast<const uint32_t*>(sb + WG_ROWS)[(G & 7) >> 1];
-        const int hi = (G & 1) * 16;
-        const __nv_bfloat16_raw sr{(unsigned short)(sw >> hi)}, br{(unsigned short)(bw >> hi)};
-        const __nv_bfloat162 s = __bfloat162bfloat162(__nv_bfloat16(sr)), b = __bfloat162bfloat162(__nv_bfloat16(br));
-        unsigned char* dst = Ws + (G & 1) * WG_W_BYTES + tid * 16;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const uint4 c = Cs[(slot * 2 + h) * WG_ROWS + tid];
-            const uint32_t w[4] = {c.x, c.y, c.z, c.w};
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                *reinterpret_cast<uint4*>(dst + (4 * h + i) * (WG_ROWS * 16)) =
-                    make_uint4(dequant_pair4(w[i], s, b), dequant_pair4(w[i] >> 4, s, b),
-                               dequant_pair4(w[i] >> 8, s, b), dequant_pair4(w[i] >> 12, s, b));
-        }
-    };
+    auto dequant = [&](int G) { wgmma_dequant_row(G, G % WG_SLOTS, Cs, SBs, Ws, tid); };
     float d[2][64];  // the first wgmma overwrites them (no zeroing: a register written outside
                      // wgmma between them serialises the pipeline)
 
