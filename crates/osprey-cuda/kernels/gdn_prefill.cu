@@ -118,7 +118,6 @@ struct __align__(16) ScanStage {
     float4 gate[SCAN_TOKENS];
 };
 
-
 __device__ __forceinline__ void load_stage(const GdnPrefillArgs& p, ScanStage& st, int t0, int h, int kh, int jb) {
     constexpr int QK_CHUNKS = SCAN_TOKENS * DK / 4, V_CHUNKS = SCAN_TOKENS * SCAN_WARPS * SCAN_COLS / 4;
     for (int c = threadIdx.x; c < 2 * QK_CHUNKS + V_CHUNKS + SCAN_TOKENS; c += blockDim.x) {

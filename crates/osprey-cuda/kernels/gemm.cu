@@ -117,6 +117,18 @@ __device__ __forceinline__ void dequant_row(const WeightRegs<BITS>& W, int i, in
     }
 }
 
+// The epilogues (both GEMM kernels). f32: one result stored, added into the output (residual) or
+// scaled by its position's routing weight.
+__device__ __forceinline__ void store_result(const GemmArgs& p, float* o, int pos, float v) {
+    if (p.epilogue == EPI_ADD) *o += v;
+    else if (p.epilogue == EPI_SCALED) *o = v * p.row_scale[pos];
+    else *o = v;
+}
+// SwiGLU: silu(gate) · up of output n at position pos, bf16 in the perm64 order.
+__device__ __forceinline__ void store_swiglu(const GemmArgs& p, int pos, int n, float gate, float up) {
+    p.out_h[(size_t)pos * p.N + perm64(n)] = __float2bfloat16(siluf(gate) * up);
+}
+
 // This block's positions [m0, m_end) and expert: slot blockIdx.y of the grouped plan, or tile
 // blockIdx.y of `bm` positions of a dense launch. False for a spare slot of the plan.
 __device__ __forceinline__ bool block_positions(const GemmArgs& p, int bm, int& expert, int& m0, int& m_end) {
@@ -245,18 +257,14 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p) {
             if (pos >= m_end) continue;
             if (swiglu) {
                 const int n = n_base + (e >> 1) * 8 + g;
-                if (n < p.N) p.out_h[(size_t)pos * p.N + perm64(n)] = __float2bfloat16(siluf(acc[0][j][e]) * acc[1][j][e]);
+                if (n < p.N) store_swiglu(p, pos, n, acc[0][j][e], acc[1][j][e]);
                 continue;
             }
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
                 const int n = n_base + i * 16 + (e >> 1) * 8 + g;
                 if (n >= p.N) continue;
-                float* o = p.out + (size_t)blockIdx.z * p.M * p.ldo + (size_t)pos * p.ldo + n;
-                const float v = acc[i][j][e];
-                if (p.epilogue == EPI_ADD) *o += v;
-                else if (p.epilogue == EPI_SCALED) *o = v * p.row_scale[pos];
-                else *o = v;
+                store_result(p, p.out + (size_t)blockIdx.z * p.M * p.ldo + (size_t)pos * p.ldo + n, pos, acc[i][j][e]);
             }
         }
 }
@@ -288,11 +296,6 @@ GEMM_KERNEL(4, 4, 2)
 GEMM_KERNEL(4, 8, 1)
 GEMM_KERNEL(8, 2, 2)
 GEMM_KERNEL(8, 8, 1)
-
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
-}
 
 // ---- warpgroup MMA: dequantised weights and activations from shared memory -----------------------
 // gemm_q4_wgmma: 4-bit group-64 weights, block = 2 warpgroups, 256 weight rows x 128 positions;
@@ -494,17 +497,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(GemmArgs p) {
                 if (pos >= m_end) continue;
                 if (swiglu) {
                     const int n = blockIdx.x * 128 + 8 * (wrow >> 4) + g;
-                    p.out_h[(size_t)pos * p.N + perm64(n)] = __float2bfloat16(siluf(d[m][4 * j + e]) * d[m][4 * j + 2 + e]);
+                    store_swiglu(p, pos, n, d[m][4 * j + e], d[m][4 * j + 2 + e]);
                     continue;
                 }
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int n = blockIdx.x * WG_ROWS + wrow + 8 * h;
-                    float* o = p.out + (size_t)pos * p.ldo + n;
-                    const float v = d[m][4 * j + 2 * h + e];
-                    if (p.epilogue == EPI_ADD) *o += v;
-                    else if (p.epilogue == EPI_SCALED) *o = v * p.row_scale[pos];
-                    else *o = v;
+                    store_result(p, p.out + (size_t)pos * p.ldo + n, pos, d[m][4 * j + 2 * h + e]);
                 }
             }
     }
