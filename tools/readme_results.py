@@ -53,18 +53,17 @@ def prefill_profile():
     d = load("cuda-prefill-full.json")
     by_len = {p["tokens"]: p for p in d["profiles"]}
     lengths = sorted(by_len)
-    main = by_len[max(n for n in lengths if n <= 4096)] if min(lengths) <= 4096 else by_len[lengths[0]]
+    main = by_len[max([n for n in lengths if n <= 4096] or lengths[:1])]
     us = {n: {k["kernel"]: k["us"] for k in by_len[n]["kernels"]} for n in lengths}
+
+    def ms(v, n):  # short prompts get one more digit
+        return "—" if v is None else f"{v / 1e3:.2f}" if n < 1024 else f"{v / 1e3:.1f}"
+
     rows = [f"| kernel family | launches ({main['tokens']:,}) | " + " | ".join(f"{n:,}-token prompt, ms" for n in lengths) + " |",
             "|---|---|" + "---|" * len(lengths)]
     for k in main["kernels"]:
-        cells = []
-        for n in lengths:
-            v = us[n].get(k["kernel"])
-            cells.append("—" if v is None else f"{v / 1e3:.2f}" if n < 1024 else f"{v / 1e3:.1f}")
-        rows.append(f"| {cell(k['kernel'])} | {k['launches']} | " + " | ".join(cells) + " |")
-    totals = [f"**{by_len[n]['total_us'] / 1e3:.2f}**" if n < 1024 else f"**{by_len[n]['total_us'] / 1e3:.1f}**" for n in lengths]
-    rows.append("| **all** | | " + " | ".join(totals) + " |")
+        rows.append(f"| {cell(k['kernel'])} | {k['launches']} | " + " | ".join(ms(us[n].get(k["kernel"]), n) for n in lengths) + " |")
+    rows.append("| **all** | | " + " | ".join(f"**{ms(by_len[n]['total_us'], n)}**" for n in lengths) + " |")
     eg = main["expert_gemm"]
     rows.append("")
     rows.append(f"Routed-expert GEMMs at {main['tokens']:,} tokens: {eg['flop'] / 1e12:.2f} TFLOP in {eg['us'] / 1e3:.1f} ms = "

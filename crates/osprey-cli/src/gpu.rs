@@ -568,17 +568,26 @@ pub fn bench_prefill(
                 100.0 * tflops * 1e12 / BF16_CEILING_FLOP_PER_S,
                 BF16_CEILING_FLOP_PER_S / 1e12
             );
-            // the recurrence's kernels under each form forced
+            // the recurrence's kernels under each form forced (the default profile above serves
+            // for the form it ran alone)
+            let ran = |prefix: &str| p.iter().any(|k| k.kernel.starts_with(prefix));
+            let (ran_scan, ran_chunked) = (ran("gdn scan"), ran("gdn chunked"));
             let mut gdn_forms = serde_json::Map::new();
-            for (name, form) in [
-                ("recurrent", GdnPrefill::Recurrent),
-                ("chunked", GdnPrefill::Chunked),
+            for (name, form, ran_alone) in [
+                ("recurrent", GdnPrefill::Recurrent, ran_scan && !ran_chunked),
+                ("chunked", GdnPrefill::Chunked, ran_chunked && !ran_scan),
             ] {
-                gpu.set_gdn_prefill(form);
-                gpu.reset()?;
-                let forced = gpu.profile_prefill(0, &tokens[..len], chunk)?;
+                let forced;
+                let profile = if ran_alone {
+                    &p
+                } else {
+                    gpu.set_gdn_prefill(form);
+                    gpu.reset()?;
+                    forced = gpu.profile_prefill(0, &tokens[..len], chunk)?;
+                    &forced
+                };
                 let mut kernels = Vec::new();
-                for k in forced.iter().filter(|k| k.kernel.starts_with("gdn")) {
+                for k in profile.iter().filter(|k| k.kernel.starts_with("gdn")) {
                     info!("  {name:<9} {:<34} {:>10.1} us", k.kernel, k.micros);
                     kernels
                         .push(json!({"kernel": k.kernel, "launches": k.launches, "us": k.micros}));
