@@ -28,13 +28,11 @@
 #define LAUNCHES 24
 #define H2_WARPS 8
 
+// one 4-bit segment (gemv.cu's Segment: codes, scales, biases, out, rows) times x of width K
 struct H2Args {
-    const uint32_t* codes;
-    const __nv_bfloat16* scales;
-    const __nv_bfloat16* biases;
+    Segment seg;
     const float* x;
-    float* out;
-    int rows, K;
+    int K;
 };
 
 // One lane's share of x for slice s: words 4l..4l+3 of the slice, each as 4 half2 pairs in the
@@ -87,18 +85,18 @@ __global__ void __launch_bounds__(H2_WARPS * 32) gemv_h2(H2Args p) {
     LaneX<SLICES> lx;
     load_lane_x<SLICES>(lx, p.x, lane);
     const int wpr = p.K / 8, gpr = p.K / 64;
-    for (int r0 = warp * ROWS; r0 < p.rows; r0 += warps * ROWS) {
+    for (int r0 = warp * ROWS; r0 < p.seg.rows; r0 += warps * ROWS) {
         uint4 c[ROWS][SLICES];
         __nv_bfloat16 sc[ROWS][SLICES], bi[ROWS][SLICES];
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
-            const int row = min(r0 + r, p.rows - 1);
+            const int row = min(r0 + r, p.seg.rows - 1);
 #pragma unroll
             for (int s = 0; s < SLICES; ++s) {
-                c[r][s] = __ldcs(reinterpret_cast<const uint4*>(p.codes + (size_t)row * wpr + s * 128) + lane);
+                c[r][s] = __ldcs(reinterpret_cast<const uint4*>(p.seg.codes + (size_t)row * wpr + s * 128) + lane);
                 const int gi = row * gpr + s * 16 + (lane >> 1);
-                sc[r][s] = p.scales[gi];
-                bi[r][s] = p.biases[gi];
+                sc[r][s] = p.seg.scales[gi];
+                bi[r][s] = p.seg.biases[gi];
             }
         }
         float acc[ROWS];
@@ -115,7 +113,7 @@ __global__ void __launch_bounds__(H2_WARPS * 32) gemv_h2(H2Args p) {
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
             const float v = warp_sum(acc[r]);
-            if (lane == 0 && r0 + r < p.rows) p.out[r0 + r] = v;
+            if (lane == 0 && r0 + r < p.seg.rows) p.seg.out[r0 + r] = v;
         }
     }
 }
@@ -164,9 +162,10 @@ int main() {
         CK(cudaMalloc(&outs, (size_t)copies * rows * 4 * 2));
         std::vector<ExpertStack> mats;
         for (int c = 0; c < copies; ++c) mats.push_back(upload_q4(w));
+        auto segment = [&](int c, float* out) { return Segment{mats[c].codes, mats[c].scales, mats[c].biases, out, (int)rows, 4, 0, 0}; };
         auto tile_args = [&](int c, float* out, int tiles) {
             GemvArgs a{};
-            a.seg[0] = Segment{mats[c].codes, mats[c].scales, mats[c].biases, out, (int)rows, 4, 0, 0};
+            a.seg[0] = segment(c, out);
             a.nseg = 1;
             a.x = x;
             a.K = K;
@@ -174,7 +173,7 @@ int main() {
             a.tiles = tiles;
             return a;
         };
-        auto h2_args = [&](int c, float* out) { return H2Args{mats[c].codes, mats[c].scales, mats[c].biases, x, out, (int)rows, K}; };
+        auto h2_args = [&](int c, float* out) { return H2Args{segment(c, out), x, K}; };
         const int tiles = (int)(rows + 15) / 16;
         const int tile_grid = std::min((tiles + 1) / 2, 3 * sms);
         // variant 0: the tile kernel; 1, 2, 3: gemv_h2 with 2, 4, 8 rows per warp; 4: the engine's
