@@ -128,20 +128,7 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(256, 1)
         mbar_wait(&full[G % MC_SLOTS], (G / MC_SLOTS) & 1);
         const unsigned char* W = Ws + (G & 1) * WG_W_BYTES + wg * 128 * 16;
         const unsigned char* X = Xs + (G % MC_SLOTS) * MC_X_BYTES;
-        fence_accumulators(d[0]);
-        fence_accumulators(d[1]);
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-        for (int s4 = 0; s4 < 4; ++s4) {
-            const uint64_t db = wg_desc(X + 2 * s4 * (WG_POS * 16), WG_POS * 16, 128);
-#pragma unroll
-            for (int m = 0; m < 2; ++m)
-                wgmma_m64n128k16_ss(d[m], wg_desc(W + 2 * s4 * (WG_ROWS * 16) + m * 64 * 16, WG_ROWS * 16, 128), db,
-                                    G > 0 || s4 > 0);
-        }
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        fence_accumulators(d[0]);
-        fence_accumulators(d[1]);
+        wgmma_issue_group(d, W, X, G == 0);
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
         if (G + 1 < groups) dequant(G + 1);
     }

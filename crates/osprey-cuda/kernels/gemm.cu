@@ -380,6 +380,27 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[64]) {
     for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// One group (4 k16 steps) of a warpgroup's wgmma, committed as one batch: its 128 weight rows at W
+// (two m64 halves, accumulators d[0], d[1]) by the 128 positions at X, both in the K-major layout;
+// the first group overwrites the accumulators.
+__device__ __forceinline__ void wgmma_issue_group(float (&d)[2][64], const unsigned char* W, const unsigned char* X,
+                                                  bool first) {
+    fence_accumulators(d[0]);
+    fence_accumulators(d[1]);
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int s4 = 0; s4 < 4; ++s4) {
+        const uint64_t db = wg_desc(X + 2 * s4 * (WG_POS * 16), WG_POS * 16, 128);
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+            wgmma_m64n128k16_ss(d[m], wg_desc(W + 2 * s4 * (WG_ROWS * 16) + m * 64 * 16, WG_ROWS * 16, 128), db,
+                                !first || s4 > 0);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    fence_accumulators(d[0]);
+    fence_accumulators(d[1]);
+}
+
 extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(GemmArgs p) {
     extern __shared__ __align__(128) unsigned char wg_smem[];
     unsigned char* Xs = wg_smem;                                                   // [slot][8 kc][128 pos][16 B]
@@ -462,20 +483,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(GemmArgs p) {
         load_stage(G + WG_AHEAD);
         const unsigned char* W = Ws + (G & 1) * WG_W_BYTES + wg * 128 * 16;
         const unsigned char* X = Xs + (G % WG_SLOTS) * WG_X_BYTES;
-        fence_accumulators(d[0]);
-        fence_accumulators(d[1]);
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-        for (int s4 = 0; s4 < 4; ++s4) {
-            const uint64_t db = wg_desc(X + 2 * s4 * (WG_POS * 16), WG_POS * 16, 128);
-#pragma unroll
-            for (int m = 0; m < 2; ++m)
-                wgmma_m64n128k16_ss(d[m], wg_desc(W + 2 * s4 * (WG_ROWS * 16) + m * 64 * 16, WG_ROWS * 16, 128), db,
-                                    G > 0 || s4 > 0);
-        }
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        fence_accumulators(d[0]);
-        fence_accumulators(d[1]);
+        wgmma_issue_group(d, W, X, G == 0);
         // wgmma(G - 1) retired: its weight buffer takes group G + 1 while wgmma(G) runs on
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
         if (G + 1 < groups) dequant(G + 1);
