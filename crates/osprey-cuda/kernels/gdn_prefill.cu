@@ -1,12 +1,16 @@
 // Gated DeltaNet prefill over a chunk of T tokens starting at position P (model-spec §3.4):
-//   gdn_conv       — causal depthwise conv (kernel K) over the chunk, reading the K-1 earlier
-//                    inputs from the conv state, + SiLU. Grid (T, conv_dim/256).
+//   gdn_conv_qk_gates — one block per token, 8 warps: causal depthwise conv (kernel 4) + SiLU of
+//                    the token's channels, reading the 3 earlier inputs from the conv state; per
+//                    key head (a warp, lane l channels 4l..4l+3) the L2 norms of q and k (q also
+//                    by 1/sqrt(Dk)) and q·k; per value head β = sigmoid(b), the decay
+//                    exp(-exp(A_log)·softplus(a + dt_bias)) and its key head's q·k. Written once
+//                    (measured at T = 4096: 140 us per layer vs 244 for a conv kernel and a norm/
+//                    gates kernel that re-read and re-wrote q and k; bench/results/
+//                    cuda-kernel-harnesses-h200.json).
 //   gdn_conv_state — the last K-1 inputs become the conv state of position P+T (the decode step's
 //                    parity buffer). One thread per channel, rows in ascending order, so it is
-//                    safe when the state buffer read and the one written are the same.
-//   gdn_qk_gates   — L2 norm of q and k per key head (q also scaled by 1/sqrt(Dk)), in place,
-//                    and q·k; per value head β = sigmoid(b), the decay
-//                    exp(-exp(A_log)·softplus(a + dt_bias)) and its key head's q·k. Grid T, 8 warps.
+//                    safe when the state buffer read and the one written are the same; runs after
+//                    gdn_conv_qk_gates, which reads the old state.
 //   gdn_scan       — the gated delta rule, token by token, with the fp32 state in registers:
 //                    a warp owns 2 state columns (value dims) of one head; lane l holds rows
 //                    4l..4l+3 of them (8 floats), loaded once per chunk and stored once. Per
@@ -31,7 +35,7 @@
 // 1.15 ms per layer (0.28 us per token); chunked form 0.21 (prep) + 0.25 (state pass) + 0.14
 // (output) = 0.60 ms per layer; the state pass moves ~820 MB per layer (W, K and U staged by each
 // of a head's 4 column blocks, the states saved for the output), ~3.3 TB/s: bandwidth-bound.
-// conv + norms + gates 0.25 ms per layer for ~400 MB moved (~1.6 TB/s).
+// conv + norms + gates 0.14 ms per layer for ~270 MB moved (~1.9 TB/s; harness figure).
 #include "common.cuh"
 
 #define DK 128
@@ -59,40 +63,69 @@ __device__ __forceinline__ float conv_input(const GdnPrefillArgs& p, int i, int 
     return i < K1 ? p.state_in[(size_t)i * p.conv_dim + c] : p.qkv[(size_t)(i - K1) * p.conv_dim + c];
 }
 
-extern "C" __global__ void gdn_conv(GdnPrefillArgs p) {
-    const int t = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
-    if (c >= p.conv_dim) return;
-    float s = 0.f;
-    for (int j = 0; j < p.kernel; ++j) s = fmaf(p.conv_w[c * p.kernel + j], conv_input(p, t + j, c), s);
-    p.conv_out[(size_t)t * p.conv_dim + c] = siluf(s);
-}
-
 extern "C" __global__ void gdn_conv_state(GdnPrefillArgs p) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= p.conv_dim) return;
     for (int i = 0; i < p.kernel - 1; ++i) p.state_out[(size_t)i * p.conv_dim + c] = conv_input(p, p.T + i, c);
 }
 
-extern "C" __global__ void __launch_bounds__(256) gdn_qk_gates(GdnPrefillArgs p) {
+#define CONV_K 4           // causal conv taps (the model's linear_conv_kernel_dim)
+#define CONV_MAX_QUADS 8   // float4 channel quads per thread: conv_dim <= 8 · 256 · 4 = 8192
+
+// Block t (one token), 256 threads. Thread i takes channel quads i + 256j (j < 8), so warp w holds
+// heads w + 8j whole (a float4 per lane): every quad's 4 input rows and 4 tap words are requested
+// before any is used. v heads are stored at once; q and k heads go through shared memory (a key
+// head's q and k may sit in different warps), then warp w normalises key heads w, w + 8, ...
+extern "C" __global__ void __launch_bounds__(256) gdn_conv_qk_gates(GdnPrefillArgs p) {
+    extern __shared__ float4 qk_rows[];  // [2·hk heads][32 quads]
     __shared__ float qk[64];
-    const int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    float* row = p.conv_out + (size_t)t * p.conv_dim;
+    const int t = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int quads = p.conv_dim / 4, qk_quads = 2 * p.hk * (DK / 4);
+    float4 v[CONV_MAX_QUADS];
+#pragma unroll
+    for (int j = 0; j < CONV_MAX_QUADS; ++j) {
+        const int c4 = tid + 256 * j;
+        if (c4 >= quads) continue;
+        const float4* w = reinterpret_cast<const float4*>(p.conv_w) + 4 * c4;  // taps of channels 4·c4 + i
+        const float4 w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
+        const float wt[4][CONV_K] = {{w0.x, w0.y, w0.z, w0.w}, {w1.x, w1.y, w1.z, w1.w}, {w2.x, w2.y, w2.z, w2.w}, {w3.x, w3.y, w3.z, w3.w}};
+        float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int k = 0; k < CONV_K; ++k) {
+            const int i = t + k;  // extended-sequence index: K-1 state rows, then the chunk
+            const float4 in = reinterpret_cast<const float4*>(i < CONV_K - 1 ? p.state_in + (size_t)i * p.conv_dim
+                                                                               : p.qkv + (size_t)(i - (CONV_K - 1)) * p.conv_dim)[c4];
+            s[0] = fmaf(wt[0][k], in.x, s[0]);
+            s[1] = fmaf(wt[1][k], in.y, s[1]);
+            s[2] = fmaf(wt[2][k], in.z, s[2]);
+            s[3] = fmaf(wt[3][k], in.w, s[3]);
+        }
+        v[j] = make_float4(siluf(s[0]), siluf(s[1]), siluf(s[2]), siluf(s[3]));
+    }
+    float4* row = reinterpret_cast<float4*>(p.conv_out + (size_t)t * p.conv_dim);
+#pragma unroll
+    for (int j = 0; j < CONV_MAX_QUADS; ++j) {
+        const int c4 = tid + 256 * j;
+        if (c4 >= quads) continue;
+        if (c4 < qk_quads) qk_rows[c4] = v[j];
+        else row[c4] = v[j];
+    }
+    __syncthreads();
+    // key head kh: q and k normalised (q also by 1/sqrt(Dk)), and q·k
     for (int kh = warp; kh < p.hk; kh += 8) {
-        float4* qp = reinterpret_cast<float4*>(row + kh * DK) + lane;
-        float4* kp = reinterpret_cast<float4*>(row + (p.hk + kh) * DK) + lane;
-        float4 q = *qp, k = *kp;
+        float4 q = qk_rows[kh * (DK / 4) + lane], k = qk_rows[(p.hk + kh) * (DK / 4) + lane];
         const float qi = rsqrtf(warp_sum(q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w) + 1e-6f) * rsqrtf((float)DK);
         const float ki = rsqrtf(warp_sum(k.x * k.x + k.y * k.y + k.z * k.z + k.w * k.w) + 1e-6f);
         q.x *= qi; q.y *= qi; q.z *= qi; q.w *= qi;
         k.x *= ki; k.y *= ki; k.z *= ki; k.w *= ki;
-        *qp = q;
-        *kp = k;
+        row[kh * (DK / 4) + lane] = q;
+        row[(p.hk + kh) * (DK / 4) + lane] = k;
         const float dot = warp_sum(q.x * k.x + q.y * k.y + q.z * k.z + q.w * k.w);
         if (lane == 0) qk[kh] = dot;
     }
     __syncthreads();
     const int rep = p.hv / p.hk;
-    for (int h = threadIdx.x; h < p.hv; h += blockDim.x) {
+    for (int h = tid; h < p.hv; h += blockDim.x) {
         const float xa = p.a[(size_t)t * p.hv + h] + p.dt_bias[h];
         const float softplus = xa > 20.f ? xa : log1pf(__expf(xa));
         const float g = -__expf(p.a_log[h]) * softplus;
@@ -247,7 +280,7 @@ extern "C" __global__ void __launch_bounds__(SCAN_WARPS * 32) gdn_scan(GdnPrefil
 #define STATE_STRIDE 40 // [rows][32] read down columns
 
 struct GdnChunkArgs {
-    const float* conv_out;  // [T, conv_dim]: q, k normalised (gdn_qk_gates), v
+    const float* conv_out;  // [T, conv_dim]: q, k normalised (gdn_conv_qk_gates), v
     const float* gates;     // [T, Hv, 4]
     float* wy;              // [T, Hv, 2·Dv]: U then W (Dk = Dv)
     float* u_new;           // [T, Hv, Dv]: U' = U − W S

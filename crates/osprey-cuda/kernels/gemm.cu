@@ -313,7 +313,9 @@ GEMM_KERNEL(8, 8, 1)
 // wgmma run on through the next step's barrier and copies.
 // SwiGLU: the block's 256 rows are 128 gate + 128 up rows; each 16-row group of a warp holds 8 gate
 // rows (g) and the up rows of the same outputs (g + 8), so both land in one thread.
-// Needs N % 256 == 0 (SwiGLU: % 128), K % 512 == 0, group 64, no K split.
+// Split-K (dense launches of too few blocks, f32 epilogues only): block z takes K groups
+// [z, z + 1) · K / 64 / k_splits, a whole number of 8-group scale batches, and writes partial sums.
+// Needs N % 256 == 0 (SwiGLU: % 128), K % 512 == 0, group 64.
 #define WG_POS 128
 #define WG_ROWS 256
 #define WG_SLOTS 5  // groups G - 1 (wgmma in flight), G, G + 1, G + 2, G + 3
@@ -413,7 +415,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(GemmArgs p) {
 
     int expert, m0, m_end;
     if (!block_positions(p, WG_POS, expert, m0, m_end)) return;
-    const int groups = p.K / 64, wpr = p.K / 8;
+    // this block's share of the K groups: all of them, or 1/k_splits (whole 8-group batches)
+    const int groups_per_row = p.K / 64, groups = groups_per_row / p.k_splits, g_begin = groups * blockIdx.z;
+    const int wpr = p.K / 8;
 
     // block row r -> weight matrix and global row
     auto weight_row = [&](int r, int& mat) -> size_t {
@@ -434,8 +438,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(GemmArgs p) {
     for (int i = 0; i < 2; ++i) {
         int mat;
         const size_t rr = weight_row((tid >> 1) + 128 * i, mat);
-        crow[i] = p.codes[mat] + rr * wpr + 4 * st_half;
-        sbrow[i] = reinterpret_cast<const uint4*>((st_half ? p.biases[mat] : p.scales[mat]) + rr * groups);
+        crow[i] = p.codes[mat] + rr * wpr + 4 * st_half + g_begin * 8;
+        sbrow[i] = reinterpret_cast<const uint4*>((st_half ? p.biases[mat] : p.scales[mat]) + rr * groups_per_row + g_begin);
     }
 
     const __nv_bfloat16* src[4];
@@ -445,7 +449,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(GemmArgs p) {
         const int chunk = tid + 256 * c, r = chunk >> 3, pos = m0 + r;
         valid[c] = pos < m_end;
         const int arow = valid[c] ? (p.a_rows ? p.a_rows[pos] : pos) : 0;
-        src[c] = p.a + (size_t)arow * p.K + (chunk & 7) * 8;
+        src[c] = p.a + (size_t)arow * p.K + (size_t)g_begin * 64 + (chunk & 7) * 8;
     }
     auto load_stage = [&](int G) {
         if (G < groups) {
@@ -511,7 +515,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(GemmArgs p) {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int n = blockIdx.x * WG_ROWS + wrow + 8 * h;
-                    store_result(p, p.out + (size_t)pos * p.ldo + n, pos, d[m][4 * j + 2 * h + e]);
+                    store_result(p, p.out + (size_t)blockIdx.z * p.M * p.ldo + (size_t)pos * p.ldo + n, pos, d[m][4 * j + 2 * h + e]);
                 }
             }
     }

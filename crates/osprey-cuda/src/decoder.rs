@@ -1498,6 +1498,13 @@ fn check_shapes(c: &ModelConfig) -> Result<()> {
             c.head_dim
         ));
     }
+    if c.conv_kernel != 4 || c.conv_dim() > 8192 {
+        problems.push(format!(
+            "Gated DeltaNet conv kernel {} over {} channels (the prefill conv is built for 4 taps, at most 8192 channels)",
+            c.conv_kernel,
+            c.conv_dim()
+        ));
+    }
     if c.num_attention_heads / c.num_key_value_heads > 8 {
         problems.push("more than 8 query heads per KV head".into());
     }
@@ -1609,5 +1616,10 @@ mod tests {
             err.contains("head_dim 128") && err.contains("hidden size 1000"),
             "{err}"
         );
+
+        let mut c = qwen36();
+        c.conv_kernel = 3;
+        let err = check_shapes(&c).unwrap_err().to_string();
+        assert!(err.contains("conv kernel 3"), "{err}");
     }
 }

@@ -98,9 +98,8 @@ pub(super) struct PrefillKernels {
     route_plan: CudaFunction,
     route_scatter: CudaFunction,
     moe_combine: CudaFunction,
-    gdn_conv: CudaFunction,
+    gdn_conv_qk_gates: CudaFunction,
     gdn_conv_state: CudaFunction,
-    gdn_qk_gates: CudaFunction,
     gdn_scan: CudaFunction,
     gdn_chunk_prep: CudaFunction,
     gdn_chunk_state: CudaFunction,
@@ -142,9 +141,8 @@ impl PrefillKernels {
             route_plan: func("route", "route_plan")?,
             route_scatter: func("route", "route_scatter")?,
             moe_combine: func("route", "moe_combine")?,
-            gdn_conv: func("gdn_prefill", "gdn_conv")?,
+            gdn_conv_qk_gates: func("gdn_prefill", "gdn_conv_qk_gates")?,
             gdn_conv_state: func("gdn_prefill", "gdn_conv_state")?,
-            gdn_qk_gates: func("gdn_prefill", "gdn_qk_gates")?,
             gdn_scan: func("gdn_prefill", "gdn_scan")?,
             gdn_chunk_prep,
             gdn_chunk_state,
@@ -220,6 +218,17 @@ struct Grouped {
 /// scales and biases are staged 8 groups at a time), whole blocks of `rows_per_block` rows.
 fn wgmma_fits(bits: u32, group: usize, cols: usize, rows: usize, rows_per_block: usize) -> bool {
     bits == 4 && group == 64 && cols.is_multiple_of(512) && rows.is_multiple_of(rows_per_block)
+}
+
+/// K splits of a dense gemm_q4_wgmma launch of `blocks` blocks over `groups` 64-wide K groups: none
+/// when the blocks make half a wave, else the fewest (each a whole number of the kernel's 8-group
+/// scale batches) that do; `None` when even 8 splits do not (mma.sync takes the launch). Measured
+/// at a 256-token prompt over 30 layers: GDN in_proj 4.4 -> 3.2 ms, out_proj 2.2 -> 1.2 ms (the
+/// mma.sync kernel's 16-position tiles dequantised every weight 16 times: instruction-bound).
+fn wgmma_k_splits(blocks: usize, groups: usize, sms: usize) -> Option<usize> {
+    [1, 2, 4, 8]
+        .into_iter()
+        .find(|&s| groups.is_multiple_of(8 * s) && 2 * blocks * s >= sms)
 }
 
 /// Position-tile height (8·MT rows) of the GEMM for about `rows` rows per weight matrix.
@@ -466,13 +475,19 @@ impl CudaDecoder {
         let rows_per_block = if epilogue == EPI_SWIGLU { 128 } else { 256 };
         let blocks_x = w[0].rows.div_ceil(rows_per_block);
         let wgmma_fits = wgmma_fits(m.bits, m.group, m.cols, w[0].rows, rows_per_block);
-        let wgmma_dense = wgmma_fits && self.wgmma.dense;
+        let wgmma_tiles = positions.div_ceil(8 * WGMMA_MT);
+        // at least half a wave of blocks: one block of 256 rows x 128 positions on wgmma beats the
+        // mma.sync kernel's 2+ blocks per SM on the same work; short prompts split K to get there
+        let wgmma_splits = if wgmma_fits && self.wgmma.dense && grouped.is_none() {
+            let splittable =
+                (epilogue == EPI_STORE || epilogue == EPI_ADD) && positions >= 8 * WGMMA_MT;
+            wgmma_k_splits(blocks_x * wgmma_tiles, m.cols / 64, self.sms)
+                .filter(|&s| s == 1 || (splittable && s * positions * w[0].rows <= PARTIAL_FLOATS))
+        } else {
+            None
+        };
         let (mt, blocks_y) = match grouped {
-            // at least half a wave of blocks: one block of 256 rows x 128 positions on wgmma
-            // beats the mma.sync kernel's 2+ blocks per SM on the same work
-            None if wgmma_dense && 2 * blocks_x * positions.div_ceil(8 * WGMMA_MT) >= self.sms => {
-                (WGMMA_MT, positions.div_ceil(8 * WGMMA_MT))
-            }
+            None if wgmma_splits.is_some() => (WGMMA_MT, wgmma_tiles),
             None => {
                 // shorter position tiles when the launch would not fill the GPU twice over (short
                 // prompts, narrow outputs such as the router): a few long blocks are latency-bound
@@ -513,7 +528,7 @@ impl CudaDecoder {
         // long, latency-bound blocks took 3.2 ms over 40 layers, split 8 ways 1.0 ms; splitting
         // launches of 32-128 blocks measured no better, so they keep whole K)
         let groups = m.cols / 64;
-        let mut splits = 1;
+        let mut splits = wgmma_splits.unwrap_or(1);
         let few_blocks = blocks_x * blocks_y * 8 <= self.sms;
         if grouped.is_none()
             && mt != WGMMA_MT
@@ -664,9 +679,13 @@ impl CudaDecoder {
                     };
                     let ch_blocks = conv_dim.div_ceil(256) as u32;
                     timed(self, events, "gdn conv + state, qk norm, gates", |dd| {
-                        dd.launch(&dd.pk.gdn_conv, launch_cfg((t as u32, ch_blocks), 256), &ga)?;
+                        // the conv reads the old state before gdn_conv_state may overwrite it
+                        let qk_rows = LaunchConfig {
+                            shared_mem_bytes: (2 * c.linear_key_dim() * 4) as u32,
+                            ..launch_cfg((t as u32, 1), 256)
+                        };
+                        dd.launch(&dd.pk.gdn_conv_qk_gates, qk_rows, &ga)?;
                         dd.launch(&dd.pk.gdn_conv_state, launch_cfg((ch_blocks, 1), 256), &ga)?;
-                        dd.launch(&dd.pk.gdn_qk_gates, launch_cfg((t as u32, 1), 256), &ga)?;
                         Ok(())
                     })?;
                     if self.gdn_prefill.chunked(t) {
@@ -1020,6 +1039,18 @@ mod tests {
         assert!(GdnPrefill::Auto.chunked(AUTO_CHUNKED_FROM));
         assert!(GdnPrefill::Chunked.chunked(1));
         assert!(!GdnPrefill::Recurrent.chunked(4096));
+    }
+
+    #[test]
+    fn short_prompts_split_k_to_fill_half_the_gpu_with_wgmma_blocks() {
+        // a 4K prompt's in_proj qkv: 32 x 32 blocks, whole K
+        assert_eq!(wgmma_k_splits(1024, 32, 132), Some(1));
+        // a 256-token prompt: in_proj qkv (64 blocks), z (32), out_proj (16 blocks, K 4096)
+        assert_eq!(wgmma_k_splits(64, 32, 132), Some(2));
+        assert_eq!(wgmma_k_splits(32, 32, 132), Some(4));
+        assert_eq!(wgmma_k_splits(16, 64, 132), Some(8));
+        // attention k (512 rows, 4 blocks): 4 splits of 8 groups are not enough -> mma.sync
+        assert_eq!(wgmma_k_splits(4, 32, 132), None);
     }
 
     #[test]
