@@ -403,121 +403,104 @@ __device__ __forceinline__ void wgmma_issue_group(float (&d)[2][64], const unsig
     fence_accumulators(d[1]);
 }
 
-// Named barriers between the producer warpgroup and the two consumers (0 is __syncthreads):
-// FULL(b) — weight buffer b dequantised and its group's activations landed; EMPTY(b) — the wgmma
-// that read buffer b (and that group's ring slot) retired. The producer arrives on FULL and waits
-// on EMPTY, the consumers the other way round; each use counts all 512 threads.
-#define WG_THREADS 512
-#define BAR_FULL(b) (1 + (b))
-#define BAR_EMPTY(b) (3 + (b))
-__device__ __forceinline__ void named_sync(int id) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(WG_THREADS) : "memory"); }
-__device__ __forceinline__ void named_arrive(int id) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(WG_THREADS) : "memory"); }
-
-extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) gemm_q4_wgmma(GemmArgs p) {
+extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(GemmArgs p) {
     extern __shared__ __align__(128) unsigned char wg_smem[];
     unsigned char* Xs = wg_smem;                                                   // [slot][8 kc][128 pos][16 B]
     uint4* Cs = reinterpret_cast<uint4*>(wg_smem + WG_SLOTS * WG_X_BYTES);         // [slot][2 halves][256 rows]
     uint4* SBs = reinterpret_cast<uint4*>(wg_smem + WG_SLOTS * (WG_X_BYTES + WG_CODE_BYTES));  // [2][scale, bias][256 rows]: 8 groups
     unsigned char* Ws = wg_smem + WG_SLOTS * (WG_X_BYTES + WG_CODE_BYTES) + 2 * WG_SB_BYTES;  // [2][8 kc][256 rows][16 B]
-    const int wg = threadIdx.x >> 7, t = threadIdx.x & 255;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    const int wg = warp >> 2;
     const bool swiglu = p.epilogue == EPI_SWIGLU;
 
     int expert, m0, m_end;
     if (!block_positions(p, WG_POS, expert, m0, m_end)) return;
     // this block's share of the K groups: all of them, or 1/k_splits (whole 8-group batches)
     const int groups_per_row = p.K / 64, groups = groups_per_row / p.k_splits, g_begin = groups * blockIdx.z;
+    const int wpr = p.K / 8;
 
-    if (wg < 2) {
-        // producers (2 warpgroups): copies (a 5-slot cp.async ring three groups ahead) and
-        // dequantisation; they hand registers to the consumers' accumulators (72 + 184 per pair
-        // of threads = the 2 x 128 a 512-thread block gets)
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 72;\n" ::: "memory");
-        const int wpr = p.K / 8;
-        // block row r -> weight matrix and global row
-        auto weight_row = [&](int r, int& mat) -> size_t {
-            int n = (int)blockIdx.x * WG_ROWS + r;
-            mat = 0;
-            if (swiglu) {
-                mat = (r & 15) >> 3;
-                n = (int)blockIdx.x * 128 + 8 * (r >> 4) + (r & 7);
-            }
-            return (size_t)expert * p.expert_rows + min(n, p.N - 1);
-        };
-        // thread t copies 16-byte halves of rows t / 2 + 128i (codes, and at every 8th group 8
-        // scales or biases), neighbouring lanes the two halves of one 32-byte sector
-        const int st_half = t & 1;
-        const uint32_t* crow[2];
-        const uint4* sbrow[2];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            int mat;
-            const size_t rr = weight_row((t >> 1) + 128 * i, mat);
-            crow[i] = p.codes[mat] + rr * wpr + 4 * st_half + g_begin * 8;
-            sbrow[i] = reinterpret_cast<const uint4*>((st_half ? p.biases[mat] : p.scales[mat]) + rr * groups_per_row + g_begin);
+    // block row r -> weight matrix and global row
+    auto weight_row = [&](int r, int& mat) -> size_t {
+        int n = (int)blockIdx.x * WG_ROWS + r;
+        mat = 0;
+        if (swiglu) {
+            mat = (r & 15) >> 3;
+            n = (int)blockIdx.x * 128 + 8 * (r >> 4) + (r & 7);
         }
-        const __nv_bfloat16* src[4];
-        bool valid[4];
+        return (size_t)expert * p.expert_rows + min(n, p.N - 1);
+    };
+    // staging: thread t copies 16-byte halves of rows t / 2 and 128 + t / 2 (codes, and at every
+    // 8th group 8 scales or biases), neighbouring lanes the two halves of one 32-byte sector
+    const int st_half = tid & 1;
+    const uint32_t* crow[2];
+    const uint4* sbrow[2];
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const int chunk = t + 256 * c, r = chunk >> 3, pos = m0 + r;
-            valid[c] = pos < m_end;
-            const int arow = valid[c] ? (p.a_rows ? p.a_rows[pos] : pos) : 0;
-            src[c] = p.a + (size_t)arow * p.K + (size_t)g_begin * 64 + (chunk & 7) * 8;
-        }
-        auto load_stage = [&](int G) {
-            if (G < groups) {
-                const int slot = G % WG_SLOTS;
-#pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    const int chunk = t + 256 * c;
-                    cp_async16(Xs + slot * WG_X_BYTES + (chunk & 7) * (WG_POS * 16) + (chunk >> 3) * 16, src[c] + G * 64, valid[c]);
-                }
-#pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    const int r = (t >> 1) + 128 * i;
-                    cp_async16(Cs + (slot * 2 + st_half) * WG_ROWS + r, crow[i] + G * 8, true);
-                    if ((G & 7) == 0) cp_async16(SBs + (((G >> 3) & 1) * 2 + st_half) * WG_ROWS + r, sbrow[i] + (G >> 3), true);
-                }
-            }
-            cp_async_commit();
-        };
-#pragma unroll
-        for (int G = 0; G < WG_AHEAD; ++G) load_stage(G);
-        for (int G = 0; G < groups; ++G) {
-            // weight buffer G % 2 and ring slot G + 3 (= G - 2) free once wgmma(G - 2) retired
-            if (G >= 2) named_sync(BAR_EMPTY(G & 1));
-            load_stage(G + WG_AHEAD);
-            cp_async_wait<WG_AHEAD>();  // this thread's copies of group G landed
-            wgmma_dequant_row(G, G % WG_SLOTS, Cs, SBs, Ws, t);
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            named_arrive(BAR_FULL(G & 1));
-        }
-        cp_async_wait<0>();
-        return;
+    for (int i = 0; i < 2; ++i) {
+        int mat;
+        const size_t rr = weight_row((tid >> 1) + 128 * i, mat);
+        crow[i] = p.codes[mat] + rr * wpr + 4 * st_half + g_begin * 8;
+        sbrow[i] = reinterpret_cast<const uint4*>((st_half ? p.biases[mat] : p.scales[mat]) + rr * groups_per_row + g_begin);
     }
 
-    // consumers: warpgroup c multiplies its 128 weight rows by the 128 positions
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 184;\n" ::: "memory");
-    const int c = wg - 2, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const __nv_bfloat16* src[4];
+    bool valid[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        const int chunk = tid + 256 * c, r = chunk >> 3, pos = m0 + r;
+        valid[c] = pos < m_end;
+        const int arow = valid[c] ? (p.a_rows ? p.a_rows[pos] : pos) : 0;
+        src[c] = p.a + (size_t)arow * p.K + (size_t)g_begin * 64 + (chunk & 7) * 8;
+    }
+    auto load_stage = [&](int G) {
+        if (G < groups) {
+            const int slot = G % WG_SLOTS;
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int chunk = tid + 256 * c;
+                cp_async16(Xs + slot * WG_X_BYTES + (chunk & 7) * (WG_POS * 16) + (chunk >> 3) * 16, src[c] + G * 64, valid[c]);
+            }
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const int r = (tid >> 1) + 128 * i;
+                cp_async16(Cs + (slot * 2 + st_half) * WG_ROWS + r, crow[i] + G * 8, true);
+                if ((G & 7) == 0) cp_async16(SBs + (((G >> 3) & 1) * 2 + st_half) * WG_ROWS + r, sbrow[i] + (G >> 3), true);
+            }
+        }
+        cp_async_commit();
+    };
+    // group G of block row tid into weight buffer G % 2
+    auto dequant = [&](int G) { wgmma_dequant_row(G, G % WG_SLOTS, Cs, SBs, Ws, tid); };
     float d[2][64];  // the first wgmma overwrites them (no zeroing: a register written outside
                      // wgmma between them serialises the pipeline)
+
+#pragma unroll
+    for (int G = 0; G < WG_AHEAD; ++G) load_stage(G);
+    cp_async_wait<WG_AHEAD - 1>();
+    __syncthreads();
+    dequant(0);
     for (int G = 0; G < groups; ++G) {
-        named_sync(BAR_FULL(G & 1));
-        const unsigned char* W = Ws + (G & 1) * WG_W_BYTES + c * 128 * 16;
+        // slot G + 1 landed (this thread's copies), everyone's copies and weight stores visible;
+        // every warpgroup has retired wgmma(G - 2), so slot G + 3 (= G - 2) is free
+        cp_async_wait<WG_AHEAD - 2>();
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        load_stage(G + WG_AHEAD);
+        const unsigned char* W = Ws + (G & 1) * WG_W_BYTES + wg * 128 * 16;
         const unsigned char* X = Xs + (G % WG_SLOTS) * WG_X_BYTES;
         wgmma_issue_group(d, W, X, G == 0);
-        // wgmma(G - 1) retired: its buffer and slot go back to the producer (if it will use them)
+        // wgmma(G - 1) retired: its weight buffer takes group G + 1 while wgmma(G) runs on
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-        if (G >= 1 && G + 1 < groups) named_arrive(BAR_EMPTY((G - 1) & 1));
+        if (G + 1 < groups) dequant(G + 1);
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
     fence_accumulators(d[0]);
     fence_accumulators(d[1]);
+    cp_async_wait<0>();
 
-    // d[m][4j + 2h + e]: block row 128·c + 64·m + 16·warp + g + 8h, position 8j + 2q + e
+    // d[m][4j + 2h + e]: block row 128·wg + 64·m + 16·(warp % 4) + g + 8h, position 8j + 2q + e
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
-        const int wrow = 128 * c + 64 * m + 16 * warp + g;
+        const int wrow = 128 * wg + 64 * m + 16 * (warp & 3) + g;
 #pragma unroll
         for (int j = 0; j < 16; ++j)
 #pragma unroll

@@ -28,8 +28,6 @@ const GDN_CHUNK_OUT_SMEM_BYTES: usize = (64 * 132 + 128 * 136 + 64 * 68 + 64 * 1
 /// gemm_q4_wgmma: 5 ring slots of (activations 128x128 bytes, codes 256x32), two buffers of 8
 /// groups' scales and biases 256x32, two dequantised weight tiles 256x128 bytes.
 const GEMM_WGMMA_SMEM_BYTES: usize = 5 * (128 * 128 + 256 * 32) + 2 * 256 * 32 + 2 * 256 * 128;
-/// gemm_q4_wgmma's block: two producer warpgroups and two consumer warpgroups.
-const WGMMA_THREADS: u32 = 512;
 /// Tile height / 8 of gemm_q4_wgmma (128 positions).
 const WGMMA_MT: usize = 16;
 /// Rows per expert (on average) from which the grouped gate/up GEMM runs gemm_q4_wgmma (at 64 per
@@ -566,7 +564,7 @@ impl CudaDecoder {
             func,
             LaunchConfig {
                 grid_dim: (blocks_x as u32, blocks_y as u32, splits as u32),
-                block_dim: (if mt == WGMMA_MT { WGMMA_THREADS } else { 256 }, 1, 1),
+                block_dim: (256, 1, 1),
                 shared_mem_bytes: if mt == WGMMA_MT {
                     GEMM_WGMMA_SMEM_BYTES as u32
                 } else {
