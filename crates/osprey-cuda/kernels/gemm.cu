@@ -27,11 +27,15 @@
 // MMA from shared memory, each weight dequantised once per block into shared memory.
 // Measured (H200, 4K prompt, full-size model, 30 layers): GDN in_proj 31.0 ms (mma.sync, 200
 // TFLOP/s, ncu: tensor pipe 34% active, most stalls fixed-latency dependencies) -> 23.4 ms with
-// gemm_q4_wgmma (265 TFLOP/s; ncu: L2 63% busy, 1.39 GB read from L2 per 137 GFLOP launch: every
-// block re-reads its positions' activations per weight-row block, so L2 is the next wall; next:
-// clusters sharing the activation tile by TMA multicast). Routed gate/up 31.5 -> 28.0 ms; the down
-// projection (K = 512) stays on mma.sync (20.1 ms; 23.3 with wgmma). A mma.sync kernel with
-// ldmatrix and shared-memory dequantisation (256 x 128 tiles) reached 28.1 ms on in_proj: dropped.
+// gemm_q4_wgmma (265 TFLOP/s; ncu: L2 63% busy, yet clusters sharing the activation tile by TMA
+// multicast changed nothing). ncu's source view (bench/results/cuda-prefill-wgmma-ncu-source.json):
+// the hot spots wait for the shared-memory pipe to accept cp.async copies and the dequantisation's
+// loads: ~160 KB pass through shared memory per 64-wide K group (wgmma reading both operands 96 KB,
+// dequantised weights 32 KB, copies 24 KB, codes read back 8 KB), so shared-memory bandwidth is the
+// wall; next: weights as the wgmma A operand from registers, never stored. Routed gate/up 31.5 ->
+// 28.0 ms; the down projection (K = 512) stays on mma.sync (20.1 ms; 23.3 with wgmma). Dropped: a
+// mma.sync kernel with ldmatrix and shared-memory dequantisation (256 x 128 tiles, 28.1 ms on
+// in_proj); producer/consumer warpgroups over named barriers (15-25% slower on every launch).
 #include "common.cuh"
 
 #define GEMM_WARPS 8
