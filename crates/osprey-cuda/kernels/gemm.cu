@@ -327,23 +327,23 @@ GEMM_KERNEL(8, 8, 1)
 #define WG_X_BYTES (WG_POS * 128)
 #define WG_CODE_BYTES (WG_ROWS * 32)
 #define WG_SB_BYTES (WG_ROWS * 32)
-#define WG_SMEM_BYTES (WG_SLOTS * (WG_X_BYTES + WG_CODE_BYTES) + 2 * WG_SB_BYTES)
+#define WG_W_BYTES (WG_ROWS * 128)
+#define WG_SMEM_BYTES (WG_SLOTS * (WG_X_BYTES + WG_CODE_BYTES) + 2 * WG_SB_BYTES + 2 * WG_W_BYTES)
 
 __device__ __forceinline__ uint64_t wg_desc(const void* p, uint32_t lbo, uint32_t sbo) {
     const uint32_t addr = (uint32_t)__cvta_generic_to_shared(p);
     return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32);
 }
 
-// D[64 x 128] = A[64 x 16] · B[16 x 128] (+ D when accumulate), A from registers (the mma.sync
-// A-fragment layout: rows g, g + 8 of the warp's 16, k pairs 2q and 2q + 8), B from shared memory.
-__device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+// D[64 x 128] = A[64 x 16] · B[16 x 128] (+ D when accumulate), both from shared memory, fp32.
+__device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
     asm volatile(
-        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %69, 0;\n"
+        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %66, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "
         "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, "
         "%47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "{%64, %65, %66, %67}, %68, acc, 1, 1, 0;\n}\n"
+        "%64, %65, acc, 1, 1, 0, 0;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
           "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
           "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
@@ -352,36 +352,31 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const uint32
           "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
           "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
           "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate));
+        : "l"(desc_a), "l"(desc_b), "r"((int)accumulate));
 }
 
-// A operand registers of one group: [m64 half][k16 step][fragment register]
-typedef uint32_t WgmmaA[2][4][4];
-
-// gemm_q4_wgmma's dequantisation straight into A registers: group G for this thread's rows
-// (half m: block row `row0 + 64m`, and + 8). Storage position 16·s + 2q (+1) of a group is nibble
-// pair q of code word 2s (storage position 16·s + 8 + 2q: of word 2s + 1), as the activations are
-// stored (perm64), so wgmma step s sees both operands in the same k order.
-__device__ __forceinline__ void wgmma_dequant_regs(int G, int slot, const uint4* Cs, const uint4* SBs, int row0, int q, WgmmaA& a) {
+// gemm_q4_wgmma's dequantisation: group G of block row `row` into weight buffer G % 2 (K-major
+// core-matrix layout, perm64 order), the code words from ring slot `slot` of Cs ([slot][2 halves]
+// [256 rows] uint4), scale and bias from the 8-group buffer of SBs ([2][scale, bias][256 rows]).
+__device__ __forceinline__ void wgmma_dequant_row(int G, int slot, const uint4* Cs, const uint4* SBs, unsigned char* Ws,
+                                                  int row) {
+    const uint4* sb = SBs + ((G >> 3) & 1) * 2 * WG_ROWS + row;
+    const uint32_t sw = reinterpret_cast<const uint32_t*>(sb)[(G & 7) >> 1];
+    const uint32_t bw = reinterpret_cast<const uint32_t*>(sb + WG_ROWS)[(G & 7) >> 1];
+    const int hi = (G & 1) * 16;
+    const __nv_bfloat16_raw sr{(unsigned short)(sw >> hi)}, br{(unsigned short)(bw >> hi)};
+    const __nv_bfloat162 s = __bfloat162bfloat162(__nv_bfloat16(sr)), b = __bfloat162bfloat162(__nv_bfloat16(br));
+    unsigned char* dst = Ws + (G & 1) * WG_W_BYTES + row * 16;
 #pragma unroll
-    for (int m = 0; m < 2; ++m)
+    for (int h = 0; h < 2; ++h) {
+        const uint4 c = Cs[(slot * 2 + h) * WG_ROWS + row];
+        const uint32_t w[4] = {c.x, c.y, c.z, c.w};
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = row0 + 64 * m + 8 * h;
-            const uint4* sb = SBs + ((G >> 3) & 1) * 2 * WG_ROWS + row;
-            const uint32_t sw = reinterpret_cast<const uint32_t*>(sb)[(G & 7) >> 1];
-            const uint32_t bw = reinterpret_cast<const uint32_t*>(sb + WG_ROWS)[(G & 7) >> 1];
-            const int hi = (G & 1) * 16;
-            const __nv_bfloat16_raw sr{(unsigned short)(sw >> hi)}, br{(unsigned short)(bw >> hi)};
-            const __nv_bfloat162 s = __bfloat162bfloat162(__nv_bfloat16(sr)), b = __bfloat162bfloat162(__nv_bfloat16(br));
-            const uint4 c0 = Cs[(slot * 2 + 0) * WG_ROWS + row], c1 = Cs[(slot * 2 + 1) * WG_ROWS + row];
-            const uint32_t w[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-#pragma unroll
-            for (int st = 0; st < 4; ++st) {
-                a[m][st][h] = dequant_pair4(w[2 * st] >> (4 * q), s, b);
-                a[m][st][2 + h] = dequant_pair4(w[2 * st + 1] >> (4 * q), s, b);
-            }
-        }
+        for (int i = 0; i < 4; ++i)
+            *reinterpret_cast<uint4*>(dst + (4 * h + i) * (WG_ROWS * 16)) =
+                make_uint4(dequant_pair4(w[i], s, b), dequant_pair4(w[i] >> 4, s, b), dequant_pair4(w[i] >> 8, s, b),
+                           dequant_pair4(w[i] >> 12, s, b));
+    }
 }
 
 // keeps the compiler from moving accumulator registers across the asynchronous wgmma (a copy while
@@ -390,33 +385,26 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[64]) {
 #pragma unroll
     for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
-__device__ __forceinline__ void fence_operands(WgmmaA& a) {
-#pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int st = 0; st < 4; ++st)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(a[m][st][r])::"memory");
-}
 
-// One group (4 k16 steps) of a warpgroup's wgmma, committed as one batch: its 128 weight rows from
-// the A registers (two m64 halves, accumulators d[0], d[1]) by the 128 positions at X (K-major);
+// One group (4 k16 steps) of a warpgroup's wgmma, committed as one batch: its 128 weight rows at W
+// (two m64 halves, accumulators d[0], d[1]) by the 128 positions at X, both in the K-major layout;
 // the first group overwrites the accumulators.
-__device__ __forceinline__ void wgmma_issue_group(float (&d)[2][64], WgmmaA& a, const unsigned char* X, bool first) {
+__device__ __forceinline__ void wgmma_issue_group(float (&d)[2][64], const unsigned char* W, const unsigned char* X,
+                                                  bool first) {
     fence_accumulators(d[0]);
     fence_accumulators(d[1]);
-    fence_operands(a);
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
     for (int s4 = 0; s4 < 4; ++s4) {
         const uint64_t db = wg_desc(X + 2 * s4 * (WG_POS * 16), WG_POS * 16, 128);
 #pragma unroll
-        for (int m = 0; m < 2; ++m) wgmma_m64n128k16_rs(d[m], a[m][s4], db, !first || s4 > 0);
+        for (int m = 0; m < 2; ++m)
+            wgmma_m64n128k16_ss(d[m], wg_desc(W + 2 * s4 * (WG_ROWS * 16) + m * 64 * 16, WG_ROWS * 16, 128), db,
+                                !first || s4 > 0);
     }
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
     fence_accumulators(d[0]);
     fence_accumulators(d[1]);
-    fence_operands(a);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(GemmArgs p) {
@@ -424,6 +412,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(GemmArgs p) {
     unsigned char* Xs = wg_smem;                                                   // [slot][8 kc][128 pos][16 B]
     uint4* Cs = reinterpret_cast<uint4*>(wg_smem + WG_SLOTS * WG_X_BYTES);         // [slot][2 halves][256 rows]
     uint4* SBs = reinterpret_cast<uint4*>(wg_smem + WG_SLOTS * (WG_X_BYTES + WG_CODE_BYTES));  // [2][scale, bias][256 rows]: 8 groups
+    unsigned char* Ws = wg_smem + WG_SLOTS * (WG_X_BYTES + WG_CODE_BYTES) + 2 * WG_SB_BYTES;  // [2][8 kc][256 rows][16 B]
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const int wg = warp >> 2;
     const bool swiglu = p.epilogue == EPI_SWIGLU;
@@ -483,32 +472,29 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(GemmArgs p) {
         }
         cp_async_commit();
     };
-    // this thread's block rows: 128·wg + 16·(warp % 4) + g (+ 8, + 64, + 72)
-    const int row0 = 128 * wg + 16 * (warp & 3) + g;
+    // group G of block row tid into weight buffer G % 2
+    auto dequant = [&](int G) { wgmma_dequant_row(G, G % WG_SLOTS, Cs, SBs, Ws, tid); };
     float d[2][64];  // the first wgmma overwrites them (no zeroing: a register written outside
                      // wgmma between them serialises the pipeline)
-    WgmmaA a0, a1;   // groups G and G + 1: one is multiplied while the other is filled
 
 #pragma unroll
     for (int G = 0; G < WG_AHEAD; ++G) load_stage(G);
     cp_async_wait<WG_AHEAD - 1>();
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // copies -> wgmma's reads
     __syncthreads();
-    wgmma_dequant_regs(0, 0, Cs, SBs, row0, q, a0);
-    // step G: issue wgmma(G) on `cur`; once wgmma(G - 1) retired and slot G + 1 landed everywhere,
-    // refill the ring and dequantise group G + 1 into `nxt` while wgmma(G) runs
-    auto step = [&](int G, WgmmaA& cur, WgmmaA& nxt) {
-        wgmma_issue_group(d, cur, Xs + (G % WG_SLOTS) * WG_X_BYTES, G == 0);
-        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+    dequant(0);
+    for (int G = 0; G < groups; ++G) {
+        // slot G + 1 landed (this thread's copies), everyone's copies and weight stores visible;
+        // every warpgroup has retired wgmma(G - 2), so slot G + 3 (= G - 2) is free
         cp_async_wait<WG_AHEAD - 2>();
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();
         load_stage(G + WG_AHEAD);
-        if (G + 1 < groups) wgmma_dequant_regs(G + 1, (G + 1) % WG_SLOTS, Cs, SBs, row0, q, nxt);
-    };
-    for (int G = 0; G < groups; G += 2) {
-        step(G, a0, a1);
-        if (G + 1 < groups) step(G + 1, a1, a0);
+        const unsigned char* W = Ws + (G & 1) * WG_W_BYTES + wg * 128 * 16;
+        const unsigned char* X = Xs + (G % WG_SLOTS) * WG_X_BYTES;
+        wgmma_issue_group(d, W, X, G == 0);
+        // wgmma(G - 1) retired: its weight buffer takes group G + 1 while wgmma(G) runs on
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        if (G + 1 < groups) dequant(G + 1);
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
     fence_accumulators(d[0]);
@@ -518,7 +504,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(GemmArgs p) {
     // d[m][4j + 2h + e]: block row 128·wg + 64·m + 16·(warp % 4) + g + 8h, position 8j + 2q + e
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
-        const int wrow = row0 + 64 * m;
+        const int wrow = 128 * wg + 64 * m + 16 * (warp & 3) + g;
 #pragma unroll
         for (int j = 0; j < 16; ++j)
 #pragma unroll

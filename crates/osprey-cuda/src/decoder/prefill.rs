@@ -26,8 +26,8 @@ const GDN_CHUNK_STATE_SMEM_BYTES: usize =
 const GDN_CHUNK_OUT_SMEM_BYTES: usize = (64 * 132 + 128 * 136 + 64 * 68 + 64 * 136 + 64) * 4;
 
 /// gemm_q4_wgmma: 5 ring slots of (activations 128x128 bytes, codes 256x32), two buffers of 8
-/// groups' scales and biases 256x32.
-const GEMM_WGMMA_SMEM_BYTES: usize = 5 * (128 * 128 + 256 * 32) + 2 * 256 * 32;
+/// groups' scales and biases 256x32, two dequantised weight tiles 256x128 bytes.
+const GEMM_WGMMA_SMEM_BYTES: usize = 5 * (128 * 128 + 256 * 32) + 2 * 256 * 32 + 2 * 256 * 128;
 /// Tile height / 8 of gemm_q4_wgmma (128 positions).
 const WGMMA_MT: usize = 16;
 /// Rows per expert (on average) from which the grouped gate/up GEMM runs gemm_q4_wgmma (at 64 per
