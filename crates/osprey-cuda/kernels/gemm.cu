@@ -30,12 +30,14 @@
 // gemm_q4_wgmma (265 TFLOP/s; ncu: L2 63% busy, yet clusters sharing the activation tile by TMA
 // multicast changed nothing). ncu's source view (bench/results/cuda-prefill-wgmma-ncu-source.json):
 // the hot spots wait for the shared-memory pipe to accept cp.async copies and the dequantisation's
-// loads: ~160 KB pass through shared memory per 64-wide K group (wgmma reading both operands 96 KB,
-// dequantised weights 32 KB, copies 24 KB, codes read back 8 KB), so shared-memory bandwidth is the
-// wall; next: weights as the wgmma A operand from registers, never stored. Routed gate/up 31.5 ->
-// 28.0 ms; the down projection (K = 512) stays on mma.sync (20.1 ms; 23.3 with wgmma). Dropped: a
-// mma.sync kernel with ldmatrix and shared-memory dequantisation (256 x 128 tiles, 28.1 ms on
-// in_proj); producer/consumer warpgroups over named barriers (15-25% slower on every launch).
+// loads (~160 KB pass through shared memory per 64-wide K group), but taking the weight tile out of
+// shared memory did not help (below): the dequantisation between two barriers per group, with 8
+// warps per SM, is the wall; next: fewer instructions per weight (scale applied per group after
+// the MMA). Routed gate/up 31.5 -> 28.0 ms; the down projection (K = 512) stays on mma.sync (20.1
+// ms; 23.3 with wgmma). Dropped: a mma.sync kernel with ldmatrix and shared-memory dequantisation
+// (256 x 128 tiles, 28.1 ms on in_proj); producer/consumer warpgroups over named barriers (15-25%
+// slower, commit 201c26b); the weights as wgmma's A operand from registers (in_proj 26.5 vs 23.9
+// ms, commit 0c8bd67).
 #include "common.cuh"
 
 #define GEMM_WARPS 8
@@ -328,7 +330,6 @@ GEMM_KERNEL(8, 8, 1)
 #define WG_CODE_BYTES (WG_ROWS * 32)
 #define WG_SB_BYTES (WG_ROWS * 32)
 #define WG_W_BYTES (WG_ROWS * 128)
-#define WG_SMEM_BYTES (WG_SLOTS * (WG_X_BYTES + WG_CODE_BYTES) + 2 * WG_SB_BYTES + 2 * WG_W_BYTES)
 
 __device__ __forceinline__ uint64_t wg_desc(const void* p, uint32_t lbo, uint32_t sbo) {
     const uint32_t addr = (uint32_t)__cvta_generic_to_shared(p);
