@@ -85,8 +85,8 @@ struct WeightRegs {
 template <int BITS>
 __device__ __forceinline__ void load_weights(WeightRegs<BITS>& W, const uint32_t* const (&row)[2][2],
                                              const __nv_bfloat16* const (&srow)[2][2], const __nv_bfloat16* const (&brow)[2][2],
-                                             int G, int q, int group) {
-    const int gi = (G * 64 + 16 * q) / group;
+                                             int G, int q, int group_shift) {
+    const int gi = (G * 64 + 16 * q) >> group_shift;  // group sizes are powers of two (32, 64, 128)
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
@@ -165,7 +165,7 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p) {
     const int K = p.K;
     // this block's share of the K groups (all of them unless split-K)
     const int g_begin = K / 64 * blockIdx.z / p.k_splits, groups = K / 64 * (blockIdx.z + 1) / p.k_splits - g_begin;
-    const int wpr = K * BITS / 32, spr = K / p.group;
+    const int wpr = K * BITS / 32, spr = K / p.group, group_shift = __ffs(p.group) - 1;
     const int n_base = blockIdx.x * GEMM_WARPS * (swiglu ? 16 : 32) + warp * (swiglu ? 16 : 32);
     const uint32_t* row[2][2];
     const __nv_bfloat16* srow[2][2];
@@ -217,7 +217,7 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p) {
     // group G multiplied with `use` while `fill` receives group G + 1; the two swap roles each
     // group, so no register copy waits for a load still in flight
     auto step = [&](const WeightRegs<BITS>& use, WeightRegs<BITS>& fill, int G) {
-        if (G + 1 < groups) load_weights<BITS>(fill, row, srow, brow, g_begin + G + 1, q, p.group);
+        if (G + 1 < groups) load_weights<BITS>(fill, row, srow, brow, g_begin + G + 1, q, group_shift);
         cp_async_wait<STAGES - 2>();
         __syncthreads();
         if (G + STAGES - 1 < groups) load_a(G + STAGES - 1, (G + STAGES - 1) % STAGES);
@@ -247,7 +247,7 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p) {
         }
     };
     WeightRegs<BITS> w0, w1;
-    load_weights<BITS>(w0, row, srow, brow, g_begin, q, p.group);
+    load_weights<BITS>(w0, row, srow, brow, g_begin, q, group_shift);
     for (int G = 0; G < groups; G += 2) {
         step(w0, w1, G);
         if (G + 1 < groups) step(w1, w0, G + 1);
