@@ -86,13 +86,15 @@ template <int BITS>
 __device__ __forceinline__ void load_weights(WeightRegs<BITS>& W, const uint32_t* const (&row)[2][2],
                                              const __nv_bfloat16* const (&srow)[2][2], const __nv_bfloat16* const (&brow)[2][2],
                                              int G, int q, int group_shift) {
-    const int gi = (G * 64 + 16 * q) >> group_shift;  // group sizes are powers of two (32, 64, 128)
+    // unsigned offsets: no sign extension in the 64-bit address arithmetic; group sizes are powers
+    // of two (32, 64, 128)
+    const unsigned gi = (unsigned)(G * 64 + 16 * q) >> group_shift, word = (unsigned)G * (BITS * 2) + (unsigned)q * (BITS / 2);
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            if constexpr (BITS == 4) W.c[i][r].w = __ldg(reinterpret_cast<const uint2*>(row[i][r] + G * 8) + q);
-            else W.c[i][r].w = __ldg(reinterpret_cast<const uint4*>(row[i][r] + G * 16) + q);
+            if constexpr (BITS == 4) W.c[i][r].w = __ldg(reinterpret_cast<const uint2*>(row[i][r] + word));
+            else W.c[i][r].w = __ldg(reinterpret_cast<const uint4*>(row[i][r] + word));
             W.s[i][r] = srow[i][r][gi];
             W.b[i][r] = brow[i][r][gi];
         }
