@@ -101,7 +101,8 @@ __device__ __forceinline__ void load_weights(WeightRegs<BITS>& W, const uint32_t
 }
 
 __device__ __forceinline__ uint32_t dequant_pair4(uint32_t v, __nv_bfloat162 s, __nv_bfloat162 b) {
-    v = (v & 0x000F000Fu) | 0x43004300u;
+    // (v & 0x000F000F) | 0x43004300 as one LOP3 (written as C, the compiler emits an AND and an OR)
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(v) : "r"(v), "r"(0x000F000Fu), "r"(0x43004300u));
     __nv_bfloat162 x = *reinterpret_cast<__nv_bfloat162*>(&v);
     x = __hfma2(__hsub2(x, __float2bfloat162_rn(128.f)), s, b);
     return *reinterpret_cast<uint32_t*>(&x);
