@@ -122,11 +122,6 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
 }
-// 4 bytes global -> shared (through L1: .cg takes 16-byte copies only)
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
-}
 // four 8x8 bf16 matrices; lane l gives the row address of matrix l / 8
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
     const unsigned a = (unsigned)__cvta_generic_to_shared(p);

@@ -82,29 +82,21 @@ struct WeightRegs {
     __nv_bfloat16 s[2][2], b[2][2];
 };
 
-// Shared memory of the mma.sync GEMM per ring stage: the block's 256 weight rows' codes for one
-// 64-wide group (BITS · 8 bytes each), the 4-byte words holding their group's scale and bias,
-// then BM positions of activations (A_STRIDE bf16 each).
-template <int BITS> __host__ __device__ constexpr int stage_code_bytes() { return 256 * BITS * 8; }
-constexpr int STAGE_SB_BYTES = 2 * 256 * 4;
-template <int BITS, int MT> __host__ __device__ constexpr int gemm_smem_bytes() { return STAGES * (stage_code_bytes<BITS>() + STAGE_SB_BYTES + MT * 8 * A_STRIDE * 2); }
-
-// This thread's weights of a group from its ring stage: rows br[i][r] of the block, words
-// q·BITS/2.. of each row's codes, and of the staged scale/bias word the half holding scale `gi`.
 template <int BITS>
-__device__ __forceinline__ void read_weights(WeightRegs<BITS>& W, const unsigned char* stage, const int (&br)[2][2], int q,
-                                             unsigned gi) {
-    const uint32_t* sb = reinterpret_cast<const uint32_t*>(stage + stage_code_bytes<BITS>());
-    const int hi = (gi & 1) * 16;
+__device__ __forceinline__ void load_weights(WeightRegs<BITS>& W, const uint32_t* const (&row)[2][2],
+                                             const __nv_bfloat16* const (&srow)[2][2], const __nv_bfloat16* const (&brow)[2][2],
+                                             int G, int q, int group_shift) {
+    // unsigned offsets: no sign extension in the 64-bit address arithmetic; group sizes are powers
+    // of two (32, 64, 128)
+    const unsigned gi = (unsigned)(G * 64 + 16 * q) >> group_shift, word = (unsigned)G * (BITS * 2) + (unsigned)q * (BITS / 2);
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const unsigned char* codes = stage + br[i][r] * (BITS * 8);
-            if constexpr (BITS == 4) W.c[i][r].w = reinterpret_cast<const uint2*>(codes)[q];
-            else W.c[i][r].w = reinterpret_cast<const uint4*>(codes)[q];
-            W.s[i][r] = __nv_bfloat16(__nv_bfloat16_raw{(unsigned short)(sb[br[i][r]] >> hi)});
-            W.b[i][r] = __nv_bfloat16(__nv_bfloat16_raw{(unsigned short)(sb[256 + br[i][r]] >> hi)});
+            if constexpr (BITS == 4) W.c[i][r].w = __ldg(reinterpret_cast<const uint2*>(row[i][r] + word));
+            else W.c[i][r].w = __ldg(reinterpret_cast<const uint4*>(row[i][r] + word));
+            W.s[i][r] = srow[i][r][gi];
+            W.b[i][r] = brow[i][r][gi];
         }
 }
 
@@ -165,8 +157,8 @@ __device__ __forceinline__ bool block_positions(const GemmArgs& p, int bm, int& 
 
 template <int BITS, int MT>
 __device__ __forceinline__ void gemm_body(const GemmArgs& p) {
-    constexpr int BM = MT * 8, CODE_BYTES = stage_code_bytes<BITS>(), STAGE_BYTES = CODE_BYTES + STAGE_SB_BYTES + BM * A_STRIDE * 2;
-    extern __shared__ __align__(16) unsigned char gemm_smem[];  // [STAGES][codes | scale, bias words | A]
+    constexpr int BM = MT * 8;
+    __shared__ __align__(16) __nv_bfloat16 As[STAGES][BM][A_STRIDE];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const bool swiglu = p.epilogue == EPI_SWIGLU;
 
@@ -178,37 +170,20 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p) {
     const int g_begin = K / 64 * blockIdx.z / p.k_splits, groups = K / 64 * (blockIdx.z + 1) / p.k_splits - g_begin;
     const int wpr = K * BITS / 32, spr = K / p.group, group_shift = __ffs(p.group) - 1;
     const int n_base = blockIdx.x * GEMM_WARPS * (swiglu ? 16 : 32) + warp * (swiglu ? 16 : 32);
-    // block row of this thread's rows: 32 per warp (SwiGLU: 16 gate rows, then the up rows at 128 +)
-    int br[2][2];
+    const uint32_t* row[2][2];
+    const __nv_bfloat16* srow[2][2];
+    const __nv_bfloat16* brow[2][2];
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) br[i][r] = swiglu ? 128 * i + 16 * warp + 8 * r + g : 32 * warp + 16 * i + 8 * r + g;
-    // block row -> its codes and scale/bias rows in global memory
-    auto weight_rows = [&](int b, const uint32_t*& codes, const __nv_bfloat16*& scales, const __nv_bfloat16*& biases) {
-        const int mi = swiglu ? b >> 7 : 0;
-        const int n = min(swiglu ? (int)blockIdx.x * 128 + (b & 127) : (int)blockIdx.x * 256 + b, p.N - 1);
-        const size_t rr = (size_t)expert * p.expert_rows + n;
-        codes = p.codes[mi] + rr * wpr;
-        scales = p.scales[mi] + rr * spr;
-        biases = p.biases[mi] + rr * spr;
-    };
-    // staging: 16-byte pieces of the codes (CODE_CHUNKS per thread), and the scale and bias words
-    // of block row tid
-    constexpr int CODE_CHUNKS = BITS / 2, ROW_CHUNKS = BITS / 2;
-    const uint32_t* code_src[CODE_CHUNKS];
-    const __nv_bfloat16 *scale_src, *bias_src;
-#pragma unroll
-    for (int c = 0; c < CODE_CHUNKS; ++c) {
-        const int chunk = tid + 256 * c;
-        const __nv_bfloat16 *s_unused, *b_unused;
-        weight_rows(chunk / ROW_CHUNKS, code_src[c], s_unused, b_unused);
-        code_src[c] += (size_t)g_begin * (BITS * 2) + (chunk % ROW_CHUNKS) * 4;
-    }
-    {
-        const uint32_t* c_unused;
-        weight_rows(tid, c_unused, scale_src, bias_src);
-    }
+        for (int r = 0; r < 2; ++r) {
+            const int n = min(swiglu ? n_base + r * 8 + g : n_base + i * 16 + r * 8 + g, p.N - 1);
+            const size_t rr = (size_t)expert * p.expert_rows + n;
+            const int mi = swiglu ? i : 0;
+            row[i][r] = p.codes[mi] + rr * wpr;
+            srow[i][r] = p.scales[mi] + rr * spr;
+            brow[i][r] = p.biases[mi] + rr * spr;
+        }
 
     // A rows this thread copies: BM rows x 8 chunks of 16 bytes per group
     constexpr int CHUNKS = BM * 8, PER_THREAD = (CHUNKS + 255) / 256;
@@ -221,20 +196,11 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p) {
         const int arow = valid[c] ? (p.a_rows ? p.a_rows[pos] : pos) : 0;
         src[c] = p.a + (size_t)arow * K + (size_t)g_begin * 64 + (chunk & 7) * 8;
     }
-    // group G's codes, scale/bias words and activations into ring stage `slot`
-    auto load_stage = [&](int G, int slot) {
-        unsigned char* st = gemm_smem + slot * STAGE_BYTES;
-#pragma unroll
-        for (int c = 0; c < CODE_CHUNKS; ++c) cp_async16(st + (tid + 256 * c) * 16, code_src[c] + (unsigned)G * (BITS * 2), true);
-        // the word holding this group's first scale (a group of 32 has its second in the same word)
-        const unsigned word = ((unsigned)(g_begin + G) * 64 >> group_shift) >> 1;
-        cp_async4(st + CODE_BYTES + tid * 4, scale_src + 2 * word);
-        cp_async4(st + CODE_BYTES + (256 + tid) * 4, bias_src + 2 * word);
-        __nv_bfloat16(*As)[A_STRIDE] = reinterpret_cast<__nv_bfloat16(*)[A_STRIDE]>(st + CODE_BYTES + STAGE_SB_BYTES);
+    auto load_a = [&](int G, int slot) {
 #pragma unroll
         for (int c = 0; c < PER_THREAD; ++c) {
             const int chunk = tid + 256 * c;
-            if (chunk < CHUNKS) cp_async16(&As[chunk >> 3][(chunk & 7) * 8], src[c] + G * 64, valid[c]);
+            if (chunk < CHUNKS) cp_async16(&As[slot][chunk >> 3][(chunk & 7) * 8], src[c] + G * 64, valid[c]);
         }
     };
 
@@ -248,24 +214,23 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p) {
 
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < groups) load_stage(s, s);
+        if (s < groups) load_a(s, s);
         cp_async_commit();
     }
-    // step G: its stage landed (everyone's copies); the stage of G - 1 is free for G + STAGES - 1
-    for (int G = 0; G < groups; ++G) {
+    // group G multiplied with `use` while `fill` receives group G + 1; the two swap roles each
+    // group, so no register copy waits for a load still in flight
+    auto step = [&](const WeightRegs<BITS>& use, WeightRegs<BITS>& fill, int G) {
+        if (G + 1 < groups) load_weights<BITS>(fill, row, srow, brow, g_begin + G + 1, q, group_shift);
         cp_async_wait<STAGES - 2>();
         __syncthreads();
-        if (G + STAGES - 1 < groups) load_stage(G + STAGES - 1, (G + STAGES - 1) % STAGES);
+        if (G + STAGES - 1 < groups) load_a(G + STAGES - 1, (G + STAGES - 1) % STAGES);
         cp_async_commit();
-        const unsigned char* st = gemm_smem + (G % STAGES) * STAGE_BYTES;
-        const __nv_bfloat16(*As)[A_STRIDE] = reinterpret_cast<const __nv_bfloat16(*)[A_STRIDE]>(st + CODE_BYTES + STAGE_SB_BYTES);
-        WeightRegs<BITS> use;
-        read_weights<BITS>(use, st, br, q, (unsigned)((g_begin + G) * 64 + 16 * q) >> group_shift);
+        const int slot = G % STAGES;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             uint4 bf[MT];
 #pragma unroll
-            for (int j = 0; j < MT; ++j) bf[j] = reinterpret_cast<const uint4*>(&As[j * 8 + g][q * 16])[half];
+            for (int j = 0; j < MT; ++j) bf[j] = reinterpret_cast<const uint4*>(&As[slot][j * 8 + g][q * 16])[half];
 #pragma unroll
             for (int tt = 0; tt < 2; ++tt) {
                 const int t = half * 2 + tt;
@@ -283,6 +248,12 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p) {
                 }
             }
         }
+    };
+    WeightRegs<BITS> w0, w1;
+    load_weights<BITS>(w0, row, srow, brow, g_begin, q, group_shift);
+    for (int G = 0; G < groups; G += 2) {
+        step(w0, w1, G);
+        if (G + 1 < groups) step(w1, w0, G + 1);
     }
     cp_async_wait<0>();
 

@@ -28,12 +28,6 @@ const GDN_CHUNK_OUT_SMEM_BYTES: usize = (64 * 132 + 128 * 136 + 64 * 68 + 64 * 1
 /// gemm_q4_wgmma: 5 ring slots of (activations 128x128 bytes, codes 256x32), two buffers of 8
 /// groups' scales and biases 256x32, two dequantised weight tiles 256x128 bytes.
 const GEMM_WGMMA_SMEM_BYTES: usize = 5 * (128 * 128 + 256 * 32) + 2 * 256 * 32 + 2 * 256 * 128;
-/// The mma.sync GEMM's 3-stage ring (gemm.cu's gemm_smem_bytes): per stage the 256 weight rows'
-/// codes of one 64-wide group, their scale and bias words, and 8·MT positions of activations.
-fn gemm_smem_bytes(bits: usize, mt: usize) -> usize {
-    3 * (256 * bits * 8 + 2 * 256 * 4 + mt * 8 * 72 * 2)
-}
-
 /// Tile height / 8 of gemm_q4_wgmma (128 positions).
 const WGMMA_MT: usize = 16;
 /// Rows per expert (on average) from which the grouped gate/up GEMM runs gemm_q4_wgmma (at 64 per
@@ -134,14 +128,11 @@ impl PrefillKernels {
         Ok(PrefillKernels {
             gemm4_wgmma,
             gemm4: [
-                with_smem("gemm", "gemm_q4_m2", gemm_smem_bytes(4, 2))?,
-                with_smem("gemm", "gemm_q4_m4", gemm_smem_bytes(4, 4))?,
-                with_smem("gemm", "gemm_q4_m8", gemm_smem_bytes(4, 8))?,
+                func("gemm", "gemm_q4_m2")?,
+                func("gemm", "gemm_q4_m4")?,
+                func("gemm", "gemm_q4_m8")?,
             ],
-            gemm8: [
-                with_smem("gemm", "gemm_q8_m2", gemm_smem_bytes(8, 2))?,
-                with_smem("gemm", "gemm_q8_m8", gemm_smem_bytes(8, 8))?,
-            ],
+            gemm8: [func("gemm", "gemm_q8_m2")?, func("gemm", "gemm_q8_m8")?],
             gemm_reduce: func("gemm", "gemm_reduce")?,
             embed_rows: func("act", "embed_rows")?,
             norm_bf16: func("act", "norm_bf16")?,
@@ -456,13 +447,6 @@ impl CudaDecoder {
         grouped: Option<Grouped>,
     ) -> Result<()> {
         let m = &w[0].m;
-        if !(m.cols / m.group).is_multiple_of(2) {
-            bail!(
-                "prefill GEMM: {} columns in groups of {} give an odd number of scales per row (the kernel stages them in 4-byte words)",
-                m.cols,
-                m.group
-            );
-        }
         let at = |l: &DevLinear| l.m.at(l.row0, &self.stream);
         let w1 = w.get(1).copied().unwrap_or(w[0]);
         let (s0, s1) = (at(w[0]), at(w1));
@@ -582,10 +566,10 @@ impl CudaDecoder {
                 grid_dim: (blocks_x as u32, blocks_y as u32, splits as u32),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: if mt == WGMMA_MT {
-                    GEMM_WGMMA_SMEM_BYTES
+                    GEMM_WGMMA_SMEM_BYTES as u32
                 } else {
-                    gemm_smem_bytes(m.bits as usize, mt)
-                } as u32,
+                    0
+                },
             },
             &g,
         )?;
