@@ -126,9 +126,11 @@ __device__ __forceinline__ void dequant_row(const WeightRegs<BITS>& W, int i, in
     }
 }
 
-// The epilogues (both GEMM kernels). f32: one result stored, added into the output (residual) or
-// scaled by its position's routing weight.
-__device__ __forceinline__ void store_result(const GemmArgs& p, float* o, int pos, float v) {
+// The epilogues (both GEMM kernels). f32: output n at position pos stored, added into the output
+// (residual) or scaled by its position's routing weight; a split-K block z writes its partial sums
+// to slice z.
+__device__ __forceinline__ void store_result(const GemmArgs& p, int pos, int n, float v) {
+    float* o = p.out + (size_t)blockIdx.z * p.M * p.ldo + (size_t)pos * p.ldo + n;
     if (p.epilogue == EPI_ADD) *o += v;
     else if (p.epilogue == EPI_SCALED) *o = v * p.row_scale[pos];
     else *o = v;
@@ -273,7 +275,7 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p) {
             for (int i = 0; i < 2; ++i) {
                 const int n = n_base + i * 16 + (e >> 1) * 8 + g;
                 if (n >= p.N) continue;
-                store_result(p, p.out + (size_t)blockIdx.z * p.M * p.ldo + (size_t)pos * p.ldo + n, pos, acc[i][j][e]);
+                store_result(p, pos, n, acc[i][j][e]);
             }
         }
 }
@@ -523,7 +525,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(GemmArgs p) {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int n = blockIdx.x * WG_ROWS + wrow + 8 * h;
-                    store_result(p, p.out + (size_t)blockIdx.z * p.M * p.ldo + (size_t)pos * p.ldo + n, pos, d[m][4 * j + 2 * h + e]);
+                    store_result(p, pos, n, d[m][4 * j + 2 * h + e]);
                 }
             }
     }
