@@ -4,9 +4,10 @@
 //                    key head (a warp, lane l channels 4l..4l+3) the L2 norms of q and k (q also
 //                    by 1/sqrt(Dk)) and q·k; per value head β = sigmoid(b), the decay
 //                    exp(-exp(A_log)·softplus(a + dt_bias)) and its key head's q·k. Written once
-//                    (measured at T = 4096: 140 us per layer vs 244 for a conv kernel and a norm/
-//                    gates kernel that re-read and re-wrote q and k; bench/results/
-//                    cuda-kernel-harnesses-h200.json).
+//                    (a conv kernel then a norm/gates kernel that re-read and re-wrote q and k took
+//                    7.6 ms at a 4K prompt over 30 layers, this one 3.7 with gdn_conv_state;
+//                    bench/results/cuda-harnesses-gemv-hfma2-cluster-conv-h200.json,
+//                    cuda-prefill-full.json).
 //   gdn_conv_state — the last K-1 inputs become the conv state of position P+T (the decode step's
 //                    parity buffer). One thread per channel, rows in ascending order, so it is
 //                    safe when the state buffer read and the one written are the same; runs after
@@ -35,7 +36,7 @@
 // 1.15 ms per layer (0.28 us per token); chunked form 0.21 (prep) + 0.25 (state pass) + 0.14
 // (output) = 0.60 ms per layer; the state pass moves ~820 MB per layer (W, K and U staged by each
 // of a head's 4 column blocks, the states saved for the output), ~3.3 TB/s: bandwidth-bound.
-// conv + norms + gates 0.14 ms per layer for ~270 MB moved (~1.9 TB/s; harness figure).
+// conv + norms + gates 0.12 ms per layer for ~270 MB moved (~2.2 TB/s).
 #include "common.cuh"
 
 #define DK 128
