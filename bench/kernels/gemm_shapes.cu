@@ -21,17 +21,13 @@ static __nv_bfloat16* random_activations(size_t n) {
     return upload(a);
 }
 
+// microseconds per launch: 10 launches in one CUDA graph, best of 5
 static double time_launches(void (*kernel)(GemmArgs), const GemmArgs& g, dim3 grid) {
     cudaStream_t st;
     CK(cudaStreamCreate(&st));
-    cudaGraph_t gr;
-    cudaGraphExec_t ge;
-    const int L = 10;
-    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-    for (int i = 0; i < L; ++i) kernel<<<grid, 256, 0, st>>>(g);
-    CK(cudaStreamEndCapture(st, &gr));
-    CK(cudaGraphInstantiate(&ge, gr, 0));
-    return best_ms(st, [&] { CK(cudaGraphLaunch(ge, st)); }) * 1e3 / L;  // us per launch
+    const double us = graph_us(st, 10, [&](int) { kernel<<<grid, 256, 0, st>>>(g); });
+    CK(cudaStreamDestroy(st));
+    return us;
 }
 
 static void report(const char* name, double us, double flop) {
