@@ -328,145 +328,252 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
 extern "C" __global__ void __launch_bounds__(256, 3) gemv_q(GemvArgs a) { gemv_body<false>(a); }
 extern "C" __global__ void __launch_bounds__(256, 3) gemv_q_tiles(GemvArgs a) { gemv_body<true>(a); }
 
-// ---- streamed tiles: a block's weights requested at once, by bulk copies into shared memory ----
-// gemv_q_stream: the tile GEMV for launches whose segments are all 4-bit group-64 rows. One block
-// per SM takes a contiguous run of 16-row tiles, dealt alternately to its two slots of 8 warps.
-// A slot's lead warp asks the copy engine for the codes of the slot's first `stages` tiles before
-// anything else (one copy per tile: 16 rows of codes, 16 KB at K = 2048): the DRAM system sees the
-// block's bytes at once instead of a few batches per warp (bench/kernels/tma_read.cu: 16 KB
-// requests stream 4.5 TB/s, 1 KB requests only 1.1, so scales and biases travel through
-// registers, one tile ahead), and the prologue runs under that latency. The 8 warps of a slot
-// each multiply an eighth of K of the slot's tile (the A fragments read from shared memory, as
-// tile_load reads them from global) and leave 16 partial sums; the lead warp adds a tile's 8
-// partials once all 8 warps have released its stage, writes the 16 outputs and refills the stage
-// with the slot's next tile. Shared memory per stage: the tile's codes as stored (rows 1 KB or
-// 2 KB apart, so a quarter-warp's 8-byte reads of rows g = 0..3 meet in 4-way bank conflicts;
-// padding rows needs one copy per row, which the copy engine serves 4x slower).
-// Measured: faster than the tile kernel only where that has too few tiles to fill the GPU (the
-// K = 4096 output projections, 7.0 vs 9.3 us); with 16 warps per SM the multiply cannot keep up
-// on bigger launches (in_proj 12.9 vs 11.6 us, lm_head 137 vs 101; bench/kernels/gemv_stream.cu).
-#define STREAM_SLOTS 2
-#define STREAM_WARPS 8  // per slot
-#define STREAM_MAX_STAGES 8  // per slot
+// ---- resident tiles: a block's whole share in shared memory, requested before the wait ----
+// gemv_q_resident: launches of only 4-bit group-64 rows, K 2048 or 4096, whose share per block
+// fits in shared memory (GDN in_proj, attention q|k|v, both output projections). One block of 8
+// warps per SM takes a contiguous run of 16-row tiles; its first thread asks the copy engine for
+// all of their codes, scales and biases (one copy per run inside a segment) before
+// griddepcontrol.wait. At <= 128 registers and ~113 KB (in_proj's 6 tiles) the next launch's
+// block fits beside it and requests its own weights while this one still multiplies, so under
+// programmatic dependent launch a launch's bytes stream during its predecessor: the decode chain
+// pays the wait, the prologue and the multiply, not the memory latency.
+// The multiply reads the tiles from shared memory, where rows K/2 bytes apart share banks; read
+// as tile_load reads global memory (lane (g, q) taking rows g and g + 8 of one group at a time)
+// the 8 rows of a load meet in 8-way bank conflicts and the shared-memory pipe bounds the kernel
+// (1,320 cycles per 4 groups of a tile per warp at 8 warps per SM). So a warp takes its groups
+// four at a time ("quads") and lane row g takes group (j + g) mod 4 of the quad at step j: the
+// rows of one load fall on different banks (774 cycles). The mma's 8 columns, all holding x in
+// the tile kernel, now hold each its own group: column n gets group (j + n) mod 4, so row g's
+// product with its own group's x sits in column g mod 4, which lane q = (g mod 4) / 2 keeps.
+// Measured (bench/kernels/gemv_resident.cu, chains of 30 launches with programmatic dependent
+// launch, H200): in_proj 7.75 us (gemv_q_tiles 12.75), q|k|v 6.68 (11.26), out_proj 6.28.
+#define RES_WARPS 8
 
-__device__ __forceinline__ int stream_stage_bytes(int K) { return 16 * (K / 2); }
+// x fragments and group sums of a quad as lane (g, q) needs them: [step][k-tile]
+struct QuadX {
+    uint4 x[4][2];
+    float2 gs[4];
+};
 
-// Lead warp of a slot: requests the codes of tile t (global tile index over the segments) into
-// `stage`.
-__device__ __forceinline__ void stream_fill(const GemvArgs& a, int t, char* stage, uint64_t* full) {
-    int local;
-    const Segment& s = a.seg[locate_unit(a, true, t, local)];
-    const int row0 = local * 16, rows = min(16, s.rows - row0), bytes = rows * (a.K / 2);
-    if ((threadIdx.x & 31) == 0) {
-        mbar_arrive_expect_bytes(full, (uint32_t)bytes);
-        bulk_copy_to_shared(stage, s.codes + (size_t)row0 * (a.K / 8), bytes, full);
+__device__ __forceinline__ void load_quad_x(const uint4* xb8, const float2* gx, int gq, QuadX& X) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int G = gq + ((j + g) & 3);
+        X.x[j][0] = xb8[(2 * G) * 4 + q];
+        X.x[j][1] = xb8[(2 * G + 1) * 4 + q];
+        X.gs[j] = gx[G];
     }
 }
 
-// A warp's scales and biases of tile t: its groups [g0, g1) in batches of TILE_BATCH (at most 2).
-__device__ __forceinline__ void stream_scales(const GemvArgs& a, int t, int g0, int g1, TileBatch* b) {
-    int local;
-    const Segment& s = a.seg[locate_unit(a, true, t, local)];
+// four bf16 (groups gq..gq + 3 of one row) rotated so that element j is group gq + (j + c) mod 4
+__device__ __forceinline__ unsigned long long rot_bf16x4(const __nv_bfloat16* p, int c) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    const unsigned long long u = ((unsigned long long)v.y << 32) | v.x;
+    return c ? (u >> (16 * c)) | (u << (64 - 16 * c)) : u;
+}
+__device__ __forceinline__ float bf16x4_at(unsigned long long u, int j) { return __uint_as_float((uint32_t)(u >> (16 * j)) << 16); }
+
+// Adds the quad [gq, gq + 4) of one tile (codes rows K/2 bytes apart, scales and biases rows
+// K/64 apart) to rows g (yA) and g + 8 (yB); right in lanes q == (g mod 4) / 2 only.
+__device__ __forceinline__ void quad_dot(const char* stage, const __nv_bfloat16* sc, const __nv_bfloat16* bi, int K, int gq,
+                                         const QuadX& X, float& yA, float& yB) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, c = g & 3, gpr = K / 64;
+    const char* ra = stage + g * (K / 2) + q * 8;
+    const char* rb = ra + 8 * (K / 2);
+    uint2 wa[4], wb[4];
 #pragma unroll
-    for (int k = 0; k < 2; ++k)
-        if (g0 + k * TILE_BATCH < g1) tile_load_scales(rows_of(s), a.K, local * 16, g0 + k * TILE_BATCH, g1, b[k]);
+    for (int j = 0; j < 4; ++j) {
+        const int G = gq + ((j + c) & 3);
+        wa[j] = *reinterpret_cast<const uint2*>(ra + G * 32);
+        wb[j] = *reinterpret_cast<const uint2*>(rb + G * 32);
+    }
+    const unsigned long long sA = rot_bf16x4(sc + g * gpr + gq, c), bA = rot_bf16x4(bi + g * gpr + gq, c);
+    const unsigned long long sB = rot_bf16x4(sc + (g + 8) * gpr + gq, c), bB = rot_bf16x4(bi + (g + 8) * gpr + gq, c);
+    const bool odd = g & 1;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        int dh[4] = {0, 0, 0, 0}, dl[4] = {0, 0, 0, 0};
+#pragma unroll
+        for (int T = 0; T < 2; ++T) {
+            const uint32_t wA = T ? wa[j].y : wa[j].x, wB = T ? wb[j].y : wb[j].x;
+            const uint32_t a0 = wA & 0x0F0F0F0Fu, a2 = (wA >> 4) & 0x0F0F0F0Fu;
+            const uint32_t a1 = wB & 0x0F0F0F0Fu, a3 = (wB >> 4) & 0x0F0F0F0Fu;
+            mma_s8(dh, a0, a1, a2, a3, X.x[j][T].x, X.x[j][T].y);
+            mma_s8(dl, a0, a1, a2, a3, X.x[j][T].z, X.x[j][T].w);
+        }
+        const float2 gs = X.gs[j];
+        const float dA = gs.x * fmaf((float)(odd ? dl[1] : dl[0]), 1.f / 254.f, (float)(odd ? dh[1] : dh[0]));
+        const float dB = gs.x * fmaf((float)(odd ? dl[3] : dl[2]), 1.f / 254.f, (float)(odd ? dh[3] : dh[2]));
+        yA = fmaf(bf16x4_at(sA, j), dA, fmaf(bf16x4_at(bA, j), gs.y, yA));
+        yB = fmaf(bf16x4_at(sB, j), dB, fmaf(bf16x4_at(bB, j), gs.y, yB));
+    }
 }
 
-// The codes of tile_load's batch, read from a stage in shared memory.
-__device__ __forceinline__ void stream_load(const char* stage, int K, int Gb, int g1, TileBatch& b) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    const char* ra = stage + g * (K / 2) + q * 8;
-    const char* rbp = ra + 8 * (K / 2);
+// The prologue straight into the tiles' two-signed-byte form (no f32 copy of x kept): thread t
+// takes the 8 consecutive elements that fragment slot t of build_x_s8 takes (K/8 slots, at most
+// two per thread), RMS-normalised over K with a weight, or per head and gated by silu(z).
+__device__ __forceinline__ void resident_input(const GemvArgs& a, uint4* xb8, float2* gx, float* scratch) {
+    const int K = a.K, items = K / 8;
+    float v[2][8], ss[2] = {0.f, 0.f};
 #pragma unroll
-    for (int j = 0; j < TILE_BATCH; ++j) {
-        if (Gb + j < g1) {
-            b.wa[j] = *reinterpret_cast<const uint2*>(ra + (Gb + j) * 32);
-            b.wb[j] = *reinterpret_cast<const uint2*>(rbp + (Gb + j) * 32);
+    for (int r = 0; r < 2; ++r) {
+        const int idx = threadIdx.x + r * blockDim.x;
+        const int G = idx >> 3, T = (idx >> 2) & 1, q = idx & 3, e0 = G * 64 + 8 * (2 * q + T);
+        if (idx < items) {
+            const float4 x0 = *reinterpret_cast<const float4*>(a.x + e0), x1 = *reinterpret_cast<const float4*>(a.x + e0 + 4);
+            v[r][0] = x0.x; v[r][1] = x0.y; v[r][2] = x0.z; v[r][3] = x0.w;
+            v[r][4] = x1.x; v[r][5] = x1.y; v[r][6] = x1.z; v[r][7] = x1.w;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) ss[r] += v[r][j] * v[r][j];
+            if (a.norm_weight) {
+                const float4 w0 = *reinterpret_cast<const float4*>(a.norm_weight + e0);
+                const float4 w1 = *reinterpret_cast<const float4*>(a.norm_weight + e0 + 4);
+                v[r][0] *= w0.x; v[r][1] *= w0.y; v[r][2] *= w0.z; v[r][3] *= w0.w;
+                v[r][4] *= w1.x; v[r][5] *= w1.y; v[r][6] *= w1.z; v[r][7] *= w1.w;
+            } else if (a.head_norm) {
+                const float4 z0 = *reinterpret_cast<const float4*>(a.gate_z + e0), z1 = *reinterpret_cast<const float4*>(a.gate_z + e0 + 4);
+                const float4 h0 = *reinterpret_cast<const float4*>(a.head_norm + e0 % a.head_dim);
+                const float4 h1 = *reinterpret_cast<const float4*>(a.head_norm + e0 % a.head_dim + 4);
+                v[r][0] *= h0.x * siluf(z0.x); v[r][1] *= h0.y * siluf(z0.y); v[r][2] *= h0.z * siluf(z0.z); v[r][3] *= h0.w * siluf(z0.w);
+                v[r][4] *= h1.x * siluf(z1.x); v[r][5] *= h1.y * siluf(z1.y); v[r][6] *= h1.z * siluf(z1.z); v[r][7] *= h1.w * siluf(z1.w);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) v[r][j] = 0.f;
+        }
+    }
+    if (a.norm_weight) {
+        const float inv = rsqrtf(block_sum(ss[0] + ss[1], scratch) / K + a.eps);
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) v[r][j] *= inv;
+    } else if (a.head_norm) {
+        // a head's slots are head_dim/8 (<= 32) consecutive threads: they reduce by shuffles
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            for (int o = 1; o < a.head_dim / 8; o <<= 1) ss[r] += __shfl_xor_sync(FULL_MASK, ss[r], o);
+            const float inv = rsqrtf(ss[r] / a.head_dim + a.eps);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) v[r][j] *= inv;
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int idx = threadIdx.x + r * blockDim.x;
+        if (r * (int)blockDim.x >= items) break;  // block-uniform: every lane meets the shuffles
+        float mx = 0.f, sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            mx = fmaxf(mx, fabsf(v[r][j]));
+            sum += v[r][j];
+        }
+#pragma unroll
+        for (int o = 1; o < 8; o <<= 1) {
+            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
+            sum += __shfl_xor_sync(FULL_MASK, sum, o);
+        }
+        const float s = mx / 127.f, inv = mx > 0.f ? 127.f / mx : 0.f;
+        int h[8], l[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            h[j] = __float2int_rn(v[r][j] * inv);
+            l[j] = max(-127, min(127, __float2int_rn((v[r][j] - (float)h[j] * s) * inv * 254.f)));
+        }
+        const int h0[4] = {h[0], h[2], h[4], h[6]}, h1[4] = {h[1], h[3], h[5], h[7]};
+        const int l0[4] = {l[0], l[2], l[4], l[6]}, l1[4] = {l[1], l[3], l[5], l[7]};
+        if (idx < items) {
+            xb8[idx] = make_uint4(pack_s8(h0), pack_s8(h1), pack_s8(l0), pack_s8(l1));
+            if ((idx & 7) == 0) gx[idx >> 3] = make_float2(s, sum);
         }
     }
 }
 
-extern "C" __global__ void __launch_bounds__(STREAM_SLOTS * STREAM_WARPS * 32, 1) gemv_q_stream(GemvArgs a) {
-    extern __shared__ __align__(128) char ring[];  // [slot][stage] tiles, then [slot][stage][warp][16] partial sums
-    __shared__ __align__(16) float xs[MAX_K + MAX_K / 8];
-    __shared__ float chunk_sum[MAX_K / 16];
-    __shared__ uint4 xb8[MAX_K / 64 * 8];
-    __shared__ float2 gx[MAX_K / 64];
-    __shared__ float scratch[32];
-    __shared__ __align__(8) uint64_t full[STREAM_SLOTS][STREAM_MAX_STAGES], empty[STREAM_SLOTS][STREAM_MAX_STAGES];
-    step_overlap_begin();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, K = a.K, S = a.stages;
-    const int slot = warp / STREAM_WARPS, sw = warp % STREAM_WARPS;
+// Block b takes tiles [b·T/grid, (b+1)·T/grid) of the launch's segments; a.stages >= its tile
+// count (the host sizes the dynamic shared memory by it: resident_smem_bytes in decoder.rs).
+// Shared memory: codes [stages][16 rows][K/2 B], scales and biases [stages][16][K/64], then x.
+extern "C" __global__ void __launch_bounds__(RES_WARPS * 32, 2) gemv_q_resident(GemvArgs a) {
+    extern __shared__ __align__(128) char smem[];
+    const int K = a.K, gpr = K / 64, S = a.stages;
     const int total = unit_count(a, true);
     const int t0 = (int)((long long)blockIdx.x * total / gridDim.x), t1 = (int)((long long)(blockIdx.x + 1) * total / gridDim.x);
-    if (t0 == t1) return;
-    const int stage_bytes = stream_stage_bytes(K);
-    char* my_ring = ring + (size_t)slot * S * stage_bytes;
-    float* part = reinterpret_cast<float*>(ring + (size_t)STREAM_SLOTS * S * stage_bytes) + slot * S * STREAM_WARPS * 16;
-    // the slot's tiles: t0 + slot, t0 + slot + SLOTS, ...; the i-th of them sits in stage i % S
-    const int mine = (t1 - t0 - slot + STREAM_SLOTS - 1) / STREAM_SLOTS;
-    if (sw == 0) {
-        if (lane == 0) {
-            for (int s = 0; s < S; ++s) {
-                mbar_init(&full[slot][s], 1);
-                mbar_init(&empty[slot][s], STREAM_WARPS);
-            }
-            mbar_init_fence();
-        }
-        __syncwarp();
-        for (int i = 0; i < min(S, mine); ++i)
-            stream_fill(a, t0 + slot + i * STREAM_SLOTS, my_ring + (size_t)i * stage_bytes, &full[slot][i]);
-    }
-    // scales and biases travel through registers, one tile ahead (bulk copies of 1 KB are slow)
-    const int gpr = K / 64, g0 = sw * gpr / STREAM_WARPS, g1 = (sw + 1) * gpr / STREAM_WARPS;
-    TileBatch cur[2], nxt[2];
-    if (mine > 0) stream_scales(a, t0 + slot, g0, g1, nxt);
-    step_inputs_ready();
-    load_input(a, xs, chunk_sum, scratch);
-    build_x_s8(xs, K, xb8, gx);
-    __syncthreads();
-    const uint4* xq = xb8 + (lane & 3);
-    for (int i = 0; i < mine; ++i) {
-        const int t = t0 + slot + i * STREAM_SLOTS, s = i % S;
-        const uint32_t parity = (uint32_t)(i / S) & 1u;
-        const char* stage = my_ring + (size_t)s * stage_bytes;
-        cur[0] = nxt[0];
-        cur[1] = nxt[1];
-        if (i + 1 < mine) stream_scales(a, t + STREAM_SLOTS, g0, g1, nxt);
-        mbar_wait(&full[slot][s], parity);
-        float yA = 0.f, yB = 0.f;
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-            const int Gb = g0 + k * TILE_BATCH;
-            if (Gb < g1) {
-                stream_load(stage, K, Gb, g1, cur[k]);
-                tile_compute_s8(cur[k], Gb, g1, xq, gx, yA, yB);
-            }
-        }
-        float* p = part + s * STREAM_WARPS * 16;
-        if ((lane & 3) == 0) {
-            p[sw * 16 + (lane >> 2)] = yA;
-            p[sw * 16 + (lane >> 2) + 8] = yB;
-        }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[slot][s]);
-        if (sw == 0) {
-            // every warp of the slot is done with this stage: the tile's sums are complete, and
-            // the stage may be refilled
-            mbar_wait(&empty[slot][s], parity);
+    const int n = t1 - t0;
+    char* codes = smem;
+    __nv_bfloat16* scales = reinterpret_cast<__nv_bfloat16*>(codes + (size_t)S * 16 * (K / 2));
+    __nv_bfloat16* biases = scales + (size_t)S * 16 * gpr;
+    uint4* xb8 = reinterpret_cast<uint4*>(biases + (size_t)S * 16 * gpr);
+    float2* gx = reinterpret_cast<float2*>(xb8 + gpr * 8);
+    float* scratch = reinterpret_cast<float*>(gx + gpr);
+    uint64_t* full = reinterpret_cast<uint64_t*>(scratch + 32);
+    step_overlap_begin();
+    if (threadIdx.x == 0) {
+        mbar_init(full, 1);
+        mbar_init_fence();
+        // runs of consecutive tiles inside one segment: one copy each of codes, scales, biases
+        uint32_t bytes = 0;
+        for (int t = t0; t < t1;) {
             int local;
-            const Segment& sg = a.seg[locate_unit(a, true, t, local)];
-            const int row = local * 16 + lane;
-            if (lane < 16 && row < sg.rows) {
-                float y = 0.f;
+            const Segment& s = a.seg[locate_unit(a, true, t, local)];
+            const int run = min(t1 - t, (s.rows + 15) / 16 - local), rows = min(run * 16, s.rows - local * 16);
+            bytes += rows * (K / 2 + 2 * gpr * 2);
+            t += run;
+        }
+        mbar_arrive_expect_bytes(full, bytes);
+        for (int t = t0; t < t1;) {
+            int local;
+            const Segment& s = a.seg[locate_unit(a, true, t, local)];
+            const int run = min(t1 - t, (s.rows + 15) / 16 - local), r0 = local * 16, rows = min(run * 16, s.rows - r0);
+            const size_t i = t - t0;
+            bulk_copy_to_shared(codes + i * 16 * (K / 2), s.codes + (size_t)r0 * (K / 8), rows * (K / 2), full);
+            bulk_copy_to_shared(scales + i * 16 * gpr, s.scales + (size_t)r0 * gpr, rows * gpr * 2, full);
+            bulk_copy_to_shared(biases + i * 16 * gpr, s.biases + (size_t)r0 * gpr, rows * gpr * 2, full);
+            t += run;
+        }
+    }
+    step_inputs_ready();
+    resident_input(a, xb8, gx, scratch);
+    __syncthreads();  // also publishes the barrier's initialisation
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g0 = warp * gpr / RES_WARPS, quads = gpr / (4 * RES_WARPS);
+    QuadX X;
+    if (quads == 1) load_quad_x(xb8, gx, g0, X);
+    mbar_wait(full, 0);
+    // tile by tile (unrolled over tiles the code outgrows the instruction cache); a warp leaves
+    // its 16 partial sums of a tile in the first 64 bytes of its own K-slice of the tile's codes,
+    // which only it reads
+#pragma unroll 1
+    for (int i = 0; i < n; ++i) {
+        char* stage = codes + (size_t)i * 16 * (K / 2);
+        const __nv_bfloat16* sc = scales + (size_t)i * 16 * gpr;
+        const __nv_bfloat16* bi = biases + (size_t)i * 16 * gpr;
+        float yA = 0.f, yB = 0.f;
+        if (quads == 1) quad_dot(stage, sc, bi, K, g0, X, yA, yB);
+        else {
+#pragma unroll 1
+            for (int qd = 0; qd < quads; ++qd) {
+                load_quad_x(xb8, gx, g0 + 4 * qd, X);
+                quad_dot(stage, sc, bi, K, g0 + 4 * qd, X, yA, yB);
+            }
+        }
+        __syncwarp();
+        float* part = reinterpret_cast<float*>(stage + g0 * 32);
+        if ((lane & 3) == (((lane >> 2) & 3) >> 1)) {
+            part[lane >> 2] = yA;
+            part[(lane >> 2) + 8] = yB;
+        }
+    }
+    __syncthreads();
+    for (int o = threadIdx.x; o < n * 16; o += blockDim.x) {
+        const int i = o >> 4, r = o & 15;
+        int local;
+        const Segment& s = a.seg[locate_unit(a, true, t0 + i, local)];
+        const int row = local * 16 + r;
+        if (row < s.rows) {
+            const char* stage = codes + (size_t)i * 16 * (K / 2);
+            float y = 0.f;
 #pragma unroll
-                for (int w = 0; w < STREAM_WARPS; ++w) y += p[w * 16 + lane];
-                if (sg.accumulate) sg.out[row] += y; else sg.out[row] = y;
-            }
-            if (i + S < mine) {
-                __syncwarp();
-                stream_fill(a, t + S * STREAM_SLOTS, my_ring + (size_t)s * stage_bytes, &full[slot][s]);
-            }
+            for (int w = 0; w < RES_WARPS; ++w) y += reinterpret_cast<const float*>(stage + (w * gpr / RES_WARPS) * 32)[r];
+            if (s.accumulate) s.out[row] += y; else s.out[row] = y;
         }
     }
 }

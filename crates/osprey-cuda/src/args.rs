@@ -34,7 +34,7 @@ pub struct GemvArgs {
     pub tiles: i32,
     /// 1: each block asks L2 for its share of the weights before waiting on its predecessor.
     pub prefetch: i32,
-    /// gemv_q_stream: tiles each slot holds in shared memory at once.
+    /// gemv_q_resident: tiles a block holds in shared memory (at least its share).
     pub stages: i32,
 }
 

@@ -31,27 +31,28 @@ pub use prefill::GdnPrefill;
 const SPLITS: usize = 512;
 /// Blocks for the argmax's first pass.
 const ARGMAX_PARTS: usize = 256;
-/// gemv_q_stream's geometry (gemv.cu): slots of warps per block, stages of tiles per slot.
-const STREAM_SLOTS: usize = 2;
-const STREAM_WARPS: usize = 8;
-const STREAM_MAX_STAGES: usize = 8;
-/// gemv_q_stream's launch for `tiles` 16-row tiles of `k` inputs on `sms` multiprocessors with
-/// `smem` bytes of dynamic shared memory per block: (blocks, stages per slot, dynamic shared
-/// memory bytes). A block's tiles alternate between its slots, so a slot needs at most
-/// ceil(tiles per block / slots) stages; None when not even one stage fits.
-fn stream_launch(tiles: usize, k: usize, sms: usize, smem: usize) -> Option<(usize, usize, usize)> {
-    if tiles == 0 || sms == 0 {
+/// gemv_q_resident (gemv.cu) for `tiles` 16-row tiles of `k` inputs (4-bit, group 64) on `sms`
+/// multiprocessors with `smem` bytes of shared memory per block: (blocks, tiles per block,
+/// dynamic shared memory bytes). None when the kernel does not take K (a multiple of 2048 up to
+/// 4096: its 8 warps take whole quads of groups and its prologue at most two 8-element slots
+/// per thread) or a block's whole share does not fit.
+fn resident_launch(
+    tiles: usize,
+    k: usize,
+    sms: usize,
+    smem: usize,
+) -> Option<(usize, usize, usize)> {
+    if tiles == 0 || sms == 0 || !k.is_multiple_of(2048) || k > 4096 {
         return None;
     }
     let blocks = tiles.min(sms);
-    // per stage and slot: the tile's codes, then its 8 warps' 16 partial sums
-    let per_stage = STREAM_SLOTS * (16 * k / 2 + STREAM_WARPS * 16 * 4);
-    let stages = tiles
-        .div_ceil(blocks)
-        .div_ceil(STREAM_SLOTS)
-        .min(STREAM_MAX_STAGES)
-        .min(smem / per_stage);
-    (stages > 0).then_some((blocks, stages, stages * per_stage))
+    let per_block = tiles.div_ceil(blocks);
+    let groups = k / 64;
+    // codes, scales and biases of the tiles; x as two signed bytes per element (16 B per
+    // 8-element slot) and (scale, sum) per group; 32 floats of reduction scratch; the mbarrier
+    let bytes =
+        per_block * 16 * (k / 2 + 2 * groups * 2) + groups * 8 * 16 + groups * 8 + 32 * 4 + 8;
+    (bytes <= smem).then_some((blocks, per_block, bytes))
 }
 
 /// Warps of moe_gate_up splitting K of one 16-row tile: 4 or 8 groups of 64 each (a whole number
@@ -254,7 +255,7 @@ struct Scratch {
 struct Functions {
     gemv: CudaFunction,
     gemv_tiles: CudaFunction,
-    gemv_stream: CudaFunction,
+    gemv_resident: CudaFunction,
     gate_up: CudaFunction,
     down: CudaFunction,
     gdn: CudaFunction,
@@ -293,8 +294,8 @@ pub struct CudaDecoder {
     memory: Vec<(&'static str, usize)>,
     /// Multiprocessors of the device (sizes persistent-style grids).
     sms: usize,
-    /// Dynamic shared memory gemv_q_stream may take per block (its ring of tiles).
-    stream_smem: usize,
+    /// Shared memory a block may take (opt-in), all of it dynamic for gemv_q_resident.
+    smem_optin: usize,
     /// Page-locked host copy of the logits (pageable downloads were slow on the H200 host).
     logits_host: cudarc::driver::PinnedHostSlice<f32>,
     /// Page-locked slots the chosen tokens are copied into, alternately, while the next step runs.
@@ -419,7 +420,7 @@ impl CudaDecoder {
         let f = Functions {
             gemv: func("gemv", "gemv_q")?,
             gemv_tiles: func("gemv", "gemv_q_tiles")?,
-            gemv_stream: func("gemv", "gemv_q_stream")?,
+            gemv_resident: func("gemv", "gemv_q_resident")?,
             gate_up: func("moe", "moe_gate_up")?,
             down: func("moe", "moe_down")?,
             gdn: func("gdn", "gdn_step")?,
@@ -587,10 +588,14 @@ impl CudaDecoder {
         let smem_optin = ctx.attribute(
             sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
         )? as usize;
-        let stream_smem = smem_optin.saturating_sub(f.gemv_stream.shared_size_bytes()? as usize);
-        f.gemv_stream.set_attribute(
+        f.gemv_resident.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            stream_smem as i32,
+            smem_optin as i32,
+        )?;
+        // all of the unified memory as shared memory, so that two resident blocks fit on an SM
+        f.gemv_resident.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+            100,
         )?;
         let memory = vec![
             ("weights", weight_bytes),
@@ -613,7 +618,7 @@ impl CudaDecoder {
             valid_vocab: valid_vocab.min(w.config.vocab_size),
             memory,
             sms,
-            stream_smem,
+            smem_optin,
             logits_host,
             token_slots,
             pk,
@@ -714,23 +719,29 @@ impl CudaDecoder {
             .filter(|s| tileable(s))
             .map(|s| (s.rows as usize).div_ceil(16))
             .sum();
-        let fills_gpu = tiles >= 2 * self.sms;
-        // launches too small for the tile kernel (the 2048-row output projections, K = 4096):
-        // streamed tiles, each block's share requested at once by bulk copies (gemv.cu)
-        if segs.iter().all(tileable) && !fills_gpu && k.is_multiple_of(1024) {
-            if let Some((blocks, stages, smem)) =
-                stream_launch(tiles, k, self.sms, self.stream_smem)
+        // launches of only such rows whose share per block fits in shared memory: the whole
+        // share requested before the wait, so it streams while the predecessor runs (gemv.cu)
+        let head_ok = match prologue {
+            Prologue::GatedHeadNorm { head_dim, .. } => {
+                head_dim.is_multiple_of(8) && (head_dim / 8).is_power_of_two() && head_dim <= 256
+            }
+            _ => true,
+        };
+        if segs.iter().all(tileable) && head_ok {
+            if let Some((blocks, per_block, smem)) =
+                resident_launch(tiles, k, self.sms, self.smem_optin)
             {
                 a.tiles = 1;
-                a.stages = stages as i32;
+                a.stages = per_block as i32;
                 let cfg = LaunchConfig {
                     grid_dim: (blocks as u32, 1, 1),
-                    block_dim: ((STREAM_SLOTS * STREAM_WARPS * 32) as u32, 1, 1),
+                    block_dim: (256, 1, 1),
                     shared_mem_bytes: smem as u32,
                 };
-                return self.launch_step(&self.f.gemv_stream, cfg, &a);
+                return self.launch_step(&self.f.gemv_resident, cfg, &a);
             }
         }
+        let fills_gpu = tiles >= 2 * self.sms;
         // (each of a tile's 4 warps takes an even number of groups: the kernel reads scales and
         // biases in pairs, so K must be a multiple of 4 · 2 · 64)
         a.tiles = i32::from(fills_gpu && k.is_multiple_of(512));
@@ -1551,21 +1562,21 @@ mod tests {
     use super::*;
 
     #[test]
-    fn streamed_gemv_launches_fit_their_shared_memory() {
-        // the H200: 132 SMs, 227 KB per block less gemv_q_stream's 27.5 KB of static memory
-        let (sms, smem) = (132, 232_448 - 27_520);
-        // the 2048-row output projections (K 4096): one tile per block, one stage
-        assert_eq!(
-            stream_launch(128, 4096, sms, smem),
-            Some((128, 1, 2 * (32_768 + 512)))
-        );
-        // many tiles per block (an lm_head-sized launch): as many stages as fit, at most 8
-        let (blocks, stages, bytes) = stream_launch(15_520, 2048, sms, smem).unwrap();
-        assert_eq!((blocks, stages), (132, 6));
-        assert!(bytes <= smem);
-        // nothing to run, or not one stage that fits
-        assert_eq!(stream_launch(0, 2048, sms, smem), None);
-        assert_eq!(stream_launch(64, 4096, sms, 40_000), None);
+    fn resident_gemv_launches_fit_and_leave_room_for_the_next() {
+        let (sms, smem) = (132, 232_448);
+        // GDN in_proj (12352 rows, K 2048): 772 tiles, at most 6 per block; two blocks fit on an
+        // SM (228 KB, 1 KB reserved per block)
+        let (blocks, per_block, bytes) = resident_launch(772, 2048, sms, smem).unwrap();
+        assert_eq!((blocks, per_block), (132, 6));
+        assert!(2 * (bytes + 1024) <= 233_472, "{bytes}");
+        // the output projections (2048 rows, K 4096): one tile per block
+        let (blocks, per_block, _) = resident_launch(128, 4096, sms, smem).unwrap();
+        assert_eq!((blocks, per_block), (128, 1));
+        // an lm_head-sized launch does not fit; K the kernel does not take; nothing to run
+        assert_eq!(resident_launch(15_520, 2048, sms, smem), None);
+        assert_eq!(resident_launch(64, 1024, sms, smem), None);
+        assert_eq!(resident_launch(64, 6144, sms, smem), None);
+        assert_eq!(resident_launch(0, 2048, sms, smem), None);
     }
 
     #[test]
