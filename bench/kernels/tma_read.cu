@@ -1,7 +1,8 @@
 // How fast one SM's copy engine streams weights into shared memory, by request size: each of the
 // 132 blocks (one thread) streams its contiguous share of a buffer through a ring of S stages of
 // `chunk` bytes with cp.async.bulk + mbarrier (common.cuh), against plain 16-byte loads by every
-// thread. The question behind gemv_q_stream's copies: one 16 KB request per tile, or one per row.
+// thread. The question behind the decode GEMV's bulk copies (gemv_q_stream then, gemv_q_resident
+// now): one 16 KB request per tile, or one per row.
 // Shapes: 14 MB (GDN in_proj's codes) and 286 MB (lm_head); 16 launches in a graph cycling over 3
 // buffers 300 MB apart (past the 60 MB L2), best of 5.
 // Run on the GPU machine:  nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 \

@@ -4,30 +4,32 @@
 //
 // Shapes: K (input width) a multiple of 64 up to 4096, group 32/64/128.
 // Three kernels:
-//   gemv_q_tiles — launches with enough 4-bit group-64 rows (>= 2 tiles per SM): 16-row tiles on
-//     the integer tensor cores (tiles.cuh: x as two signed bytes per element, mma m16n8k32), 4
-//     warps per tile splitting K, two tiles per block at a time, 256 threads, grid = resident
-//     blocks (3 per SM); a warp requests its groups 4 at a time, the next batch (of this tile or
-//     its next) in flight while this one is multiplied, and the very first batch before the
-//     prologue; the 4 partial sums of a tile meet in a double buffer behind one slot barrier.
-//   gemv_q_stream — launches of only 4-bit group-64 rows too small for the tiles (the 2048-row
-//     output projections, K = 4096): one block of 16 warps per SM, its tiles' codes requested at
-//     once by 16 KB bulk copies into shared memory (below).
+//   gemv_q_resident — launches of only 4-bit group-64 rows, K 2048 or 4096, whose share per block
+//     fits in shared memory (GDN in_proj, attention q|k|v, both output projections): one block
+//     of 8 warps per SM, its whole run of 16-row tiles requested at once by bulk copies before
+//     griddepcontrol.wait, multiplied from shared memory (below).
+//   gemv_q_tiles — other launches with enough 4-bit group-64 rows (>= 2 tiles per SM; the
+//     lm_head): 16-row tiles on the integer tensor cores (tiles.cuh: x as two signed bytes per
+//     element, mma m16n8k32), 4 warps per tile splitting K, two tiles per block at a time, 256
+//     threads, grid = resident blocks (3 per SM); a warp requests its groups 4 at a time, the next
+//     batch (of this tile or its next) in flight while this one is multiplied, and the very first
+//     batch before the prologue; the 4 partial sums of a tile meet in a double buffer behind one
+//     slot barrier.
 //   gemv_q — the rest (the router's 8-bit rows with the shared expert's): a warp per row, lane l
 //     reading 16-byte chunks l, l+32, ... (whole 512-byte spans per warp).
-// Prologue: x is loaded once per block into padded shared memory and, optionally, RMS-normalised
-// with a weight (the layer's pre-norm), or per-head RMS-normalised and gated by silu(z) (the GDN
-// output norm), fused here instead of separate kernels; sums of x per 16 elements (rows) or per
-// group (tiles) are precomputed so the affine bias costs one FMA: y = Σ s·(q·x) + b·Σx.
+// Prologue: x is loaded once per block into padded shared memory (gemv_q_resident: straight into
+// the tiles' byte form) and, optionally, RMS-normalised with a weight (the layer's pre-norm), or
+// per-head RMS-normalised and gated by silu(z) (the GDN output norm), fused here instead of
+// separate kernels; sums of x per 16 elements (rows) or per group (tiles) are precomputed so the
+// affine bias costs one FMA: y = Σ s·(q·x) + b·Σx.
 // Epilogue: write, or add into the output (residual add fused).
 // Ceiling: bytes of codes + scales + biases / ~3.7 TB/s streaming read (budget.md); one thread
 // per SM bulk-copying 16 KB requests streams 4.5-4.75 TB/s (bench/kernels/tma_read.cu).
 // Measured (H200, full-size model, inside the decode graph: what issuing the family twice adds
-// to a step), commit 072c82a: GDN in_proj 12.6 us (14.2 MB = 1.1 TB/s: launch, prologue and the
-// tensor-core latencies of 24 warps per SM dominate), GDN out_proj (stream) 7.4 us, lm_head 86 us
-// (286 MB = 3.3 TB/s, 90%). Standalone (bench/kernels/gemv_stream.cu, 24 launches in a graph):
-// in_proj 11.6 us, out_proj 7.0 (stream) vs 9.3 (tiles), lm_head 100.6 us; with bf16 fragments
-// the tiles took 11.9 and 124.
+// to a step), commit 077879e+: GDN in_proj 8.2 us (14.2 MB = 1.7 TB/s; gemv_q_tiles took 12.1),
+// GDN out_proj 6.4 us, lm_head 100 us (286 MB = 2.9 TB/s, 77%). What bounds gemv_q_resident:
+// the wait and its prologue (~1 + ~2 us, chained) and the multiply from shared memory (~2.9 us
+// for in_proj's 6 tiles, shared-memory and issue throughput; bench/kernels/gemv_resident.cu).
 #include "tiles.cuh"
 
 #define MAX_SEGS 4
@@ -57,7 +59,7 @@ struct GemvArgs {
     int head_dim;
     int tiles;  // 1: 4-bit group-64 segments run as tensor-core tiles (the host sets it for big launches)
     int prefetch;  // 1: ask L2 for this block's share of the weights before waiting on the predecessor
-    int stages;    // gemv_q_stream: tiles held in shared memory at once (dynamic shared memory / stage bytes)
+    int stages;    // gemv_q_resident: tiles a block holds in shared memory (at least its share)
 };
 
 __device__ __forceinline__ QRows rows_of(const Segment& s) { return QRows{s.codes, s.scales, s.biases, s.rows}; }
@@ -333,10 +335,11 @@ extern "C" __global__ void __launch_bounds__(256, 3) gemv_q_tiles(GemvArgs a) { 
 // fits in shared memory (GDN in_proj, attention q|k|v, both output projections). One block of 8
 // warps per SM takes a contiguous run of 16-row tiles; its first thread asks the copy engine for
 // all of their codes, scales and biases (one copy per run inside a segment) before
-// griddepcontrol.wait. At <= 128 registers and ~113 KB (in_proj's 6 tiles) the next launch's
-// block fits beside it and requests its own weights while this one still multiplies, so under
-// programmatic dependent launch a launch's bytes stream during its predecessor: the decode chain
-// pays the wait, the prologue and the multiply, not the memory latency.
+// griddepcontrol.wait. The engine launches it alone with programmatic dependent launch
+// (decoder.rs OVERLAP_ENV): its blocks start while the predecessor runs and the weights stream
+// under it. A block takes at least half an SM's shared memory (the host pads it): blocks placed
+// early would otherwise land two on the SMs that free up first and leave others idle (measured:
+// 443 tok/s padded with every kernel under programmatic launch, 411 unpadded).
 // The multiply reads the tiles from shared memory, where rows K/2 bytes apart share banks; read
 // as tile_load reads global memory (lane (g, q) taking rows g and g + 8 of one group at a time)
 // the 8 rows of a load meet in 8-way bank conflicts and the shared-memory pipe bounds the kernel
@@ -345,8 +348,9 @@ extern "C" __global__ void __launch_bounds__(256, 3) gemv_q_tiles(GemvArgs a) { 
 // rows of one load fall on different banks (774 cycles). The mma's 8 columns, all holding x in
 // the tile kernel, now hold each its own group: column n gets group (j + n) mod 4, so row g's
 // product with its own group's x sits in column g mod 4, which lane q = (g mod 4) / 2 keeps.
-// Measured (bench/kernels/gemv_resident.cu, chains of 30 launches with programmatic dependent
-// launch, H200): in_proj 7.75 us (gemv_q_tiles 12.75), q|k|v 6.68 (11.26), out_proj 6.28.
+// Measured (bench/kernels/gemv_resident.cu, chains of 30 launches of one shape with programmatic
+// dependent launch, H200): in_proj 5.9 us (gemv_q_tiles 12.5; its bytes at 4.3 TB/s: 3.3), q|k|v
+// 5.0 (11.3), out_proj 5.8 (11.0); in the decode graph, in_proj 8.2 us (12.1 with gemv_q_tiles).
 #define RES_WARPS 8
 
 // x fragments and group sums of a quad as lane (g, q) needs them: [step][k-tile]

@@ -31,6 +31,8 @@ pub use prefill::GdnPrefill;
 const SPLITS: usize = 512;
 /// Blocks for the argmax's first pass.
 const ARGMAX_PARTS: usize = 256;
+/// Just over half of an H200 SM's 228 KB of shared memory (1 KB of each block's is reserved).
+const RESIDENT_MIN_SMEM: usize = 115 * 1024;
 /// gemv_q_resident (gemv.cu) for `tiles` 16-row tiles of `k` inputs (4-bit, group 64) on `sms`
 /// multiprocessors with `smem` bytes of shared memory per block: (blocks, tiles per block,
 /// dynamic shared memory bytes). None when the kernel does not take K (a multiple of 2048 up to
@@ -52,7 +54,9 @@ fn resident_launch(
     // 8-element slot) and (scale, sum) per group; 32 floats of reduction scratch; the mbarrier
     let bytes =
         per_block * 16 * (k / 2 + 2 * groups * 2) + groups * 8 * 16 + groups * 8 + 32 * 4 + 8;
-    (bytes <= smem).then_some((blocks, per_block, bytes))
+    // at least half an SM's shared memory, so that blocks launched early (programmatic dependent
+    // launch) land one per SM instead of two on the SMs that free up first
+    (bytes <= smem).then_some((blocks, per_block, bytes.max(RESIDENT_MIN_SMEM)))
 }
 
 /// Warps of moe_gate_up splitting K of one 16-row tile: 4 or 8 groups of 64 each (a whole number
@@ -63,12 +67,13 @@ fn moe_gate_up_kparts(hidden: usize) -> usize {
 
 /// Largest GEMV whose weights are prefetched into L2 (60 MB) while its predecessor drains.
 const PREFETCH_MAX_BYTES: usize = 32 << 20;
-/// How the decode step's kernels may overlap: `pdl` (the default) programmatic dependent launch,
-/// `1` that with the GEMVs' L2 prefetches, `prefetch` the prefetches alone (at kernel start, under
-/// the prologue), `0` plain graph launches. With the integer-tensor-core kernels (072c82a) `pdl`
-/// measured 1% faster than `0` at 256 and 4K context and even at 128K
-/// (bench/results/cuda-decode-overlap-pdl-072c82a.json; at 3885b19 it was 2-6% slower), and
-/// `osprey check` passes both ways (bench/results/cuda-check-*-pdl.json).
+/// How the decode step's kernels may overlap: `resident` (the default) programmatic dependent
+/// launch for gemv_q_resident only (its blocks start while the predecessor runs and request
+/// their weights before waiting on it), `pdl` for every kernel, `1` that with the GEMVs' L2
+/// prefetches, `prefetch` the prefetches alone (at kernel start, under the prologue), `0` plain
+/// graph launches. Measured with gemv_q_resident at 4K context: 464 tok/s `resident`, 449 `0`,
+/// 443 `pdl` (bench/results/cuda-decode-overlap-resident.json; with gemv_q_stream, before it,
+/// `pdl` was 1% faster than `0`: cuda-decode-overlap-pdl-072c82a.json).
 const OVERLAP_ENV: &str = "OSPREY_CUDA_OVERLAP";
 
 /// See `OVERLAP_ENV`.
@@ -76,6 +81,8 @@ const OVERLAP_ENV: &str = "OSPREY_CUDA_OVERLAP";
 struct StepOverlap {
     /// Launch with programmatic stream serialization (griddepcontrol in the kernels).
     pdl: bool,
+    /// Only gemv_q_resident launches with it (its copies overlap the predecessor).
+    pdl_resident: bool,
     /// GEMVs of at most PREFETCH_MAX_BYTES ask L2 for their weights first thing.
     prefetch: bool,
 }
@@ -85,22 +92,32 @@ impl StepOverlap {
         match std::env::var(OVERLAP_ENV).as_deref() {
             Ok("1") => StepOverlap {
                 pdl: true,
+                pdl_resident: true,
                 prefetch: true,
             },
             Ok("pdl") => StepOverlap {
                 pdl: true,
+                pdl_resident: true,
+                prefetch: false,
+            },
+            Ok("resident") => StepOverlap {
+                pdl: false,
+                pdl_resident: true,
                 prefetch: false,
             },
             Ok("prefetch") => StepOverlap {
                 pdl: false,
+                pdl_resident: false,
                 prefetch: true,
             },
             Ok("0") => StepOverlap {
                 pdl: false,
+                pdl_resident: false,
                 prefetch: false,
             },
             _ => StepOverlap {
-                pdl: true,
+                pdl: false,
+                pdl_resident: true,
                 prefetch: false,
             },
         }
@@ -738,7 +755,12 @@ impl CudaDecoder {
                     block_dim: (256, 1, 1),
                     shared_mem_bytes: smem as u32,
                 };
-                return self.launch_step(&self.f.gemv_resident, cfg, &a);
+                return self.launch_params(
+                    &self.f.gemv_resident,
+                    cfg,
+                    &mut [&a as *const GemvArgs as *mut c_void],
+                    self.overlap.pdl_resident,
+                );
             }
         }
         let fills_gpu = tiles >= 2 * self.sms;
@@ -1568,7 +1590,11 @@ mod tests {
         // SM (228 KB, 1 KB reserved per block)
         let (blocks, per_block, bytes) = resident_launch(772, 2048, sms, smem).unwrap();
         assert_eq!((blocks, per_block), (132, 6));
-        assert!(2 * (bytes + 1024) <= 233_472, "{bytes}");
+        // one block per SM, the rest free for the neighbouring launches
+        assert!(
+            2 * (bytes + 1024) > 233_472 && bytes + 1024 + 110 * 1024 <= 233_472,
+            "{bytes}"
+        );
         // the output projections (2048 rows, K 4096): one tile per block
         let (blocks, per_block, _) = resident_launch(128, 4096, sms, smem).unwrap();
         assert_eq!((blocks, per_block), (128, 1));
