@@ -9,8 +9,8 @@
 // The question behind it: gate/up takes 11 us in the decode graph for 8.4 MB (a 2 us read), and
 // requesting its weights earlier inside the kernel did not help
 // (bench/results/cuda-decode-gate-up-selection-ablation.json): where does the time go? Run it
-// under `ncu --section SourceCounters` as well. Written after the session's device time ran out:
-// not yet run on a GPU.
+// under `ncu --section SourceCounters` as well. Results: bench/results/cuda-moe-harnesses-h200.json
+// (register tiles) and cuda-decode-moe-gate-up-resident.json (tiles in shared memory).
 // Run on the GPU machine:  nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 \
 //     bench/kernels/moe_decode.cu -o /tmp/moe_decode && /tmp/moe_decode
 #include "../../crates/osprey-cuda/kernels/moe.cu"
@@ -39,7 +39,7 @@ static double rel_rms(const std::vector<double>& want, const std::vector<float>&
 }
 
 int main() {
-    const int H = 2048, I = 512, E = 256, K = 8, kparts = 8;
+    const int H = 2048, I = 512, E = 256, K = 8;
     const HostQ4 gate = random_q4((size_t)E * I, H, 0.01f, 0.05f), up = random_q4((size_t)E * I, H, 0.01f, 0.05f);
     const HostQ4 down = random_q4((size_t)E * H, I, 0.01f, 0.05f), sdown = random_q4(H, I, 0.01f, 0.05f);
     const ExpertStack dg = upload_q4(gate), du = upload_q4(up), dd = upload_q4(down), dsd = upload_q4(sdown);
@@ -74,7 +74,6 @@ int main() {
         a.H = H;
         a.I = I;
         a.k = K;
-        a.kparts = kparts;
         return a;
     };
     DownArgs da{};
@@ -86,10 +85,14 @@ int main() {
     da.H = H;
     da.I = I;
     da.k = K;
-    const dim3 gu_grid(K * I / 16 / (8 / kparts)), gu_block(256), dn_grid(H / 16), dn_block(32 * (K + 1));
+    // one block per 16-row tile pair; dynamic shared memory as decoder.rs's gate_up_smem
+    const int groups = H / 64;
+    const int gu_smem = 2 * 16 * (H / 2 + 2 * groups * 2) + groups * 8 * 16 + groups * 8 + 2 * (groups / 4) * 16 * 4 + 32 * 4 + 2 * 16 * 4 + 8;
+    CK(cudaFuncSetAttribute(moe_gate_up, cudaFuncAttributeMaxDynamicSharedMemorySize, gu_smem));
+    const dim3 gu_grid(K * I / 16), gu_block(256), dn_grid(H / 16), dn_block(32 * (K + 1));
 
     // one pair against the host
-    moe_gate_up<<<gu_grid, gu_block>>>(gate_up_args(0));
+    moe_gate_up<<<gu_grid, gu_block, gu_smem>>>(gate_up_args(0));
     moe_down<<<dn_grid, dn_block>>>(da);
     CK(cudaDeviceSynchronize());
     std::vector<float> h((size_t)(K + 1) * I), x_after(H);
@@ -139,7 +142,7 @@ int main() {
     CK(cudaStreamCreate(&st));
     auto graph_of = [&](bool with_gate_up, bool with_down) {
         return graph_us(st, LAUNCHES, [&](int i) {
-            if (with_gate_up) moe_gate_up<<<gu_grid, gu_block, 0, st>>>(gate_up_args(i));
+            if (with_gate_up) moe_gate_up<<<gu_grid, gu_block, gu_smem, st>>>(gate_up_args(i));
             if (with_down) moe_down<<<dn_grid, dn_block, 0, st>>>(da);
         });
     };

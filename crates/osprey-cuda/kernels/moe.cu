@@ -8,12 +8,13 @@
 //   selection for moe_down. Selecting in the router GEMV's last block (after a fence and a
 //   counter) cost 7 us of serial tail per layer; a block-wide rank of all E logits in every block
 //   cost 10 us here; shuffle-tree rounds 4 us; redux.sync rounds 3.5 us.
-// moe_gate_up: 256 threads; the k·I intermediate rows are 16-row tensor-core tiles (tiles.cuh:
-//   x as two signed bytes per element, mma m16n8k32), kparts warps of a block splitting K of one
-//   tile (8 for H = 2048: one tile per block), each warp multiplying the tile's gate and up rows;
-//   the partial sums meet in shared memory and 16 threads write w_slot · silu(g)·u. The first I
-//   threads of the grid also write the shared expert's sigmoid(gate logit) · silu(g)·u after
-//   them, so h is the down projections' whole input. Reads k*2*I*H/2 bytes (8.4 MB).
+// moe_gate_up: 256 threads, one block per 16-row tile pair (gate and up rows of one slot's
+//   expert): once warp 0 has selected, its first lane asks the copy engine for the pair's codes,
+//   scales and biases (bulk copies into shared memory) while every warp builds x's signed-byte
+//   form; the multiply reads the tiles from shared memory by quads of groups (tiles.cuh
+//   quad_dot) and 16 threads write w_slot · silu(g)·u. The first I threads of the grid also write
+//   the shared expert's sigmoid(gate logit) · silu(g)·u after them, so h is the down projections'
+//   whole input. Reads k*2*I*H/2 bytes (8.4 MB).
 // moe_down: one block of k + 1 warps per 16 output rows; warp s multiplies the tile's rows of
 //   segment s (routed slot s, then the shared expert) with h's segment s as signed bytes (the
 //   same tiles), its weights requested before h is copied into shared memory; the k + 1 partial
@@ -21,12 +22,11 @@
 // The shared expert's down rows, known before routing, are asked of L2 first thing.
 // Measured (H200, full-size model, inside the decode graph: what issuing the kernel twice adds
 // to a step): commit b3b9f4f (a warp per row, f32 FMAs): gate/up with the selection 12.0 us,
-// down 8.4 us; commit 072c82a (these tiles): gate/up 11.1 us for 8.4 MB (0.76 TB/s: the launch,
+// down 8.4 us; commit 072c82a (register tiles): gate/up 11.1 us for 8.4 MB (0.76 TB/s: the launch,
 // the prologue and the selection before the first weight request dominate), down 6.3 us for
 // 4.7 MB (0.75 TB/s).
 #include "tiles.cuh"
 
-#define MAX_K_H 4096
 // routed + shared down activations: (k + 1) * I elements (11 * 512 for Qwen3-Next's top-10)
 #define MAX_KV 6144
 
@@ -45,7 +45,6 @@ struct GateUpArgs {
     float* h;                 // [k + 1, I] down-projection inputs: w_slot · SwiGLU per routed slot,
                               // then sigmoid(shared gate) · SwiGLU of the shared expert
     int H, I, k;
-    int kparts;               // warps splitting K of one 16-row tile (8 / kparts tiles per block)
 };
 
 // Softmax top-k of E (<= 512) router logits by one warp: lane l holds logits l, l + 32, ...
@@ -115,69 +114,27 @@ __device__ __forceinline__ void select_experts(const GateUpArgs& a, int* ids, fl
     }
 }
 
-// Requests one warp's share of a 16-row tile's gate and up rows: groups [g0, g1), at most two
-// batches of TILE_BATCH.
-__device__ __forceinline__ void gate_up_request(const QRows& gate, const QRows& up, int H, int row0, int g0, int g1,
-                                                TileBatch* gb, TileBatch* ub) {
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-        if (g0 + k * TILE_BATCH < g1) {
-            tile_load(gate, H, row0, g0 + k * TILE_BATCH, g1, gb[k]);
-            tile_load(up, H, row0, g0 + k * TILE_BATCH, g1, ub[k]);
-        }
-    }
-}
-
-// Multiplies them by x (signed-byte fragments) and leaves the warp's 16 gate then 16 up partial
-// sums in part_row.
-__device__ __forceinline__ void gate_up_multiply(const TileBatch* gb, const TileBatch* ub, int g0, int g1, const uint4* xb8,
-                                                 const float2* gx, float* part_row) {
-    const int lane = threadIdx.x & 31;
-    const uint4* xq = xb8 + (lane & 3);
-    float gA = 0.f, gB = 0.f, uA = 0.f, uB = 0.f;
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-        if (g0 + k * TILE_BATCH < g1) {
-            tile_compute_s8(gb[k], g0 + k * TILE_BATCH, g1, xq, gx, gA, gB);
-            tile_compute_s8(ub[k], g0 + k * TILE_BATCH, g1, xq, gx, uA, uB);
-        }
-    }
-    if ((lane & 3) == 0) {
-        part_row[lane >> 2] = gA;
-        part_row[(lane >> 2) + 8] = gB;
-        part_row[(lane >> 2) + 16] = uA;
-        part_row[(lane >> 2) + 24] = uB;
-    }
-}
-
-// After a block barrier: thread tt·16 + r adds the P partial sums of row r of the block's tile tt
-// (tiles b0, b0 + 1, ...) and writes w_slot · silu(g)·u.
-__device__ __forceinline__ void gate_up_write(const GateUpArgs& a, const float (*part)[32], const float* wts, int b0, int P,
-                                              int total) {
-    const int fblocks = a.I / 16;
-    if (threadIdx.x < 8 / P * 16) {
-        const int tt = threadIdx.x / 16, r = threadIdx.x % 16, uu = b0 + tt;
-        if (uu < total) {
-            float g = 0.f, uv = 0.f;
-            for (int k = 0; k < P; ++k) {
-                g += part[tt * P + k][r];
-                uv += part[tt * P + k][16 + r];
-            }
-            const int sl = uu / fblocks, f = (uu % fblocks) * 16 + r;
-            a.h[sl * a.I + f] = wts[sl] * (siluf(g) * uv);
-        }
-    }
-}
-
+// One block per 16-row tile pair (gate and up rows f0..f0 + 15 of one slot's expert): warp 0
+// selects the experts and its first lane asks the copy engine for the pair's codes, scales and
+// biases at once (bulk copies into shared memory), then every warp builds x's byte form; the
+// multiply reads the tiles from shared memory by quads of groups (tiles.cuh quad_dot), warp w
+// taking quads w, w + 8, ... of the gate tile then the up tile; 16 threads add the quads' partial
+// sums and write w_slot · silu(g)·u. Shared memory (dynamic, gate_up_smem in decoder.rs): codes
+// [2][16][H/2], scales and biases [2][16][H/64] each, x [H/64][8] uint4 and [H/64] float2, the
+// partial sums [2·H/256][16], the selection, scratch and the barrier.
 extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(GateUpArgs a) {
-    __shared__ __align__(16) float xs[MAX_K_H + MAX_K_H / 8];
-    __shared__ uint4 xb8[MAX_K_H / 64 * 8];
-    __shared__ float2 gx[MAX_K_H / 64];
-    __shared__ float scratch[32];
-    __shared__ int ids[MAX_TOPK];
-    __shared__ float wts[MAX_TOPK];
-    __shared__ float part[8][32];  // per warp: 16 gate then 16 up partial sums
-    const int H = a.H;
+    extern __shared__ __align__(128) char smem[];
+    const int H = a.H, gpr = H / 64, quads = gpr / 4, units = 2 * quads;
+    char* codes = smem;  // [gate, up][16 rows][H/2]
+    __nv_bfloat16* scales = reinterpret_cast<__nv_bfloat16*>(codes + 2 * 16 * (H / 2));  // [gate, up][16][gpr]
+    __nv_bfloat16* biases = scales + 2 * 16 * gpr;
+    uint4* xb8 = reinterpret_cast<uint4*>(biases + 2 * 16 * gpr);
+    float2* gx = reinterpret_cast<float2*>(xb8 + gpr * 8);
+    float* part = reinterpret_cast<float*>(gx + gpr);  // [unit][16]
+    float* scratch = part + units * 16;
+    float* wts = scratch + 32;
+    int* ids = reinterpret_cast<int*>(wts + MAX_TOPK);
+    uint64_t* full = reinterpret_cast<uint64_t*>(ids + MAX_TOPK);
     step_overlap_begin();
     // which experts' weights to read is only known from the router's output: nothing to fetch ahead
     step_inputs_ready();
@@ -185,52 +142,49 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(GateUpArgs a) {
     const int gi = blockIdx.x * blockDim.x + threadIdx.x;
     if (gi < a.I)
         a.h[a.k * a.I + gi] = sigmoidf(a.shared_gate_logit[0]) * siluf(a.shared_gate_proj[gi]) * a.shared_up_proj[gi];
-    // thread t owns E = max(H/256, 4) consecutive elements, loaded in one batch (see gemv.cu)
-    const int E = max(H / (int)blockDim.x, 4), t = threadIdx.x, base = t * E;
-    const bool active = base < H;
-    float v[16], w[16];
+    const int fblocks = a.I / 16, u = blockIdx.x, slot = u / fblocks, f0 = (u % fblocks) * 16;
+    if (threadIdx.x < 32) {
+        select_experts(a, ids, wts);
+        __syncwarp();
+        if (threadIdx.x == 0) {
+            const size_t row0 = (size_t)ids[slot] * a.I + f0;
+            const uint32_t code_bytes = 16 * (H / 2), sb_bytes = 16 * gpr * 2;
+            mbar_init(full, 1);
+            mbar_init_fence();
+            mbar_arrive_expect_bytes(full, 2 * (code_bytes + 2 * sb_bytes));
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-        if (active && 4 * q < E) {
-            float4 xv = *reinterpret_cast<const float4*>(a.x + base + 4 * q);
-            float4 wv = *reinterpret_cast<const float4*>(a.norm_weight + base + 4 * q);
-            v[4 * q] = xv.x; v[4 * q + 1] = xv.y; v[4 * q + 2] = xv.z; v[4 * q + 3] = xv.w;
-            w[4 * q] = wv.x; w[4 * q + 1] = wv.y; w[4 * q + 2] = wv.z; w[4 * q + 3] = wv.w;
+            for (int t = 0; t < 2; ++t) {
+                const ExpertStack& m = t ? a.up : a.gate;
+                bulk_copy_to_shared(codes + t * code_bytes, m.codes + row0 * (H / 8), code_bytes, full);
+                bulk_copy_to_shared(scales + t * 16 * gpr, m.scales + row0 * gpr, sb_bytes, full);
+                bulk_copy_to_shared(biases + t * 16 * gpr, m.biases + row0 * gpr, sb_bytes, full);
+            }
         }
     }
-    float ss = 0.f;
-#pragma unroll
-    for (int e = 0; e < 16; ++e) if (active && e < E) ss += v[e] * v[e];
-    ss = block_sum(ss, scratch);
-    const float inv = rsqrtf(ss / H + a.eps);
-#pragma unroll
-    for (int e = 0; e < 16; ++e)
-        if (active && e < E) xs[pad_idx(base + e)] = v[e] * inv * w[e];
-    if (threadIdx.x < 32) select_experts(a, ids, wts);
-    __syncthreads();
-
-    // 16-row tiles of (slot, f0..f0+15): warp (tile wt, part kp) multiplies groups [g0, g1) of the
-    // tile's gate and up rows (at most 2 batches), requested before x's fragments are built
-    const int warp = threadIdx.x >> 5, P = a.kparts, per_block = 8 / P;
-    const int wt = warp / P, kp = warp % P, gpr = H / 64, g0 = kp * gpr / P, g1 = (kp + 1) * gpr / P;
-    const int fblocks = a.I / 16, total = a.k * fblocks;
-    const QRows gate{a.gate.codes, a.gate.scales, a.gate.biases, a.experts * a.I};
-    const QRows up{a.up.codes, a.up.scales, a.up.biases, a.experts * a.I};
-    bool built = false;
-    for (int b0 = blockIdx.x * per_block; b0 < total; b0 += gridDim.x * per_block) {
-        const int u = b0 + wt;
-        const bool mine = u < total;
-        TileBatch gb[2], ub[2];
-        if (mine) gate_up_request(gate, up, H, ids[u / fblocks] * a.I + (u % fblocks) * 16, g0, g1, gb, ub);
-        if (!built) {
-            build_x_s8(xs, H, xb8, gx);
-            __syncthreads();
-            built = true;
+    resident_input(XInput{a.x, a.norm_weight, nullptr, nullptr, a.eps, H, 0}, xb8, gx, scratch);
+    __syncthreads();  // x's bytes, the selection and the barrier's initialisation
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    mbar_wait(full, 0);
+    QuadX X;
+    for (int un = warp; un < units; un += 8) {
+        const int t = un / quads, gq = (un % quads) * 4;
+        load_quad_x(xb8, gx, gq, X);
+        float yA = 0.f, yB = 0.f;
+        quad_dot(codes + t * 16 * (H / 2), scales + t * 16 * gpr, biases + t * 16 * gpr, H, gq, X, yA, yB);
+        if ((lane & 3) == (((lane >> 2) & 3) >> 1)) {
+            part[un * 16 + (lane >> 2)] = yA;
+            part[un * 16 + (lane >> 2) + 8] = yB;
         }
-        if (mine) gate_up_multiply(gb, ub, g0, g1, xb8, gx, part[warp]);
-        __syncthreads();
-        gate_up_write(a, part, wts, b0, P, total);
-        __syncthreads();
+    }
+    __syncthreads();
+    if (threadIdx.x < 16) {
+        const int r = threadIdx.x;
+        float g = 0.f, uv = 0.f;
+        for (int q = 0; q < quads; ++q) {
+            g += part[q * 16 + r];
+            uv += part[(quads + q) * 16 + r];
+        }
+        a.h[slot * a.I + f0 + r] = wts[slot] * (siluf(g) * uv);
     }
 }
 

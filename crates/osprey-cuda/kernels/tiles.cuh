@@ -147,3 +147,164 @@ __device__ __forceinline__ void tile_compute_s8(const TileBatch& b, int Gb, int 
         yB = fmaf(sB, dB, fmaf(bB, gs.y, yB));
     }
 }
+
+// ---- tiles multiplied from shared memory (gemv_q_resident, moe_gate_up) ----
+// The multiply reads the tiles from shared memory, where rows K/2 bytes apart share banks; read
+// as tile_load reads global memory (lane (g, q) taking rows g and g + 8 of one group at a time)
+// the 8 rows of a load meet in 8-way bank conflicts and the shared-memory pipe bounds the kernel
+// (1,320 cycles per 4 groups of a tile per warp at 8 warps per SM). So a warp takes its groups
+// four at a time ("quads") and lane row g takes group (j + g) mod 4 of the quad at step j: the
+// rows of one load fall on different banks (774 cycles). The mma's 8 columns, all holding x in
+// the tile kernel, now hold each its own group: column n gets group (j + n) mod 4, so row g's
+// product with its own group's x sits in column g mod 4, which lane q = (g mod 4) / 2 keeps.
+
+// x fragments and group sums of a quad as lane (g, q) needs them: [step][k-tile]
+struct QuadX {
+    uint4 x[4][2];
+    float2 gs[4];
+};
+
+__device__ __forceinline__ void load_quad_x(const uint4* xb8, const float2* gx, int gq, QuadX& X) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int G = gq + ((j + g) & 3);
+        X.x[j][0] = xb8[(2 * G) * 4 + q];
+        X.x[j][1] = xb8[(2 * G + 1) * 4 + q];
+        X.gs[j] = gx[G];
+    }
+}
+
+// four bf16 (groups gq..gq + 3 of one row) rotated so that element j is group gq + (j + c) mod 4
+__device__ __forceinline__ unsigned long long rot_bf16x4(const __nv_bfloat16* p, int c) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    const unsigned long long u = ((unsigned long long)v.y << 32) | v.x;
+    return c ? (u >> (16 * c)) | (u << (64 - 16 * c)) : u;
+}
+__device__ __forceinline__ float bf16x4_at(unsigned long long u, int j) { return __uint_as_float((uint32_t)(u >> (16 * j)) << 16); }
+
+// Adds the quad [gq, gq + 4) of one tile (codes rows K/2 bytes apart, scales and biases rows
+// K/64 apart) to rows g (yA) and g + 8 (yB); right in lanes q == (g mod 4) / 2 only.
+__device__ __forceinline__ void quad_dot(const char* stage, const __nv_bfloat16* sc, const __nv_bfloat16* bi, int K, int gq,
+                                         const QuadX& X, float& yA, float& yB) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, c = g & 3, gpr = K / 64;
+    const char* ra = stage + g * (K / 2) + q * 8;
+    const char* rb = ra + 8 * (K / 2);
+    uint2 wa[4], wb[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int G = gq + ((j + c) & 3);
+        wa[j] = *reinterpret_cast<const uint2*>(ra + G * 32);
+        wb[j] = *reinterpret_cast<const uint2*>(rb + G * 32);
+    }
+    const unsigned long long sA = rot_bf16x4(sc + g * gpr + gq, c), bA = rot_bf16x4(bi + g * gpr + gq, c);
+    const unsigned long long sB = rot_bf16x4(sc + (g + 8) * gpr + gq, c), bB = rot_bf16x4(bi + (g + 8) * gpr + gq, c);
+    const bool odd = g & 1;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        int dh[4] = {0, 0, 0, 0}, dl[4] = {0, 0, 0, 0};
+#pragma unroll
+        for (int T = 0; T < 2; ++T) {
+            const uint32_t wA = T ? wa[j].y : wa[j].x, wB = T ? wb[j].y : wb[j].x;
+            const uint32_t a0 = wA & 0x0F0F0F0Fu, a2 = (wA >> 4) & 0x0F0F0F0Fu;
+            const uint32_t a1 = wB & 0x0F0F0F0Fu, a3 = (wB >> 4) & 0x0F0F0F0Fu;
+            mma_s8(dh, a0, a1, a2, a3, X.x[j][T].x, X.x[j][T].y);
+            mma_s8(dl, a0, a1, a2, a3, X.x[j][T].z, X.x[j][T].w);
+        }
+        const float2 gs = X.gs[j];
+        const float dA = gs.x * fmaf((float)(odd ? dl[1] : dl[0]), 1.f / 254.f, (float)(odd ? dh[1] : dh[0]));
+        const float dB = gs.x * fmaf((float)(odd ? dl[3] : dl[2]), 1.f / 254.f, (float)(odd ? dh[3] : dh[2]));
+        yA = fmaf(bf16x4_at(sA, j), dA, fmaf(bf16x4_at(bA, j), gs.y, yA));
+        yB = fmaf(bf16x4_at(sB, j), dB, fmaf(bf16x4_at(bB, j), gs.y, yB));
+    }
+}
+
+// The prologue straight into the tiles' two-signed-byte form (no f32 copy of x kept): thread t
+// takes the 8 consecutive elements that fragment slot t of build_x_s8 takes (K/8 slots, at most
+// two per thread), RMS-normalised over K with a weight, or per head and gated by silu(z).
+struct XInput {
+    const float* x;
+    const float* norm_weight;  // RMSNorm weight over all K (null: none)
+    const float* gate_z;       // with head_norm: y = norm_head(x) * w * silu(z)
+    const float* head_norm;    // per-head RMSNorm weight [head_dim] (null: none)
+    float eps;
+    int K;
+    int head_dim;
+};
+
+__device__ __forceinline__ void resident_input(const XInput& a, uint4* xb8, float2* gx, float* scratch) {
+    const int K = a.K, items = K / 8;
+    float v[2][8], ss[2] = {0.f, 0.f};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int idx = threadIdx.x + r * blockDim.x;
+        const int G = idx >> 3, T = (idx >> 2) & 1, q = idx & 3, e0 = G * 64 + 8 * (2 * q + T);
+        if (idx < items) {
+            const float4 x0 = *reinterpret_cast<const float4*>(a.x + e0), x1 = *reinterpret_cast<const float4*>(a.x + e0 + 4);
+            v[r][0] = x0.x; v[r][1] = x0.y; v[r][2] = x0.z; v[r][3] = x0.w;
+            v[r][4] = x1.x; v[r][5] = x1.y; v[r][6] = x1.z; v[r][7] = x1.w;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) ss[r] += v[r][j] * v[r][j];
+            if (a.norm_weight) {
+                const float4 w0 = *reinterpret_cast<const float4*>(a.norm_weight + e0);
+                const float4 w1 = *reinterpret_cast<const float4*>(a.norm_weight + e0 + 4);
+                v[r][0] *= w0.x; v[r][1] *= w0.y; v[r][2] *= w0.z; v[r][3] *= w0.w;
+                v[r][4] *= w1.x; v[r][5] *= w1.y; v[r][6] *= w1.z; v[r][7] *= w1.w;
+            } else if (a.head_norm) {
+                const float4 z0 = *reinterpret_cast<const float4*>(a.gate_z + e0), z1 = *reinterpret_cast<const float4*>(a.gate_z + e0 + 4);
+                const float4 h0 = *reinterpret_cast<const float4*>(a.head_norm + e0 % a.head_dim);
+                const float4 h1 = *reinterpret_cast<const float4*>(a.head_norm + e0 % a.head_dim + 4);
+                v[r][0] *= h0.x * siluf(z0.x); v[r][1] *= h0.y * siluf(z0.y); v[r][2] *= h0.z * siluf(z0.z); v[r][3] *= h0.w * siluf(z0.w);
+                v[r][4] *= h1.x * siluf(z1.x); v[r][5] *= h1.y * siluf(z1.y); v[r][6] *= h1.z * siluf(z1.z); v[r][7] *= h1.w * siluf(z1.w);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) v[r][j] = 0.f;
+        }
+    }
+    if (a.norm_weight) {
+        const float inv = rsqrtf(block_sum(ss[0] + ss[1], scratch) / K + a.eps);
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) v[r][j] *= inv;
+    } else if (a.head_norm) {
+        // a head's slots are head_dim/8 (<= 32) consecutive threads: they reduce by shuffles
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            for (int o = 1; o < a.head_dim / 8; o <<= 1) ss[r] += __shfl_xor_sync(FULL_MASK, ss[r], o);
+            const float inv = rsqrtf(ss[r] / a.head_dim + a.eps);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) v[r][j] *= inv;
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int idx = threadIdx.x + r * blockDim.x;
+        if (r * (int)blockDim.x >= items) break;  // block-uniform: every lane meets the shuffles
+        float mx = 0.f, sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            mx = fmaxf(mx, fabsf(v[r][j]));
+            sum += v[r][j];
+        }
+#pragma unroll
+        for (int o = 1; o < 8; o <<= 1) {
+            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
+            sum += __shfl_xor_sync(FULL_MASK, sum, o);
+        }
+        const float s = mx / 127.f, inv = mx > 0.f ? 127.f / mx : 0.f;
+        int h[8], l[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            h[j] = __float2int_rn(v[r][j] * inv);
+            l[j] = max(-127, min(127, __float2int_rn((v[r][j] - (float)h[j] * s) * inv * 254.f)));
+        }
+        const int h0[4] = {h[0], h[2], h[4], h[6]}, h1[4] = {h[1], h[3], h[5], h[7]};
+        const int l0[4] = {l[0], l[2], l[4], l[6]}, l1[4] = {l[1], l[3], l[5], l[7]};
+        if (idx < items) {
+            xb8[idx] = make_uint4(pack_s8(h0), pack_s8(h1), pack_s8(l0), pack_s8(l1));
+            if ((idx & 7) == 0) gx[idx >> 3] = make_float2(s, sum);
+        }
+    }
+}

@@ -65,8 +65,6 @@ pub struct GateUpArgs {
     pub hidden: i32,
     pub inter: i32,
     pub k: i32,
-    /// Warps splitting K of one 16-row tile (moe_gate_up_kparts).
-    pub kparts: i32,
 }
 
 #[repr(C)]

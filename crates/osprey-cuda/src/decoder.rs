@@ -59,10 +59,18 @@ fn resident_launch(
     (bytes <= smem).then_some((blocks, per_block, bytes.max(RESIDENT_MIN_SMEM)))
 }
 
-/// Warps of moe_gate_up splitting K of one 16-row tile: 4 or 8 groups of 64 each (a whole number
-/// of the tile code's 4-group batches; check_shapes admits the hidden sizes this covers).
-fn moe_gate_up_kparts(hidden: usize) -> usize {
-    (hidden / 256).min(8)
+/// Dynamic shared memory of a moe_gate_up block (moe.cu): a 16-row gate and up tile pair's
+/// codes, scales and biases, x as two signed bytes per element and (scale, sum) per group, the
+/// partial sums of every quad of both tiles, scratch, the selection and the barrier.
+fn gate_up_smem(hidden: usize) -> usize {
+    let groups = hidden / 64;
+    2 * 16 * (hidden / 2 + 2 * groups * 2)
+        + groups * 8 * 16
+        + groups * 8
+        + 2 * (groups / 4) * 16 * 4
+        + 32 * 4
+        + 2 * 16 * 4
+        + 8
 }
 
 /// Largest GEMV whose weights are prefetched into L2 (60 MB) while its predecessor drains.
@@ -609,6 +617,10 @@ impl CudaDecoder {
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             smem_optin as i32,
         )?;
+        f.gate_up.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            gate_up_smem(c.hidden_size) as i32,
+        )?;
         // all of the unified memory as shared memory, so that two resident blocks fit on an SM
         f.gemv_resident.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
@@ -1112,13 +1124,20 @@ impl CudaDecoder {
                 hidden: h as i32,
                 inter: c.moe_intermediate_size as i32,
                 k: c.num_experts_per_tok as i32,
-                kparts: moe_gate_up_kparts(h) as i32,
             };
-            let tiles = c.num_experts_per_tok * c.moe_intermediate_size / 16;
-            let blocks = tiles.div_ceil(8 / moe_gate_up_kparts(h)) as u32;
+            // one block per 16-row tile pair
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    (c.num_experts_per_tok * c.moe_intermediate_size / 16) as u32,
+                    1,
+                    1,
+                ),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: gate_up_smem(h) as u32,
+            };
             timed!(
                 "moe top-k + expert gate/up + swiglu",
-                self.launch_step(&self.f.gate_up, launch_cfg((blocks, 1), 256), &gu)?
+                self.launch_step(&self.f.gate_up, cfg, &gu)?
             );
             let da = DownArgs {
                 down: m.down.at(0, st),
@@ -1606,21 +1625,17 @@ mod tests {
     }
 
     #[test]
-    fn moe_gate_up_splits_every_admitted_hidden_size_in_whole_batches() {
-        for hidden in [512, 1024, 2048, 4096] {
-            let groups = hidden / 64;
-            let kparts = moe_gate_up_kparts(hidden);
-            assert!(
-                8usize.is_multiple_of(kparts),
-                "{hidden}: a block holds whole tiles"
-            );
-            assert!(groups.is_multiple_of(kparts), "{hidden}");
-            let per_warp = groups / kparts;
-            assert!(
-                per_warp.is_multiple_of(4) && per_warp <= 8,
-                "{hidden}: {per_warp} groups per warp (one or two batches of 4)"
-            );
+    fn moe_gate_up_blocks_fit_two_per_sm_at_every_admitted_hidden_size() {
+        for hidden in [512usize, 1024, 2048, 4096] {
+            // quads of 4 groups per tile; two blocks (and their reserved 1 KB) in 228 KB
+            assert!((hidden / 64).is_multiple_of(4), "{hidden}");
+            assert!(2 * (gate_up_smem(hidden) + 1024) <= 233_472, "{hidden}");
         }
+        // the full model (H 2048): codes 32 KB, scales and biases 4 KB, x 4.3 KB
+        assert_eq!(
+            gate_up_smem(2048),
+            32_768 + 4_096 + 4_096 + 256 + 1_024 + 128 + 128 + 8
+        );
     }
 
     fn qwen36() -> ModelConfig {
