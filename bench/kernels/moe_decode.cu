@@ -60,7 +60,6 @@ int main() {
         GateUpArgs a{};
         a.gate = dg;
         a.up = du;
-        a.down = dd;
         a.topk = d_topk;
         a.x = d_x;
         a.norm_weight = d_nw;

@@ -32,7 +32,6 @@
 
 struct GateUpArgs {
     ExpertStack gate, up;     // [E*I, H]
-    ExpertStack down;         // [E*H, I]: the chosen experts' rows are asked of L2 for moe_down
     TopK* topk;               // the selection, written by block 0 for moe_down
     const float* x;           // residual stream
     const float* norm_weight; // post-attention norm
@@ -164,20 +163,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(GateUpArgs a) {
     }
     resident_input(XInput{a.x, a.norm_weight, nullptr, nullptr, a.eps, H, 0}, xb8, gx, scratch);
     __syncthreads();  // x's bytes, the selection and the barrier's initialisation
-    // moe_down's weights are known now: block (slot, f) asks L2 for a 1/(I/16) share of the
-    // slot's expert's down rows (codes, scales, biases), so moe_down reads them from L2
-    {
-        const int rows = (a.H + fblocks - 1) / fblocks, r0 = min(a.H, (u % fblocks) * rows), r1 = min(a.H, r0 + rows);
-        const size_t e_row0 = (size_t)ids[slot] * a.H, row_bytes = a.I / 2, sb_bytes = a.I / 64 * 2;
-        const char* c = reinterpret_cast<const char*>(a.down.codes) + (e_row0 + r0) * row_bytes;
-        const char* sc = reinterpret_cast<const char*>(a.down.scales) + (e_row0 + r0) * sb_bytes;
-        const char* bi = reinterpret_cast<const char*>(a.down.biases) + (e_row0 + r0) * sb_bytes;
-        const int code_lines = (int)(((r1 - r0) * row_bytes + 127) / 128), sb_lines = (int)(((r1 - r0) * sb_bytes + 127) / 128);
-        for (int l = threadIdx.x; l < code_lines + 2 * sb_lines; l += blockDim.x) {
-            const char* p = l < code_lines ? c + (size_t)l * 128 : l < code_lines + sb_lines ? sc + (size_t)(l - code_lines) * 128 : bi + (size_t)(l - code_lines - sb_lines) * 128;
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-        }
-    }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     mbar_wait(full, 0);
     QuadX X;

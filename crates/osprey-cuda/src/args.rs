@@ -51,8 +51,6 @@ pub struct ExpertStack {
 pub struct GateUpArgs {
     pub gate: ExpertStack,
     pub up: ExpertStack,
-    /// The routed experts' down projections, asked of L2 once chosen.
-    pub down: ExpertStack,
     pub topk: u64,
     pub x: u64,
     pub norm_weight: u64,
@@ -421,7 +419,7 @@ mod tests {
         assert_eq!(std::mem::size_of::<GemvArgs>(), 4 * 48 + 4 * 8 + 8 * 4);
         assert_eq!(
             std::mem::size_of::<GateUpArgs>(),
-            3 * 24 + 3 * 8 + 8 + 8 + 2 * 4 + 4 * 8 + 3 * 4 + 4
+            2 * 24 + 3 * 8 + 8 + 8 + 2 * 4 + 4 * 8 + 4 * 4
         );
         assert_eq!(std::mem::size_of::<DownArgs>(), 2 * 24 + 3 * 8 + 3 * 4 + 4);
         assert_eq!(std::mem::size_of::<GdnArgs>(), 11 * 8 + 16);

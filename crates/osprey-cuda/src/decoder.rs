@@ -1110,7 +1110,6 @@ impl CudaDecoder {
             let gu = GateUpArgs {
                 gate: m.gate.at(0, st),
                 up: m.up.at(0, st),
-                down: m.down.at(0, st),
                 topk: self.p(&s.topk),
                 x,
                 norm_weight: self.p(&l.post_norm),
