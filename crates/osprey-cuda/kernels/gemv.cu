@@ -331,9 +331,8 @@ extern "C" __global__ void __launch_bounds__(256, 3) gemv_q(GemvArgs a) { gemv_b
 extern "C" __global__ void __launch_bounds__(256, 3) gemv_q_tiles(GemvArgs a) { gemv_body<true>(a); }
 
 // ---- resident tiles: a block's whole share in shared memory, requested before the wait ----
-// gemv_q_resident: launches of 4-bit group-64 rows, K 2048 or 4096, whose share per block fits
-// in shared memory (GDN in_proj, attention q|k|v, both output projections; the shared expert's
-// gate and up, with the router's 8-bit rows riding along a warp each from global memory). One block of 8
+// gemv_q_resident: launches of only 4-bit group-64 rows, K 2048 or 4096, whose share per block
+// fits in shared memory (GDN in_proj, attention q|k|v, both output projections). One block of 8
 // warps per SM takes a contiguous run of 16-row tiles; its first thread asks the copy engine for
 // all of their codes, scales and biases (one copy per run inside a segment) before
 // griddepcontrol.wait. The engine launches it alone with programmatic dependent launch
@@ -362,11 +361,7 @@ extern "C" __global__ void __launch_bounds__(RES_WARPS * 32, 2) gemv_q_resident(
     uint4* xb8 = reinterpret_cast<uint4*>(biases + (size_t)S * 16 * gpr);
     float2* gx = reinterpret_cast<float2*>(xb8 + gpr * 8);
     float* scratch = reinterpret_cast<float*>(gx + gpr);
-    // rows of the untiled segments (the router's 8-bit rows), a warp each: x also in f32
-    const int rows_total = unit_count(a, false);
-    float* xs = rows_total > 0 ? scratch + 32 : nullptr;
-    float* chunk_sum = rows_total > 0 ? xs + K + K / 8 : nullptr;
-    uint64_t* full = reinterpret_cast<uint64_t*>(rows_total > 0 ? chunk_sum + K / 16 : scratch + 32);
+    uint64_t* full = reinterpret_cast<uint64_t*>(scratch + 32);
     step_overlap_begin();
     if (threadIdx.x == 0) {
         mbar_init(full, 1);
@@ -393,20 +388,9 @@ extern "C" __global__ void __launch_bounds__(RES_WARPS * 32, 2) gemv_q_resident(
         }
     }
     step_inputs_ready();
-    resident_input(XInput{a.x, a.norm_weight, a.gate_z, a.head_norm, a.eps, a.K, a.head_dim}, xb8, gx, scratch, xs, chunk_sum);
+    resident_input(XInput{a.x, a.norm_weight, a.gate_z, a.head_norm, a.eps, a.K, a.head_dim}, xb8, gx, scratch);
     __syncthreads();  // also publishes the barrier's initialisation
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g0 = warp * gpr / RES_WARPS, quads = gpr / (4 * RES_WARPS);
-    // the untiled rows first, from global memory, while the copies land
-    for (int u = blockIdx.x * RES_WARPS + warp; u < rows_total; u += gridDim.x * RES_WARPS) {
-        int local;
-        const Segment& s = a.seg[locate_unit(a, false, u, local)];
-        RowLoads L;
-        load_row(s, local, K, a.group, L);
-        const float y = row_dot(s, L, K, xs, chunk_sum);
-        if (lane == 0) {
-            if (s.accumulate) s.out[local] += y; else s.out[local] = y;
-        }
-    }
     QuadX X;
     if (quads == 1) load_quad_x(xb8, gx, g0, X);
     mbar_wait(full, 0);

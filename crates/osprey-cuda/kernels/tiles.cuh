@@ -232,10 +232,7 @@ struct XInput {
     int head_dim;
 };
 
-// With xs (non-null), x is also left in f32 at xs[pad_idx(i)] with its sums per 16 elements in
-// chunk_sum, for rows multiplied one per warp (gemv.cu row_dot).
-__device__ __forceinline__ void resident_input(const XInput& a, uint4* xb8, float2* gx, float* scratch, float* xs = nullptr,
-                                               float* chunk_sum = nullptr) {
+__device__ __forceinline__ void resident_input(const XInput& a, uint4* xb8, float2* gx, float* scratch) {
     const int K = a.K, items = K / 8;
     float v[2][8], ss[2] = {0.f, 0.f};
 #pragma unroll
@@ -290,16 +287,6 @@ __device__ __forceinline__ void resident_input(const XInput& a, uint4* xb8, floa
         for (int j = 0; j < 8; ++j) {
             mx = fmaxf(mx, fabsf(v[r][j]));
             sum += v[r][j];
-        }
-        if (xs) {
-            // the slot's 16-element chunk is G·4 + q: its other half is slot idx ^ 4 (T flipped)
-            const int e0 = (idx >> 3) * 64 + 8 * (2 * (idx & 3) + ((idx >> 2) & 1));
-            const float both = sum + __shfl_xor_sync(FULL_MASK, sum, 4);
-            if (idx < items) {
-#pragma unroll
-                for (int j = 0; j < 8; ++j) xs[pad_idx(e0 + j)] = v[r][j];
-                if (((idx >> 2) & 1) == 0) chunk_sum[(idx >> 3) * 4 + (idx & 3)] = both;
-            }
         }
 #pragma unroll
         for (int o = 1; o < 8; o <<= 1) {

@@ -33,41 +33,27 @@ const SPLITS: usize = 512;
 const ARGMAX_PARTS: usize = 256;
 /// Just over half of an H200 SM's 228 KB of shared memory (1 KB of each block's is reserved).
 const RESIDENT_MIN_SMEM: usize = 115 * 1024;
-/// Most rows gemv_q_resident takes one per warp beside its tiles (the router's 8-bit rows).
-const RESIDENT_MAX_ROWS: usize = 1024;
-/// gemv_q_resident (gemv.cu) for `tiles` 16-row tiles of `k` inputs (4-bit, group 64) and `rows`
-/// other rows (a warp each, read from global memory) on `sms` multiprocessors with `smem` bytes
-/// of shared memory per block: (blocks, tiles per block, dynamic shared memory bytes). None when
-/// the kernel does not take K (a multiple of 2048 up to 4096: its 8 warps take whole quads of
-/// groups and its prologue at most two 8-element slots per thread), there are no tiles, too
-/// many rows, or a block's whole share does not fit.
+/// gemv_q_resident (gemv.cu) for `tiles` 16-row tiles of `k` inputs (4-bit, group 64) on `sms`
+/// multiprocessors with `smem` bytes of shared memory per block: (blocks, tiles per block,
+/// dynamic shared memory bytes). None when the kernel does not take K (a multiple of 2048 up to
+/// 4096: its 8 warps take whole quads of groups and its prologue at most two 8-element slots
+/// per thread) or a block's whole share does not fit.
 fn resident_launch(
     tiles: usize,
-    rows: usize,
     k: usize,
     sms: usize,
     smem: usize,
 ) -> Option<(usize, usize, usize)> {
-    if tiles == 0 || sms == 0 || !k.is_multiple_of(2048) || k > 4096 || rows > RESIDENT_MAX_ROWS {
+    if tiles == 0 || sms == 0 || !k.is_multiple_of(2048) || k > 4096 {
         return None;
     }
-    let blocks = tiles.max(rows.div_ceil(8)).min(sms);
+    let blocks = tiles.min(sms);
     let per_block = tiles.div_ceil(blocks);
     let groups = k / 64;
     // codes, scales and biases of the tiles; x as two signed bytes per element (16 B per
-    // 8-element slot) and (scale, sum) per group; 32 floats of reduction scratch; with rows, x in
-    // f32 (padded by 4 floats every 32) and its sums per 16 elements; the mbarrier
-    let rows_x = if rows > 0 {
-        (k + k / 8) * 4 + k / 16 * 4
-    } else {
-        0
-    };
-    let bytes = per_block * 16 * (k / 2 + 2 * groups * 2)
-        + groups * 8 * 16
-        + groups * 8
-        + 32 * 4
-        + rows_x
-        + 8;
+    // 8-element slot) and (scale, sum) per group; 32 floats of reduction scratch; the mbarrier
+    let bytes =
+        per_block * 16 * (k / 2 + 2 * groups * 2) + groups * 8 * 16 + groups * 8 + 32 * 4 + 8;
     // at least half an SM's shared memory, so that blocks launched early (programmatic dependent
     // launch) land one per SM instead of two on the SMs that free up first
     (bytes <= smem).then_some((blocks, per_block, bytes.max(RESIDENT_MIN_SMEM)))
@@ -770,18 +756,9 @@ impl CudaDecoder {
             }
             _ => true,
         };
-        // the router's 8-bit rows (and the shared expert's gate row) ride along, a warp per row
-        let rows: usize = segs
-            .iter()
-            .filter(|s| !tileable(s))
-            .map(|s| s.rows as usize)
-            .sum();
-        let rows_ok = segs
-            .iter()
-            .all(|s| tileable(s) || (s.bits == 8 && k <= 2048) || (s.bits == 4 && k <= 4096));
-        if rows_ok && head_ok {
+        if segs.iter().all(tileable) && head_ok {
             if let Some((blocks, per_block, smem)) =
-                resident_launch(tiles, rows, k, self.sms, self.smem_optin)
+                resident_launch(tiles, k, self.sms, self.smem_optin)
             {
                 a.tiles = 1;
                 a.stages = per_block as i32;
@@ -1630,7 +1607,7 @@ mod tests {
         let (sms, smem) = (132, 232_448);
         // GDN in_proj (12352 rows, K 2048): 772 tiles, at most 6 per block; two blocks fit on an
         // SM (228 KB, 1 KB reserved per block)
-        let (blocks, per_block, bytes) = resident_launch(772, 0, 2048, sms, smem).unwrap();
+        let (blocks, per_block, bytes) = resident_launch(772, 2048, sms, smem).unwrap();
         assert_eq!((blocks, per_block), (132, 6));
         // one block per SM, the rest free for the neighbouring launches
         assert!(
@@ -1638,23 +1615,13 @@ mod tests {
             "{bytes}"
         );
         // the output projections (2048 rows, K 4096): one tile per block
-        let (blocks, per_block, _) = resident_launch(128, 0, 4096, sms, smem).unwrap();
+        let (blocks, per_block, _) = resident_launch(128, 4096, sms, smem).unwrap();
         assert_eq!((blocks, per_block), (128, 1));
         // an lm_head-sized launch does not fit; K the kernel does not take; nothing to run
-        // the router launch: the shared expert's gate and up (64 tiles) and 257 8-bit rows, a
-        // warp each: 64 blocks of 8 warps, x also in f32 (9 KB) and its 16-element sums
-        let (blocks, per_block, bytes) = resident_launch(64, 257, 2048, sms, smem).unwrap();
-        assert_eq!((blocks, per_block), (64, 1));
-        assert!(bytes >= RESIDENT_MIN_SMEM);
-        // more rows than warps of the tiles' blocks: more blocks, up to one per SM
-        assert_eq!(resident_launch(8, 1000, 2048, sms, smem).unwrap().0, 125);
-        // an lm_head-sized launch does not fit; K the kernel does not take; nothing to run;
-        // too many rows
-        assert_eq!(resident_launch(15_520, 0, 2048, sms, smem), None);
-        assert_eq!(resident_launch(64, 0, 1024, sms, smem), None);
-        assert_eq!(resident_launch(64, 0, 6144, sms, smem), None);
-        assert_eq!(resident_launch(0, 256, 2048, sms, smem), None);
-        assert_eq!(resident_launch(64, 2048, 2048, sms, smem), None);
+        assert_eq!(resident_launch(15_520, 2048, sms, smem), None);
+        assert_eq!(resident_launch(64, 1024, sms, smem), None);
+        assert_eq!(resident_launch(64, 6144, sms, smem), None);
+        assert_eq!(resident_launch(0, 2048, sms, smem), None);
     }
 
     #[test]
