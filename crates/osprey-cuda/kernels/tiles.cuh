@@ -78,6 +78,37 @@ __device__ __forceinline__ uint32_t pack_s8(const int* v) {
     return (uint32_t)(v[0] & 0xFF) | ((uint32_t)(v[1] & 0xFF) << 8) | ((uint32_t)(v[2] & 0xFF) << 16) | ((uint32_t)(v[3] & 0xFF) << 24);
 }
 
+// Slot idx (8 consecutive threads per group) of x's two-signed-byte form from its 8 values v:
+// the group's scale from the largest magnitude of its 8 slots (shuffles: every lane of the warp
+// must call), hi and lo bytes packed as the fragments take them, (scale, Σx) by the group's first
+// slot.
+__device__ __forceinline__ void write_slot(const float* v, int idx, bool active, uint4* xb8, float2* gx) {
+    float mx = 0.f, sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        mx = fmaxf(mx, fabsf(v[j]));
+        sum += v[j];
+    }
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) {
+        mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
+        sum += __shfl_xor_sync(FULL_MASK, sum, o);
+    }
+    const float s = mx / 127.f, inv = mx > 0.f ? 127.f / mx : 0.f;
+    int h[8], l[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        h[j] = __float2int_rn(v[j] * inv);
+        l[j] = max(-127, min(127, __float2int_rn((v[j] - (float)h[j] * s) * inv * 254.f)));
+    }
+    const int h0[4] = {h[0], h[2], h[4], h[6]}, h1[4] = {h[1], h[3], h[5], h[7]};
+    const int l0[4] = {l[0], l[2], l[4], l[6]}, l1[4] = {l[1], l[3], l[5], l[7]};
+    if (active) {
+        xb8[idx] = make_uint4(pack_s8(h0), pack_s8(h1), pack_s8(l0), pack_s8(l1));
+        if ((idx & 7) == 0) gx[idx >> 3] = make_float2(s, sum);
+    }
+}
+
 __device__ __forceinline__ void build_x_s8(const float* xs, int K, uint4* xb8, float2* gx) {
     // 8 consecutive threads per group: thread (T, q) of group G holds the 8 elements its fragments
     // take; the passes are block-uniform so every lane of a warp meets the shuffles
@@ -85,32 +116,11 @@ __device__ __forceinline__ void build_x_s8(const float* xs, int K, uint4* xb8, f
     for (int pass = 0; pass < items; pass += blockDim.x) {
         const int idx = pass + threadIdx.x;
         const bool active = idx < items;
-        const int G = idx >> 3, T = (idx >> 2) & 1, q = idx & 3, e0 = G * 64 + 8 * (2 * q + T);
-        float v[8], mx = 0.f, sum = 0.f;
+        const int T = (idx >> 2) & 1, q = idx & 3, e0 = (idx >> 3) * 64 + 8 * (2 * q + T);
+        float v[8];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            v[j] = active ? xs[pad_idx(e0 + j)] : 0.f;
-            mx = fmaxf(mx, fabsf(v[j]));
-            sum += v[j];
-        }
-#pragma unroll
-        for (int o = 1; o < 8; o <<= 1) {
-            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
-            sum += __shfl_xor_sync(FULL_MASK, sum, o);
-        }
-        const float s = mx / 127.f, inv = mx > 0.f ? 127.f / mx : 0.f;
-        int h[8], l[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            h[j] = __float2int_rn(v[j] * inv);
-            l[j] = max(-127, min(127, __float2int_rn((v[j] - (float)h[j] * s) * inv * 254.f)));
-        }
-        const int h0[4] = {h[0], h[2], h[4], h[6]}, h1[4] = {h[1], h[3], h[5], h[7]};
-        const int l0[4] = {l[0], l[2], l[4], l[6]}, l1[4] = {l[1], l[3], l[5], l[7]};
-        if (active) {
-            xb8[idx] = make_uint4(pack_s8(h0), pack_s8(h1), pack_s8(l0), pack_s8(l1));
-            if ((idx & 7) == 0) gx[G] = make_float2(s, sum);
-        }
+        for (int j = 0; j < 8; ++j) v[j] = active ? xs[pad_idx(e0 + j)] : 0.f;
+        write_slot(v, idx, active, xb8, gx);
     }
 }
 
@@ -282,29 +292,6 @@ __device__ __forceinline__ void resident_input(const XInput& a, uint4* xb8, floa
     for (int r = 0; r < 2; ++r) {
         const int idx = threadIdx.x + r * blockDim.x;
         if (r * (int)blockDim.x >= items) break;  // block-uniform: every lane meets the shuffles
-        float mx = 0.f, sum = 0.f;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            mx = fmaxf(mx, fabsf(v[r][j]));
-            sum += v[r][j];
-        }
-#pragma unroll
-        for (int o = 1; o < 8; o <<= 1) {
-            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
-            sum += __shfl_xor_sync(FULL_MASK, sum, o);
-        }
-        const float s = mx / 127.f, inv = mx > 0.f ? 127.f / mx : 0.f;
-        int h[8], l[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            h[j] = __float2int_rn(v[r][j] * inv);
-            l[j] = max(-127, min(127, __float2int_rn((v[r][j] - (float)h[j] * s) * inv * 254.f)));
-        }
-        const int h0[4] = {h[0], h[2], h[4], h[6]}, h1[4] = {h[1], h[3], h[5], h[7]};
-        const int l0[4] = {l[0], l[2], l[4], l[6]}, l1[4] = {l[1], l[3], l[5], l[7]};
-        if (idx < items) {
-            xb8[idx] = make_uint4(pack_s8(h0), pack_s8(h1), pack_s8(l0), pack_s8(l1));
-            if ((idx & 7) == 0) gx[idx >> 3] = make_float2(s, sum);
-        }
+        write_slot(v[r], idx, idx < items, xb8, gx);
     }
 }
