@@ -26,8 +26,8 @@
 // Ceiling: bytes of codes + scales + biases / ~3.7 TB/s streaming read (budget.md); one thread
 // per SM bulk-copying 16 KB requests streams 4.5-4.75 TB/s (bench/kernels/tma_read.cu).
 // Measured (H200, full-size model, inside the decode graph: what issuing the family twice adds
-// to a step), commit 077879e+: GDN in_proj 8.2 us (14.2 MB = 1.7 TB/s; gemv_q_tiles took 12.1),
-// GDN out_proj 6.4 us, lm_head 100 us (286 MB = 2.9 TB/s, 77%). What bounds gemv_q_resident:
+// to a step), commit fbda03f: GDN in_proj 8.1 us (14.2 MB = 1.7 TB/s; gemv_q_tiles took 12.1),
+// GDN out_proj 6.2 us, lm_head 105 us (286 MB = 2.7 TB/s, 74%). What bounds gemv_q_resident:
 // the wait and its prologue (~1 + ~2 us, chained) and the multiply from shared memory (~2.9 us
 // for in_proj's 6 tiles, shared-memory and issue throughput; bench/kernels/gemv_resident.cu).
 #include "tiles.cuh"
@@ -339,7 +339,8 @@ extern "C" __global__ void __launch_bounds__(256, 3) gemv_q_tiles(GemvArgs a) { 
 // (decoder.rs OVERLAP_ENV): its blocks start while the predecessor runs and the weights stream
 // under it. A block takes at least half an SM's shared memory (the host pads it): blocks placed
 // early would otherwise land two on the SMs that free up first and leave others idle (measured:
-// 443 tok/s padded with every kernel under programmatic launch, 411 unpadded).
+// 442 tok/s padded with every kernel under programmatic launch, 411 unpadded; launched early
+// alone, padded: 463; bench/results/cuda-decode-overlap-resident.json).
 // The multiply (quad_dot) and the prologue (resident_input) are in tiles.cuh, shared with moe.cu.
 // Measured (bench/kernels/gemv_resident.cu, chains of 30 launches of one shape with programmatic
 // dependent launch, H200): in_proj 5.9 us (gemv_q_tiles 12.5; its bytes at 4.3 TB/s: 3.3), q|k|v

@@ -24,7 +24,9 @@
 // to a step): commit b3b9f4f (a warp per row, f32 FMAs): gate/up with the selection 12.0 us,
 // down 8.4 us; commit 072c82a (register tiles): gate/up 11.1 us for 8.4 MB (0.76 TB/s: the launch,
 // the prologue and the selection before the first weight request dominate), down 6.3 us for
-// 4.7 MB (0.75 TB/s).
+// 4.7 MB (0.75 TB/s); commit fbda03f (gate/up tiles by bulk copies, multiplied from shared
+// memory): gate/up 8.4 us (1.0 TB/s), down 6.6 us. Standalone (bench/kernels/moe_decode.cu):
+// gate/up 9.6 us, down 6.5 us.
 #include "tiles.cuh"
 
 // routed + shared down activations: (k + 1) * I elements (11 * 512 for Qwen3-Next's top-10)

@@ -79,8 +79,8 @@ const PREFETCH_MAX_BYTES: usize = 32 << 20;
 /// launch for gemv_q_resident only (its blocks start while the predecessor runs and request
 /// their weights before waiting on it), `pdl` for every kernel, `1` that with the GEMVs' L2
 /// prefetches, `prefetch` the prefetches alone (at kernel start, under the prologue), `0` plain
-/// graph launches. Measured with gemv_q_resident at 4K context: 464 tok/s `resident`, 449 `0`,
-/// 443 `pdl` (bench/results/cuda-decode-overlap-resident.json; with gemv_q_stream, before it,
+/// graph launches. Measured with gemv_q_resident at 4K context: 463 tok/s `resident`, 448 `0`,
+/// 442 `pdl` (bench/results/cuda-decode-overlap-resident.json; with gemv_q_stream, before it,
 /// `pdl` was 1% faster than `0`: cuda-decode-overlap-pdl-072c82a.json).
 const OVERLAP_ENV: &str = "OSPREY_CUDA_OVERLAP";
 
@@ -89,7 +89,8 @@ const OVERLAP_ENV: &str = "OSPREY_CUDA_OVERLAP";
 struct StepOverlap {
     /// Launch with programmatic stream serialization (griddepcontrol in the kernels).
     pdl: bool,
-    /// Only gemv_q_resident launches with it (its copies overlap the predecessor).
+    /// gemv_q_resident launches with it (`resident`: the only ones that do; their copies then
+    /// overlap the predecessor).
     pdl_resident: bool,
     /// GEMVs of at most PREFETCH_MAX_BYTES ask L2 for their weights first thing.
     prefetch: bool,
@@ -621,7 +622,8 @@ impl CudaDecoder {
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             gate_up_smem(c.hidden_size) as i32,
         )?;
-        // all of the unified memory as shared memory, so that two resident blocks fit on an SM
+        // all of the unified memory as shared memory: a resident block takes over half of it and
+        // its neighbours' blocks must fit beside it
         f.gemv_resident.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
             100,
