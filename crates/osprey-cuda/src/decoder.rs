@@ -75,13 +75,16 @@ fn gate_up_smem(hidden: usize) -> usize {
 
 /// Largest GEMV whose weights are prefetched into L2 (60 MB) while its predecessor drains.
 const PREFETCH_MAX_BYTES: usize = 32 << 20;
-/// How the decode step's kernels may overlap: `resident` (the default) programmatic dependent
-/// launch for gemv_q_resident only (its blocks start while the predecessor runs and request
-/// their weights before waiting on it), `pdl` for every kernel, `1` that with the GEMVs' L2
-/// prefetches, `prefetch` the prefetches alone (at kernel start, under the prologue), `0` plain
-/// graph launches. Measured with gemv_q_resident at 4K context: 463 tok/s `resident`, 448 `0`,
-/// 442 `pdl` (bench/results/cuda-decode-overlap-resident.json; with gemv_q_stream, before it,
-/// `pdl` was 1% faster than `0`: cuda-decode-overlap-pdl-072c82a.json).
+/// How the decode step's kernels may overlap: `early` (the default) programmatic dependent launch
+/// for the kernels that read something no kernel of the step writes before waiting on their
+/// predecessor: gemv_q_resident (its whole share of the weights) and gdn_step (its layer's
+/// recurrent state); `pdl` for every kernel, `1` that with the GEMVs' L2 prefetches, `prefetch`
+/// the prefetches alone (at kernel start, under the prologue), `0` plain graph launches.
+/// Measured at 4K context: gemv_q_resident alone early 463 tok/s, none 448, every kernel 442
+/// (bench/results/cuda-decode-overlap-resident.json); with gdn_step early too 498 vs 488, the
+/// MoE down, gate/up or attention kernels early no gain (cuda-decode-early-launch.json). With
+/// gemv_q_stream, before gemv_q_resident, `pdl` was 1% faster than `0`
+/// (cuda-decode-overlap-pdl-072c82a.json).
 const OVERLAP_ENV: &str = "OSPREY_CUDA_OVERLAP";
 
 /// See `OVERLAP_ENV`.
@@ -89,9 +92,9 @@ const OVERLAP_ENV: &str = "OSPREY_CUDA_OVERLAP";
 struct StepOverlap {
     /// Launch with programmatic stream serialization (griddepcontrol in the kernels).
     pdl: bool,
-    /// gemv_q_resident launches with it (`resident`: the only ones that do; their copies then
-    /// overlap the predecessor).
-    pdl_resident: bool,
+    /// gemv_q_resident and gdn_step launch with it (`early`: the only ones that do; what they
+    /// read before the wait then overlaps the predecessor).
+    early: bool,
     /// GEMVs of at most PREFETCH_MAX_BYTES ask L2 for their weights first thing.
     prefetch: bool,
 }
@@ -101,32 +104,32 @@ impl StepOverlap {
         match std::env::var(OVERLAP_ENV).as_deref() {
             Ok("1") => StepOverlap {
                 pdl: true,
-                pdl_resident: true,
+                early: true,
                 prefetch: true,
             },
             Ok("pdl") => StepOverlap {
                 pdl: true,
-                pdl_resident: true,
+                early: true,
                 prefetch: false,
             },
-            Ok("resident") => StepOverlap {
+            Ok("early") => StepOverlap {
                 pdl: false,
-                pdl_resident: true,
+                early: true,
                 prefetch: false,
             },
             Ok("prefetch") => StepOverlap {
                 pdl: false,
-                pdl_resident: false,
+                early: false,
                 prefetch: true,
             },
             Ok("0") => StepOverlap {
                 pdl: false,
-                pdl_resident: false,
+                early: false,
                 prefetch: false,
             },
             _ => StepOverlap {
                 pdl: false,
-                pdl_resident: true,
+                early: true,
                 prefetch: false,
             },
         }
@@ -773,7 +776,7 @@ impl CudaDecoder {
                     &self.f.gemv_resident,
                     cfg,
                     &mut [&a as *const GemvArgs as *mut c_void],
-                    self.overlap.pdl_resident,
+                    self.overlap.pdl || self.overlap.early,
                 );
             }
         }
@@ -970,10 +973,11 @@ impl CudaDecoder {
                     };
                     timed!(
                         "gdn step (conv, l2, delta rule)",
-                        self.launch_step(
+                        self.launch_params(
                             &self.f.gdn,
                             launch_cfg((c.linear_num_value_heads as u32, 4), 256),
-                            &ga
+                            &mut [&ga as *const GdnArgs as *mut c_void],
+                            self.overlap.pdl || self.overlap.early,
                         )?
                     );
                     let gated = Prologue::GatedHeadNorm {
