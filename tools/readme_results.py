@@ -129,7 +129,9 @@ def checks():
     ]
     rows = ["| check | tiny | full width, 4 layers | limit |", "|---|---|---|---|"]
     rows += [f"| {name} | {f(tiny)} | {f(full4)} | {lim} |" for name, f, lim in items]
-    return "\n".join(rows) + source(tiny, "cuda-check-*.json")
+    if tiny.get("commit") == full4.get("commit"):
+        return "\n".join(rows) + source(tiny, "cuda-check-*.json")
+    return "\n".join(rows) + source(tiny, "cuda-check-tiny.json") + "<br>" + source(full4, "cuda-check-fullwidth-4l.json").strip()
 
 
 def compare():
