@@ -56,7 +56,8 @@ fn resident_launch(
         per_block * 16 * (k / 2 + 2 * groups * 2) + groups * 8 * 16 + groups * 8 + 32 * 4 + 8;
     // at least half an SM's shared memory, so that blocks launched early (programmatic dependent
     // launch) land one per SM instead of two on the SMs that free up first
-    (bytes <= smem).then_some((blocks, per_block, bytes.max(RESIDENT_MIN_SMEM)))
+    // (never more than a block may take: on a part with less shared memory the padding is moot)
+    (bytes <= smem).then_some((blocks, per_block, bytes.max(RESIDENT_MIN_SMEM).min(smem)))
 }
 
 /// Dynamic shared memory of a moe_gate_up block (moe.cu): a 16-row gate and up tile pair's
@@ -1628,6 +1629,8 @@ mod tests {
         assert_eq!(resident_launch(64, 1024, sms, smem), None);
         assert_eq!(resident_launch(64, 6144, sms, smem), None);
         assert_eq!(resident_launch(0, 2048, sms, smem), None);
+        // less shared memory than the padding: padded only up to what a block may take
+        assert_eq!(resident_launch(128, 4096, sms, 100_000).unwrap().2, 100_000);
     }
 
     #[test]
