@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(32 * (MAX_TOPK + 1)) moe_down_resident(DownArg
     float2* gx = reinterpret_cast<float2*>(xb8 + Kv / 64 * 8);
     float* part = reinterpret_cast<float*>(gx + Kv / 64);  // [unit][16]
     uint64_t* full = reinterpret_cast<uint64_t*>(part + segs * quads * 16);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
     step_overlap_begin();
     step_inputs_ready();
     auto seg_rows = [&](int s, ExpertStack& st) {
@@ -87,10 +87,7 @@ __global__ void __launch_bounds__(32 * (MAX_TOPK + 1)) moe_down_resident(DownArg
         load_quad_x(xb8 + s * gps * 8, gx + s * gps, gq, X);
         float yA = 0.f, yB = 0.f;
         quad_dot(codes + s * 16 * (I / 2), scales + s * 16 * gps, biases + s * 16 * gps, I, gq, X, yA, yB);
-        if ((lane & 3) == (((lane >> 2) & 3) >> 1)) {
-            part[un * 16 + (lane >> 2)] = yA;
-            part[un * 16 + (lane >> 2) + 8] = yB;
-        }
+        store_quad_sums(part + un * 16, yA, yB);
     }
     __syncthreads();
     if (threadIdx.x < 16 && row0 + threadIdx.x < a.H) {

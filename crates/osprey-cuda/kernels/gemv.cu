@@ -391,7 +391,7 @@ extern "C" __global__ void __launch_bounds__(RES_WARPS * 32, 2) gemv_q_resident(
     step_inputs_ready();
     resident_input(XInput{a.x, a.norm_weight, a.gate_z, a.head_norm, a.eps, a.K, a.head_dim}, xb8, gx, scratch);
     __syncthreads();  // also publishes the barrier's initialisation
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g0 = warp * gpr / RES_WARPS, quads = gpr / (4 * RES_WARPS);
+    const int warp = threadIdx.x >> 5, g0 = warp * gpr / RES_WARPS, quads = gpr / (4 * RES_WARPS);
     QuadX X;
     if (quads == 1) load_quad_x(xb8, gx, g0, X);
     mbar_wait(full, 0);
@@ -413,11 +413,7 @@ extern "C" __global__ void __launch_bounds__(RES_WARPS * 32, 2) gemv_q_resident(
             }
         }
         __syncwarp();
-        float* part = reinterpret_cast<float*>(stage + g0 * 32);
-        if ((lane & 3) == (((lane >> 2) & 3) >> 1)) {
-            part[lane >> 2] = yA;
-            part[(lane >> 2) + 8] = yB;
-        }
+        store_quad_sums(reinterpret_cast<float*>(stage + g0 * 32), yA, yB);
     }
     __syncthreads();
     for (int o = threadIdx.x; o < n * 16; o += blockDim.x) {

@@ -165,7 +165,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(GateUpArgs a) {
     }
     resident_input(XInput{a.x, a.norm_weight, nullptr, nullptr, a.eps, H, 0}, xb8, gx, scratch);
     __syncthreads();  // x's bytes, the selection and the barrier's initialisation
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
     mbar_wait(full, 0);
     QuadX X;
     for (int un = warp; un < units; un += 8) {
@@ -173,10 +173,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(GateUpArgs a) {
         load_quad_x(xb8, gx, gq, X);
         float yA = 0.f, yB = 0.f;
         quad_dot(codes + t * 16 * (H / 2), scales + t * 16 * gpr, biases + t * 16 * gpr, H, gq, X, yA, yB);
-        if ((lane & 3) == (((lane >> 2) & 3) >> 1)) {
-            part[un * 16 + (lane >> 2)] = yA;
-            part[un * 16 + (lane >> 2) + 8] = yB;
-        }
+        store_quad_sums(part + un * 16, yA, yB);
     }
     __syncthreads();
     if (threadIdx.x < 16) {

@@ -229,6 +229,16 @@ __device__ __forceinline__ void quad_dot(const char* stage, const __nv_bfloat16*
     }
 }
 
+// A warp's 16 row sums after quad_dot, into part[0..16): lane (g, q) with q == (g mod 4) / 2
+// holds rows g and g + 8 (the other lanes' columns are mismatched groups).
+__device__ __forceinline__ void store_quad_sums(float* part, float yA, float yB) {
+    const int lane = threadIdx.x & 31, g = lane >> 2;
+    if ((lane & 3) == ((g & 3) >> 1)) {
+        part[g] = yA;
+        part[g + 8] = yB;
+    }
+}
+
 // The prologue straight into the tiles' two-signed-byte form (no f32 copy of x kept): thread t
 // takes the 8 consecutive elements that fragment slot t of build_x_s8 takes (K/8 slots, at most
 // two per thread), RMS-normalised over K with a weight, or per head and gated by silu(z).
