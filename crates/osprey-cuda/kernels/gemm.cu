@@ -32,8 +32,8 @@
 // the hot spots wait for the shared-memory pipe to accept cp.async copies and the dequantisation's
 // loads (~160 KB pass through shared memory per 64-wide K group), but taking the weight tile out of
 // shared memory did not help (below): the dequantisation between two barriers per group, with 8
-// warps per SM, is the wall; next: fewer instructions per weight (scale applied per group after
-// the MMA). Routed gate/up 31.5 -> 28.0 ms; the down projection (K = 512) stays on mma.sync (20.1
+// warps per SM, is the wall (applying the scale per group after the MMA instead would save ~64
+// instructions per thread and group but cost 128 accumulator FMAs at 128 positions). Routed gate/up 31.5 -> 28.0 ms; the down projection (K = 512) stays on mma.sync (20.1
 // ms; 23.3 with wgmma). Dropped: a mma.sync kernel with ldmatrix and shared-memory dequantisation
 // (256 x 128 tiles, 28.1 ms on in_proj); producer/consumer warpgroups over named barriers (15-25%
 // slower, commit 201c26b); the weights as wgmma's A operand from registers (in_proj 26.5 vs 23.9
