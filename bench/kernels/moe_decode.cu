@@ -70,14 +70,7 @@ __global__ void __launch_bounds__(32 * (MAX_TOPK + 1)) moe_down_resident(DownArg
         cp_async16((kind ? biases : scales) + s * 16 * gps + j * 8, src, true);
     }
     asm volatile("cp.async.commit_group;\n" ::);
-    // h is already weighted (moe_gate_up): into shared memory, then as signed-byte fragments
-    for (int i = threadIdx.x; i < Kv / 4; i += blockDim.x) {
-        const float4 v = __ldcg(reinterpret_cast<const float4*>(a.h) + i);
-        float* d = hs + pad_idx(4 * i);
-        d[0] = v.x; d[1] = v.y; d[2] = v.z; d[3] = v.w;
-    }
-    __syncthreads();
-    build_x_s8(hs, Kv, xb8, gx);
+    load_h_bytes(a.h, Kv, hs, xb8, gx);
     asm volatile("cp.async.wait_all;\n" ::);
     __syncthreads();
     mbar_wait(full, 0);

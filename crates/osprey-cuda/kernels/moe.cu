@@ -196,6 +196,18 @@ struct DownArgs {
     int H, I, k;
 };
 
+// h (Kv floats, already weighted by moe_gate_up) into shared memory (padded, hs), then as
+// signed-byte fragments (xb8, gx); the caller's barrier publishes them.
+__device__ __forceinline__ void load_h_bytes(const float* h, int Kv, float* hs, uint4* xb8, float2* gx) {
+    for (int i = threadIdx.x; i < Kv / 4; i += blockDim.x) {
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(h) + i);
+        float* d = hs + pad_idx(4 * i);
+        d[0] = v.x; d[1] = v.y; d[2] = v.z; d[3] = v.w;
+    }
+    __syncthreads();
+    build_x_s8(hs, Kv, xb8, gx);
+}
+
 // One block per 16 output rows; warp s multiplies segment s (routed slot s, or the shared expert
 // for s = k) of the tile's rows: I/64 groups, two batches of 4 requested at a time.
 extern "C" __global__ void __launch_bounds__(32 * (MAX_TOPK + 1)) moe_down(DownArgs a) {
@@ -218,14 +230,7 @@ extern "C" __global__ void __launch_bounds__(32 * (MAX_TOPK + 1)) moe_down(DownA
 #pragma unroll
     for (int j = 0; j < 2; ++j)
         if (j * TILE_BATCH < gps) tile_load(rows, I, row0, j * TILE_BATCH, gps, b[j]);
-    // h is already weighted (moe_gate_up): into shared memory, then as signed-byte fragments
-    for (int i = threadIdx.x; i < Kv / 4; i += blockDim.x) {
-        const float4 v = __ldcg(reinterpret_cast<const float4*>(a.h) + i);
-        float* d = hs + pad_idx(4 * i);
-        d[0] = v.x; d[1] = v.y; d[2] = v.z; d[3] = v.w;
-    }
-    __syncthreads();
-    build_x_s8(hs, Kv, xb8, gx);
+    load_h_bytes(a.h, Kv, hs, xb8, gx);
     __syncthreads();
     const uint4* xq = xb8 + warp * gps * 8 + (lane & 3);
     const float2* gxs = gx + warp * gps;
