@@ -5,12 +5,12 @@
 //                  128 up to 32K positions, then one per 256 (up to 512 at 128K). The grid is the
 //                  resident blocks (2 per SM, fixed so the CUDA graph never changes), walking the
 //                  (KV head, split) items. An item is a contiguous range of positions of one KV
-//                  head for all of its (up to 8) query heads: the block's 4 warps take batches
-//                  of 4 positions each (every K/V row read once, by one warp), the next batch's
-//                  loads in flight while this one is used; a lane holds 8 dims of all 8 heads, the
-//                  32 partial scores of a batch are summed by a transposing butterfly (31
-//                  shuffles, lane l ends with score l); online softmax in fp32; the warps merge
-//                  through shared memory in a fixed order.
+//                  head for all of its (up to 8) query heads: the block's 4 warps take steps of 8
+//                  positions each (every K/V row read once, by one warp, straight into registers),
+//                  the next step's loads in flight while this one is used; scores and weighted
+//                  values on the tensor cores (mma.sync bf16, f32 accumulate; layout at the
+//                  kernel), online softmax in fp32; the warps merge through shared memory in a
+//                  fixed order.
 //   attn_combine — merges the splits (warps over splits, lanes over dims, several splits' loads in
 //                  flight), applies the sigmoid output gate. Grid Hq.
 // Shapes: head_dim D = 256 (8 dims per lane), Hq = 16, Hkv = 2.
@@ -20,6 +20,10 @@
 // positions on that grid (8 warps, 1 block per SM, so the 256 busy blocks ran in two waves
 // among 768 idle ones): 19.3 us; resident blocks walking items: 11.8 us at 4K (8 MB, 0.7 TB/s:
 // launch, q staging and the merge dominate). Whole decode step at 128K: 154 -> 213 -> 257 tok/s.
+// Scores and values on the tensor cores (this form; the CUDA-core form before it spent ~170 warp
+// instructions per position and was issue-bound): 12.2 -> 8.1 us at 4K, ~123 -> ~92 us per layer
+// at 128K (268 MB: ~2.9 TB/s); step at 128K 319 -> 356 tok/s
+// (bench/results/cuda-decode-attention-tensor-cores.json).
 #include "common.cuh"
 
 #define D 256
@@ -89,210 +93,189 @@ struct DecodeArgs {
 
 // Query heads per KV head the kernel is laid out for (fewer are padded with zero queries).
 #define G 8
-// Positions a warp takes at once: G·PB = 32 scores, one per lane after the butterfly reduction.
-#define PB 4
-
-// One stage of the transposing butterfly below: lanes with bit HALF set keep the upper half of
-// their values and send the lower, the others the reverse; each kept value adds its partner's.
-template <int HALF>
-__device__ __forceinline__ void butterfly_stage(float (&v)[32], int lane) {
-    const bool upper = lane & HALF;
-#pragma unroll
-    for (int i = 0; i < HALF; ++i) {
-        const float send = upper ? v[i] : v[i + HALF];
-        const float keep = upper ? v[i + HALF] : v[i];
-        v[i] = keep + __shfl_xor_sync(FULL_MASK, send, HALF);
-    }
-}
-
-// Sums 32 per-lane partial values across the warp with 31 shuffles (a transposing butterfly):
-// afterwards lane l holds the full sum of value l.
-__device__ __forceinline__ float butterfly_sum32(float (&v)[32]) {
-    const int lane = threadIdx.x & 31;
-    butterfly_stage<16>(v, lane);
-    butterfly_stage<8>(v, lane);
-    butterfly_stage<4>(v, lane);
-    butterfly_stage<2>(v, lane);
-    butterfly_stage<1>(v, lane);
-    return v[0];
-}
-
-struct KvBatch {
-    uint4 k[PB], v[PB];
-};
-
-__device__ __forceinline__ void load_kv(const DecodeArgs& a, int g, int p, int p1, KvBatch& b) {
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int j = 0; j < PB; ++j) {
-        const int pj = min(p + j, p1 - 1);
-        const size_t at = ((size_t)pj * a.hkv + g) * D + lane * 8;
-        b.k[j] = __ldcs(reinterpret_cast<const uint4*>(a.k_cache + at));
-        b.v[j] = __ldcs(reinterpret_cast<const uint4*>(a.v_cache + at));
-    }
-}
-
-// Warps per block: 4, so two blocks fit on an SM (the kernel holds ~225 registers per thread).
+// Positions a warp takes at once: one n8 tile of scores.
+#define PSTEP 8
+// Warps per block: 4, so two blocks fit on an SM (~200 registers per thread).
 #define WARPS 4
 
+// D += A·B for one m16n8k8 tile: A 16x8 bf16, B 8x8 bf16, f32 accumulate.
+__device__ __forceinline__ void mma_bf16_k8(float* d, uint32_t a0, uint32_t a1, uint32_t b0) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(b0));
+}
+
+// The K/V of one warp step (PSTEP positions from p) as lane (g, q) multiplies them:
+//   k[u]: 16-byte piece 4u + q of the K row of position p + g (dims 8(4u + q) .. +7), u < 8;
+//   v[j], v[4 + j]: piece 8j + g of the V rows of positions p + 2q and p + 2q + 1, j < 4.
+// Both are coalesced: the 4 lanes of a K row read 64 contiguous bytes per load, the 8 lanes of a
+// V row 128. Positions past p1 repeat the last one (their scores are masked).
+struct KvStep {
+    uint4 k[8], v[8];
+};
+
+__device__ __forceinline__ void load_kv_step(const DecodeArgs& a, int kvh, int p, int p1, KvStep& b) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const uint4* kr = reinterpret_cast<const uint4*>(a.k_cache + ((size_t)min(p + g, p1 - 1) * a.hkv + kvh) * D);
+    const uint4* v0 = reinterpret_cast<const uint4*>(a.v_cache + ((size_t)min(p + 2 * q, p1 - 1) * a.hkv + kvh) * D);
+    const uint4* v1 = reinterpret_cast<const uint4*>(a.v_cache + ((size_t)min(p + 2 * q + 1, p1 - 1) * a.hkv + kvh) * D);
+#pragma unroll
+    for (int u = 0; u < 8; ++u) b.k[u] = __ldcs(kr + 4 * u + q);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        b.v[j] = __ldcs(v0 + 8 * j + g);
+        b.v[4 + j] = __ldcs(v1 + 8 * j + g);
+    }
+}
+
+__device__ __forceinline__ uint32_t word_of(const uint4& u, int w) { return w == 0 ? u.x : w == 1 ? u.y : w == 2 ? u.z : u.w; }
+
+// One warp step: the scores of PSTEP positions from p, the online softmax (head g's maximum m,
+// this lane's share l of its sum) and the weighted values into acc (layout above).
+__device__ __forceinline__ void attend_step(const uint2 (*qfrag)[32], const KvStep& kv, int p, int p1, float& m, float& l,
+                                            float (&acc)[16][4]) {
+    const int lane = threadIdx.x & 31, q = lane & 3;
+    float se[4] = {0.f, 0.f, 0.f, 0.f}, so[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+        const uint2 qe = qfrag[2 * u][lane], qo = qfrag[2 * u + 1][lane];
+        mma_bf16(se, qe.x, 0u, qe.y, 0u, kv.k[u].x, kv.k[u].y);
+        mma_bf16(so, qo.x, 0u, qo.y, 0u, kv.k[u].z, kv.k[u].w);
+    }
+    // scores of head g at positions p + 2q, p + 2q + 1
+    const float x0 = p + 2 * q < p1 ? se[0] + so[0] : -INFINITY;
+    const float x1 = p + 2 * q + 1 < p1 ? se[1] + so[1] : -INFINITY;
+    float bm = fmaxf(x0, x1);
+    bm = fmaxf(bm, __shfl_xor_sync(FULL_MASK, bm, 1));
+    bm = fmaxf(bm, __shfl_xor_sync(FULL_MASK, bm, 2));
+    const float m_new = fmaxf(m, bm);  // finite: position p is visible
+    const float corr = __expf(m - m_new), e0 = __expf(x0 - m_new), e1 = __expf(x1 - m_new);
+    l = l * corr + (e0 + e1);
+    m = m_new;
+    // acc's columns are heads 2q and 2q + 1, whose corrections lanes 8q and 8q + 4 hold
+    const float c0 = __shfl_sync(FULL_MASK, corr, 8 * q), c1 = __shfl_sync(FULL_MASK, corr, 8 * q + 4);
+    if (!__all_sync(FULL_MASK, c0 == 1.f && c1 == 1.f)) {
+#pragma unroll
+        for (int t = 0; t < 16; ++t) {
+            acc[t][0] *= c0; acc[t][1] *= c1; acc[t][2] *= c0; acc[t][3] *= c1;
+        }
+    }
+    const uint32_t pb = pack_bf16(e0, e1);
+#pragma unroll
+    for (int t = 0; t < 16; ++t) {
+        const uint32_t x = word_of(kv.v[t / 4], t % 4), y = word_of(kv.v[4 + t / 4], t % 4);
+        mma_bf16_k8(acc[t], __byte_perm(x, y, 0x5410), __byte_perm(x, y, 0x7632), pb);
+    }
+}
+
+// The GQA group's scores and weighted values on the tensor cores (mma.sync, bf16 in, f32
+// accumulate). A dot product or a weighted sum does not depend on the order of its terms, so
+// each operand is read in whatever order its loads deliver, as long as both sides of a product
+// agree:
+//   scores S (16 x 8: heads padded to 16, rows 8..15 zero; 8 positions) = Q (16 x 256) · K^T,
+//     16 m16n8k16 steps; step s takes, in lane (g, q), dims 8(4⌊s/2⌋ + q) + 4(s mod 2) + {0,1}
+//     (fragment k 2q, 2q+1) and + {2,3} (k 2q + 8, 2q + 9) of both Q row g and K row g.
+//   values O^T (256 dims x 8 heads) += V^T (dims x 8 positions) · P^T, 16 m16n8k8 tiles; tile t
+//     takes in lane (g, q) word t mod 4 of V piece 8⌊t/4⌋ + g of positions 2q and 2q + 1: its low
+//     halves are fragment row g, its high halves row g + 8 (two byte permutes per tile); P^T's
+//     fragment (positions 2q, 2q + 1 of head g) is exactly lane (g, q)'s two scores after the
+//     softmax, so P never leaves the registers.
+// Lane (g, q) ends holding O[heads 2q, 2q + 1] at dims 8(8⌊t/4⌋ + g) + 2(t mod 4) (+1 for c2, c3).
+// Q is rounded to bf16 (as K and V are stored) and P to bf16 for the product with V (f32 sums).
 extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) attn_decode(DecodeArgs a) {
-    __shared__ __align__(16) float qs[G][D];
-    __shared__ __align__(16) float merge_acc[WARPS / 2][G][D];
+    __shared__ uint2 qfrag[16][32];  // [k step][lane]: Q's a0, a2 (rows 8..15 are zero)
+    __shared__ __align__(16) float merge_acc[WARPS][G][D];
     __shared__ float merge_ml[WARPS][G][2];
     step_overlap_begin();
     step_inputs_ready();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int group = a.hq / a.hkv;
     const int len = *a.pos + 1, used = splits_in_use(len, a.splits);
     const int chunk = (len + used - 1) / used;
     // work items (KV head, split) over a grid of resident blocks: no block waits for a slot
     // behind blocks with nothing to do, whatever the context
     for (int item = blockIdx.x; item < a.hkv * used; item += gridDim.x) {
-        const int g = item % a.hkv, split = item / a.hkv;
+        const int kvh = item % a.hkv, split = item / a.hkv;
         const int p0 = split * chunk, p1 = min(len, p0 + chunk);
-        for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
-            const int h = i / D;
-            qs[h][i % D] = h < group ? a.q[(g * group + h) * D + i % D] * a.scale : 0.f;
+        // warp w builds k steps 4w .. 4w + 3 of Q's fragments (scaled, bf16)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int u = 2 * warp + i;
+            float4 x0 = make_float4(0.f, 0.f, 0.f, 0.f), x1 = x0;
+            if (g < group) {
+                const float4* src = reinterpret_cast<const float4*>(a.q + (size_t)(kvh * group + g) * D + 8 * (4 * u + q));
+                x0 = src[0];
+                x1 = src[1];
+            }
+            const float sc = a.scale;
+            qfrag[2 * u][lane] = make_uint2(pack_bf16(x0.x * sc, x0.y * sc), pack_bf16(x0.z * sc, x0.w * sc));
+            qfrag[2 * u + 1][lane] = make_uint2(pack_bf16(x1.x * sc, x1.y * sc), pack_bf16(x1.z * sc, x1.w * sc));
         }
         __syncthreads();
-        // lane l's running softmax state is that of head l / PB (replicated over its PB lanes);
-        // acc[h][i] is dim lane·8 + i of head h
-        float m = -INFINITY, l = 0.f, acc[G][8];
+        // head g's running maximum (lanes of one g agree) and this lane's share of its sum
+        float m = -INFINITY, l = 0.f, acc[16][4];
 #pragma unroll
-        for (int h = 0; h < G; ++h)
-#pragma unroll
-            for (int i = 0; i < 8; ++i) acc[h][i] = 0.f;
-        // warp w takes batches of PB consecutive positions, WARPS·PB apart; the next batch's K/V is
-        // in flight while this one is used
-        const int stride = WARPS * PB;
-        int p = p0 + warp * PB;
-        KvBatch cur, nxt;
-        if (p < p1) load_kv(a, g, p, p1, cur);
-        for (; p < p1; p += stride) {
-            if (p + stride < p1) load_kv(a, g, p + stride, p1, nxt);
-            float kf[PB][8];
-#pragma unroll
-            for (int j = 0; j < PB; ++j) {
-                const __nv_bfloat162* hk = reinterpret_cast<const __nv_bfloat162*>(&cur.k[j]);
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const float2 f = __bfloat1622float2(hk[i]);
-                    kf[j][2 * i] = f.x;
-                    kf[j][2 * i + 1] = f.y;
-                }
-            }
-            float part[G * PB];
-#pragma unroll
-            for (int h = 0; h < G; ++h) {
-                const float4 q0 = *reinterpret_cast<const float4*>(&qs[h][lane * 8]);
-                const float4 q1 = *reinterpret_cast<const float4*>(&qs[h][lane * 8 + 4]);
-#pragma unroll
-                for (int j = 0; j < PB; ++j) {
-                    float d = q0.x * kf[j][0];
-                    d = fmaf(q0.y, kf[j][1], d); d = fmaf(q0.z, kf[j][2], d); d = fmaf(q0.w, kf[j][3], d);
-                    d = fmaf(q1.x, kf[j][4], d); d = fmaf(q1.y, kf[j][5], d); d = fmaf(q1.z, kf[j][6], d);
-                    d = fmaf(q1.w, kf[j][7], d);
-                    part[h * PB + j] = d;
-                }
-            }
-            // lane l now holds the score of head l / PB at position p + l % PB
-            float s = butterfly_sum32(part);
-            if (p + lane % PB >= p1) s = -INFINITY;
-            float bm = s;
-#pragma unroll
-            for (int o = 1; o < PB; o <<= 1) bm = fmaxf(bm, __shfl_xor_sync(FULL_MASK, bm, o));
-            const float m_new = fmaxf(m, bm);
-            const float corr = __expf(m - m_new), w = __expf(s - m_new);
-            float wsum = w;
-#pragma unroll
-            for (int o = 1; o < PB; o <<= 1) wsum += __shfl_xor_sync(FULL_MASK, wsum, o);
-            l = l * corr + wsum;
-            m = m_new;
-#pragma unroll
-            for (int h = 0; h < G; ++h) {
-                const float ch = __shfl_sync(FULL_MASK, corr, h * PB);
-#pragma unroll
-                for (int i = 0; i < 8; ++i) acc[h][i] *= ch;
-            }
-#pragma unroll
-            for (int j = 0; j < PB; ++j) {
-                const __nv_bfloat162* hv = reinterpret_cast<const __nv_bfloat162*>(&cur.v[j]);
-                float vf[8];
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const float2 f = __bfloat1622float2(hv[i]);
-                    vf[2 * i] = f.x;
-                    vf[2 * i + 1] = f.y;
-                }
-#pragma unroll
-                for (int h = 0; h < G; ++h) {
-                    const float wh = __shfl_sync(FULL_MASK, w, h * PB + j);
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[h][i] = fmaf(wh, vf[i], acc[h][i]);
-                }
-            }
-            cur = nxt;
+        for (int t = 0; t < 16; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+        // warp w takes steps of PSTEP positions, WARPS·PSTEP apart; the next step's K/V is in
+        // flight while this one is used
+        const int stride = WARPS * PSTEP;
+        int p = p0 + warp * PSTEP;
+        KvStep buf[2];
+        if (p < p1) load_kv_step(a, kvh, p, p1, buf[0]);
+        // two steps per turn so that the buffers swap roles without a register copy
+        for (; p < p1; p += 2 * stride) {
+            if (p + stride < p1) load_kv_step(a, kvh, p + stride, p1, buf[1]);
+            attend_step(qfrag, buf[0], p, p1, m, l, acc);
+            if (p + stride >= p1) break;
+            if (p + 2 * stride < p1) load_kv_step(a, kvh, p + 2 * stride, p1, buf[0]);
+            attend_step(qfrag, buf[1], p + stride, p1, m, l, acc);
         }
-        // merge the warps: common maximum per head, then a fixed-order tree over shared memory
-        if (lane % PB == 0) {
-            merge_ml[warp][lane / PB][0] = m;
-            merge_ml[warp][lane / PB][1] = l;
+        // merge the warps: common maximum per head, each warp's share scaled to it, summed in a
+        // fixed order through shared memory
+        l += __shfl_xor_sync(FULL_MASK, l, 1);
+        l += __shfl_xor_sync(FULL_MASK, l, 2);
+        if (q == 0) {
+            merge_ml[warp][g][0] = m;
+            merge_ml[warp][g][1] = l;
         }
         __syncthreads();
-        float scale_h[G];
-        float M[G], L[G];
+        float sc[2];
 #pragma unroll
-        for (int h = 0; h < G; ++h) {
-            M[h] = -INFINITY;
-            for (int w2 = 0; w2 < WARPS; ++w2) M[h] = fmaxf(M[h], merge_ml[w2][h][0]);
-            L[h] = 0.f;
-            for (int w2 = 0; w2 < WARPS; ++w2) {
-                const float mw = merge_ml[w2][h][0];
-                L[h] += mw == -INFINITY ? 0.f : merge_ml[w2][h][1] * __expf(mw - M[h]);
-            }
+        for (int c = 0; c < 2; ++c) {
+            const int h = 2 * q + c;
+            float M = -INFINITY;
+            for (int w2 = 0; w2 < WARPS; ++w2) M = fmaxf(M, merge_ml[w2][h][0]);
             const float mine = merge_ml[warp][h][0];
-            scale_h[h] = mine == -INFINITY ? 0.f : __expf(mine - M[h]);
+            sc[c] = mine == -INFINITY ? 0.f : __expf(mine - M);
         }
 #pragma unroll
-        for (int h = 0; h < G; ++h)
-#pragma unroll
-            for (int i = 0; i < 8; ++i) acc[h][i] *= scale_h[h];
-#pragma unroll
-        for (int half = WARPS / 2; half >= 1; half >>= 1) {
-            if (warp >= half && warp < 2 * half) {
-#pragma unroll
-                for (int h = 0; h < G; ++h) {
-                    float4* dst = reinterpret_cast<float4*>(&merge_acc[warp - half][h][lane * 8]);
-                    dst[0] = make_float4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
-                    dst[1] = make_float4(acc[h][4], acc[h][5], acc[h][6], acc[h][7]);
-                }
-            }
-            __syncthreads();
-            if (warp < half) {
-#pragma unroll
-                for (int h = 0; h < G; ++h) {
-                    const float4* src = reinterpret_cast<const float4*>(&merge_acc[warp][h][lane * 8]);
-                    const float4 u0 = src[0], u1 = src[1];
-                    acc[h][0] += u0.x; acc[h][1] += u0.y; acc[h][2] += u0.z; acc[h][3] += u0.w;
-                    acc[h][4] += u1.x; acc[h][5] += u1.y; acc[h][6] += u1.z; acc[h][7] += u1.w;
-                }
-            }
-            __syncthreads();
+        for (int t = 0; t < 16; ++t) {
+            const int d = 8 * (8 * (t / 4) + g) + 2 * (t % 4);
+            merge_acc[warp][2 * q][d] = acc[t][0] * sc[0];
+            merge_acc[warp][2 * q + 1][d] = acc[t][1] * sc[1];
+            merge_acc[warp][2 * q][d + 1] = acc[t][2] * sc[0];
+            merge_acc[warp][2 * q + 1][d + 1] = acc[t][3] * sc[1];
         }
-        if (warp == 0) {
+        __syncthreads();
+        for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
+            const int h = i / D, d = i % D;
+            float o = 0.f;
 #pragma unroll
-            for (int h = 0; h < G; ++h) {
-                if (h >= group) continue;
-                const size_t base = (size_t)(g * group + h) * a.splits + split;
-                float4* dst = reinterpret_cast<float4*>(a.part_acc + base * D + lane * 8);
-                dst[0] = make_float4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
-                dst[1] = make_float4(acc[h][4], acc[h][5], acc[h][6], acc[h][7]);
-                if (lane == 0) {
-                    a.part_ml[base * 2] = M[h];
-                    a.part_ml[base * 2 + 1] = L[h];
+            for (int w2 = 0; w2 < WARPS; ++w2) o += merge_acc[w2][h][d];
+            const size_t base = (size_t)(kvh * group + h) * a.splits + split;
+            a.part_acc[base * D + d] = o;
+            if (d == 0) {
+                float M = -INFINITY, L = 0.f;
+                for (int w2 = 0; w2 < WARPS; ++w2) M = fmaxf(M, merge_ml[w2][h][0]);
+                for (int w2 = 0; w2 < WARPS; ++w2) {
+                    const float mw = merge_ml[w2][h][0];
+                    L += mw == -INFINITY ? 0.f : merge_ml[w2][h][1] * __expf(mw - M);
                 }
+                a.part_ml[base * 2] = M;
+                a.part_ml[base * 2 + 1] = L;
             }
         }
+        __syncthreads();  // qfrag and merge_* are rewritten by the next item
     }
 }
 
