@@ -11,8 +11,9 @@
 // (bench/results/cuda-decode-gate-up-selection-ablation.json): where does the time go? Run it
 // under `ncu --section SourceCounters` as well. Results: bench/results/cuda-moe-harnesses-h200.json
 // (register tiles) and cuda-decode-moe-gate-up-resident.json (tiles in shared memory).
-// moe_down_resident below is a candidate for the engine written at the end of session 8, after
-// its device time ran out: compiled, not yet run on a GPU (its check line says whether it is right).
+// A moe_down with its segment tiles in shared memory (bulk-copied codes, cp.async scales and
+// biases, quad multiply) was right but not faster here (6.76 vs 6.54 us): commit 0f1b666,
+// bench/results/cuda-decode-moe-down-resident-harness.json.
 // Run on the GPU machine:  nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 \
 //     bench/kernels/moe_decode.cu -o /tmp/moe_decode && /tmp/moe_decode
 #include "../../crates/osprey-cuda/kernels/moe.cu"
@@ -21,74 +22,6 @@
 #include <cmath>
 
 #define LAUNCHES 24
-
-// Variant under test (not in the engine): moe_down with the block's k + 1 segment tiles in shared
-// memory, the form that took moe_gate_up from 11.6 to 8.4 us in the step: codes by bulk copies
-// (one 4 KB copy per segment), scales and biases by 16-byte cp.async (each segment's are only
-// 256 B, and one SM's copy engine pays ~100 ns per request), multiplied by quads (tiles.cuh
-// quad_dot). Shared memory: moe_down_resident_smem.
-__host__ __device__ inline int moe_down_resident_smem(int H, int I, int k) {
-    const int segs = k + 1, gps = I / 64, Kv = segs * I;
-    return segs * 16 * (I / 2 + 2 * gps * 2) + (Kv + Kv / 8) * 4 + Kv / 64 * 8 * 16 + Kv / 64 * 8 + segs * (gps / 4) * 16 * 4 + 8;
-}
-
-__global__ void __launch_bounds__(32 * (MAX_TOPK + 1)) moe_down_resident(DownArgs a) {
-    extern __shared__ __align__(128) char down_smem[];
-    const int I = a.I, k = a.k, segs = k + 1, Kv = segs * I, gps = I / 64, quads = gps / 4, row0 = blockIdx.x * 16;
-    char* codes = down_smem;  // [seg][16 rows][I/2]
-    __nv_bfloat16* scales = reinterpret_cast<__nv_bfloat16*>(codes + segs * 16 * (I / 2));  // [seg][16][gps]
-    __nv_bfloat16* biases = scales + segs * 16 * gps;
-    float* hs = reinterpret_cast<float*>(biases + segs * 16 * gps);  // Kv floats, padded
-    uint4* xb8 = reinterpret_cast<uint4*>(hs + Kv + Kv / 8);
-    float2* gx = reinterpret_cast<float2*>(xb8 + Kv / 64 * 8);
-    float* part = reinterpret_cast<float*>(gx + Kv / 64);  // [unit][16]
-    uint64_t* full = reinterpret_cast<uint64_t*>(part + segs * quads * 16);
-    const int warp = threadIdx.x >> 5;
-    step_overlap_begin();
-    step_inputs_ready();
-    auto seg_rows = [&](int s, ExpertStack& st) {
-        st = s < k ? a.down : a.shared_down;
-        return (size_t)(s < k ? a.topk->ids[s] : 0) * a.H + row0;
-    };
-    if (threadIdx.x == 0) {
-        mbar_init(full, 1);
-        mbar_init_fence();
-        mbar_arrive_expect_bytes(full, segs * 16 * (I / 2));
-        for (int s = 0; s < segs; ++s) {
-            ExpertStack st;
-            const size_t base = seg_rows(s, st);
-            bulk_copy_to_shared(codes + s * 16 * (I / 2), st.codes + base * (I / 8), 16 * (I / 2), full);
-        }
-    }
-    // each segment's scales and biases (16 rows x gps bf16 each) in 16-byte chunks
-    const int chunks = 16 * gps * 2 / 16;  // per segment and kind
-    for (int c = threadIdx.x; c < segs * 2 * chunks; c += blockDim.x) {
-        const int s = c / (2 * chunks), kind = (c / chunks) & 1, j = c % chunks;
-        ExpertStack st;
-        const size_t base = seg_rows(s, st);
-        const __nv_bfloat16* src = (kind ? st.biases : st.scales) + base * gps + j * 8;
-        cp_async16((kind ? biases : scales) + s * 16 * gps + j * 8, src, true);
-    }
-    asm volatile("cp.async.commit_group;\n" ::);
-    load_h_bytes(a.h, Kv, hs, xb8, gx);
-    asm volatile("cp.async.wait_all;\n" ::);
-    __syncthreads();
-    mbar_wait(full, 0);
-    QuadX X;
-    for (int un = warp; un < segs * quads; un += blockDim.x / 32) {
-        const int s = un / quads, gq = (un % quads) * 4;
-        load_quad_x(xb8 + s * gps * 8, gx + s * gps, gq, X);
-        float yA = 0.f, yB = 0.f;
-        quad_dot(codes + s * 16 * (I / 2), scales + s * 16 * gps, biases + s * 16 * gps, I, gq, X, yA, yB);
-        store_quad_sums(part + un * 16, yA, yB);
-    }
-    __syncthreads();
-    if (threadIdx.x < 16 && row0 + threadIdx.x < a.H) {
-        float y = 0.f;
-        for (int un = 0; un < segs * quads; ++un) y += part[un * 16 + threadIdx.x];
-        a.x[row0 + threadIdx.x] += y;
-    }
-}
 
 static double dequant(const HostQ4& w, size_t row, int K, int k) {
     const uint32_t word = w.codes[row * (K / 8) + k / 8];
@@ -207,23 +140,13 @@ int main() {
     for (int n = 0; n < H; ++n) dx[n] = x_after[n] - x[n];
     printf("check: selected experts %s the host's; h rel RMS %.2e, residual update rel RMS %.2e\n",
            id_mismatch ? "DIFFER from" : "match", rel_rms(h_ref, h), rel_rms(dx_ref, dx));
-    // the variant on the same h, from the same residual
-    const int dr_smem = moe_down_resident_smem(H, I, K);
-    CK(cudaFuncSetAttribute(moe_down_resident, cudaFuncAttributeMaxDynamicSharedMemorySize, dr_smem));
-    CK(cudaMemcpy(d_x, x.data(), H * 4, cudaMemcpyHostToDevice));
-    moe_down_resident<<<dn_grid, dn_block, dr_smem>>>(da);
-    CK(cudaDeviceSynchronize());
-    CK(cudaMemcpy(x_after.data(), d_x, H * 4, cudaMemcpyDeviceToHost));
-    for (int n = 0; n < H; ++n) dx[n] = x_after[n] - x[n];
-    printf("check: moe_down_resident residual update rel RMS %.2e (%d B of shared memory)\n", rel_rms(dx_ref, dx), dr_smem);
 
     cudaStream_t st;
     CK(cudaStreamCreate(&st));
-    auto graph_of = [&](bool with_gate_up, bool with_down, bool resident_down = false) {
+    auto graph_of = [&](bool with_gate_up, bool with_down) {
         return graph_us(st, LAUNCHES, [&](int i) {
             if (with_gate_up) moe_gate_up<<<gu_grid, gu_block, gu_smem, st>>>(gate_up_args(i));
-            if (with_down && resident_down) moe_down_resident<<<dn_grid, dn_block, dr_smem, st>>>(da);
-            else if (with_down) moe_down<<<dn_grid, dn_block, 0, st>>>(da);
+            if (with_down) moe_down<<<dn_grid, dn_block, 0, st>>>(da);
         });
     };
     const double gu_bytes = 2.0 * K * I * (H / 2 + H / 64 * 4), dn_bytes = (K + 1.0) * H * (I / 2 + I / 64 * 4);
@@ -232,6 +155,5 @@ int main() {
     printf("moe_down alone      %6.2f us  (%.1f MB, read at 4.3 TB/s: %.2f us)\n", graph_of(false, true), dn_bytes / 1e6,
            dn_bytes / 4.3e6);
     printf("gate/up + down pair %6.2f us\n", graph_of(true, true));
-    printf("moe_down_resident alone %6.2f us; pair with it %6.2f us\n", graph_of(false, true, true), graph_of(true, true, true));
     return 0;
 }
