@@ -2,7 +2,7 @@
 //   attn_prep    — q/k RMSNorm (zero-centred, already 1+w), partial RoPE on the first rotary dims,
 //                  K/V appended to the bf16 cache at the device-side position. Grid Hq + Hkv.
 //   attn_decode  — split-KV (flash-decoding); the splits in use follow the device-side position:
-//                  128 up to 32K positions, then one per 256 (up to 512 at 128K). The grid is the
+//                  128 up to 128K positions, then one per 1024 (up to 512). The grid is the
 //                  resident blocks (2 per SM, fixed so the CUDA graph never changes), walking the
 //                  (KV head, split) items. An item is a contiguous range of positions of one KV
 //                  head for all of its (up to 8) query heads: the block's 4 warps take steps of 8
@@ -23,14 +23,17 @@
 // Scores and values on the tensor cores (this form; the CUDA-core form before it spent ~170 warp
 // instructions per position and was issue-bound): 12.2 -> 8.1 us at 4K, ~123 -> ~92 us per layer
 // at 128K (268 MB: ~2.9 TB/s); step at 128K 319 -> 356 tok/s
-// (bench/results/cuda-decode-attention-tensor-cores.json).
+// (bench/results/cuda-decode-attention-tensor-cores.json). Then 128 splits up to 128K instead of
+// one per 256 positions beyond 32K (4 items per block, each paying its Q staging, first loads
+// and merge, at 128K), the first K/V loads issued before Q is staged: 128K 356 -> 388 tok/s,
+// ~4.2 TB/s for the K/V beyond 4K (bench/results/cuda-decode-attention-splits.json).
 #include "common.cuh"
 
 #define D 256
 #define MIN_SPLITS 128
 // the partial results a combine block weighs (the host's SPLITS is at most this)
 #define MAX_SPLITS_SMEM 1024
-#define POSITIONS_PER_SPLIT 256
+#define POSITIONS_PER_SPLIT 1024
 
 // Splits in use for `len` visible positions (attn_decode and attn_combine agree through this).
 __device__ __forceinline__ int splits_in_use(int len, int max_splits) {
@@ -197,6 +200,12 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) attn_decode(DecodeAr
     for (int item = blockIdx.x; item < a.hkv * used; item += gridDim.x) {
         const int kvh = item % a.hkv, split = item / a.hkv;
         const int p0 = split * chunk, p1 = min(len, p0 + chunk);
+        // warp w takes steps of PSTEP positions, WARPS·PSTEP apart; its first step's K/V is
+        // requested before Q is staged, the next step's is in flight while one is used
+        const int stride = WARPS * PSTEP;
+        int p = p0 + warp * PSTEP;
+        KvStep buf[2];
+        if (p < p1) load_kv_step(a, kvh, p, p1, buf[0]);
         // warp w builds k steps 4w .. 4w + 3 of Q's fragments (scaled, bf16)
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
@@ -216,12 +225,6 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) attn_decode(DecodeAr
         float m = -INFINITY, l = 0.f, acc[16][4];
 #pragma unroll
         for (int t = 0; t < 16; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
-        // warp w takes steps of PSTEP positions, WARPS·PSTEP apart; the next step's K/V is in
-        // flight while this one is used
-        const int stride = WARPS * PSTEP;
-        int p = p0 + warp * PSTEP;
-        KvStep buf[2];
-        if (p < p1) load_kv_step(a, kvh, p, p1, buf[0]);
         // two steps per turn so that the buffers swap roles without a register copy
         for (; p < p1; p += 2 * stride) {
             if (p + stride < p1) load_kv_step(a, kvh, p + stride, p1, buf[1]);
