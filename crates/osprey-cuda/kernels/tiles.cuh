@@ -165,23 +165,33 @@ __device__ __forceinline__ void tile_compute_s8(const TileBatch& b, int Gb, int 
 // (1,320 cycles per 4 groups of a tile per warp at 8 warps per SM). So a warp takes its groups
 // four at a time ("quads") and lane row g takes group (j + g) mod 4 of the quad at step j: the
 // rows of one load fall on different banks (774 cycles). The mma's 8 columns, all holding x in
-// the tile kernel, now hold each its own group: column n gets group (j + n) mod 4, so row g's
-// product with its own group's x sits in column g mod 4, which lane q = (g mod 4) / 2 keeps.
+// the tile kernel, now hold each its own group and byte: columns n and n + 4 (n < 4) get group
+// (j + n) mod 4, n its high bytes and n + 4 its low bytes, so one mma per k-tile gives row g's
+// product with both bytes of its own group's x, in columns c = g mod 4 (lane q = c / 2) and
+// c + 4 (lane q + 2); the two lanes' sums meet in store_quad_sums. (Before, the high and low
+// bytes took an mma each with every column holding the same byte: twice the mma.sync issue.)
 
-// x fragments and group sums of a quad as lane (g, q) needs them: [step][k-tile]
+// x fragments of a quad as lane (g, q) needs them, [step][k-tile]: the high bytes for g < 4, the
+// low for g >= 4 (the lane feeds column g); and per step the factors of this lane's result
+// column: the x scale (divided by 254 in a low-byte column) and the group sum of x (0 in a
+// low-byte column: the bias term is added once, by the high-byte lane).
 struct QuadX {
-    uint4 x[4][2];
+    uint2 x[4][2];
     float2 gs[4];
 };
 
 __device__ __forceinline__ void load_quad_x(const uint4* xb8, const float2* gx, int gq, QuadX& X) {
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const uint2* xb = reinterpret_cast<const uint2*>(xb8) + (g >> 2);
+    const bool low_column = q >= 2;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         const int G = gq + ((j + g) & 3);
-        X.x[j][0] = xb8[(2 * G) * 4 + q];
-        X.x[j][1] = xb8[(2 * G + 1) * 4 + q];
-        X.gs[j] = gx[G];
+        X.x[j][0] = xb[((2 * G) * 4 + q) * 2];
+        X.x[j][1] = xb[((2 * G + 1) * 4 + q) * 2];
+        // the column this lane reads out holds group gq + (j + c) mod 4 (c = g mod 4, as its row)
+        const float2 gs = gx[gq + ((j + g) & 3)];
+        X.gs[j] = low_column ? make_float2(gs.x * (1.f / 254.f), 0.f) : gs;
     }
 }
 
@@ -194,7 +204,8 @@ __device__ __forceinline__ unsigned long long rot_bf16x4(const __nv_bfloat16* p,
 __device__ __forceinline__ float bf16x4_at(unsigned long long u, int j) { return __uint_as_float((uint32_t)(u >> (16 * j)) << 16); }
 
 // Adds the quad [gq, gq + 4) of one tile (codes rows K/2 bytes apart, scales and biases rows
-// K/64 apart) to rows g (yA) and g + 8 (yB); right in lanes q == (g mod 4) / 2 only.
+// K/64 apart) to rows g (yA) and g + 8 (yB): the high-byte part in lanes q == (g mod 4) / 2,
+// the low-byte part in lanes q + 2 (other lanes: mismatched groups).
 __device__ __forceinline__ void quad_dot(const char* stage, const __nv_bfloat16* sc, const __nv_bfloat16* bi, int K, int gq,
                                          const QuadX& X, float& yA, float& yB) {
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, c = g & 3, gpr = K / 64;
@@ -212,27 +223,27 @@ __device__ __forceinline__ void quad_dot(const char* stage, const __nv_bfloat16*
     const bool odd = g & 1;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-        int dh[4] = {0, 0, 0, 0}, dl[4] = {0, 0, 0, 0};
+        int d[4] = {0, 0, 0, 0};
 #pragma unroll
         for (int T = 0; T < 2; ++T) {
             const uint32_t wA = T ? wa[j].y : wa[j].x, wB = T ? wb[j].y : wb[j].x;
             const uint32_t a0 = wA & 0x0F0F0F0Fu, a2 = (wA >> 4) & 0x0F0F0F0Fu;
             const uint32_t a1 = wB & 0x0F0F0F0Fu, a3 = (wB >> 4) & 0x0F0F0F0Fu;
-            mma_s8(dh, a0, a1, a2, a3, X.x[j][T].x, X.x[j][T].y);
-            mma_s8(dl, a0, a1, a2, a3, X.x[j][T].z, X.x[j][T].w);
+            mma_s8(d, a0, a1, a2, a3, X.x[j][T].x, X.x[j][T].y);
         }
         const float2 gs = X.gs[j];
-        const float dA = gs.x * fmaf((float)(odd ? dl[1] : dl[0]), 1.f / 254.f, (float)(odd ? dh[1] : dh[0]));
-        const float dB = gs.x * fmaf((float)(odd ? dl[3] : dl[2]), 1.f / 254.f, (float)(odd ? dh[3] : dh[2]));
+        const float dA = gs.x * (float)(odd ? d[1] : d[0]), dB = gs.x * (float)(odd ? d[3] : d[2]);
         yA = fmaf(bf16x4_at(sA, j), dA, fmaf(bf16x4_at(bA, j), gs.y, yA));
         yB = fmaf(bf16x4_at(sB, j), dB, fmaf(bf16x4_at(bB, j), gs.y, yB));
     }
 }
 
 // A warp's 16 row sums after quad_dot, into part[0..16): lane (g, q) with q == (g mod 4) / 2
-// holds rows g and g + 8 (the other lanes' columns are mismatched groups).
+// adds its low-byte partner q + 2 and holds rows g and g + 8. Every lane of the warp calls it.
 __device__ __forceinline__ void store_quad_sums(float* part, float yA, float yB) {
     const int lane = threadIdx.x & 31, g = lane >> 2;
+    yA += __shfl_xor_sync(FULL_MASK, yA, 2);
+    yB += __shfl_xor_sync(FULL_MASK, yB, 2);
     if ((lane & 3) == ((g & 3) >> 1)) {
         part[g] = yA;
         part[g + 8] = yB;
