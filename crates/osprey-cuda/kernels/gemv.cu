@@ -46,6 +46,59 @@ struct Segment {
     int _pad;
 };
 
+// The greedy token choice fused into the lm_head launch: every block keeps the largest
+// (logit, id) key of the rows it wrote (ties: the lower id), folds it into `best` with one
+// atomicMax, and the last block to finish (a counter after a fence) writes the chosen id into the
+// next step's input slot, the history, and advances step and position, then clears best and done
+// for the next replay. It stands aside (only clears) while the sampler chooses. One allocation
+// per decoder, written once by the host.
+struct TokenChoice {
+    unsigned long long best;  // 0 between steps
+    unsigned int done;        // blocks finished this step; 0 between steps
+    int n;                    // valid vocabulary: rows at or past it are padding
+    const int* sampling;      // SampleParams.active (sample.cu): 1 while the sampler chooses
+    int* token;               // next step's input slot
+    int* pos;
+    int* history;
+    int* step;
+};
+
+__device__ __forceinline__ unsigned long long choice_key(float logit, int id) {
+    return ((unsigned long long)order_key(logit) << 32) | (0xFFFFFFFFu - (uint32_t)id);
+}
+
+__device__ __forceinline__ void choose_token(TokenChoice* c, unsigned long long best, float* scratch) {
+    unsigned long long* warp_best = reinterpret_cast<unsigned long long*>(scratch);  // 8 of them
+    __shared__ bool last;
+    for (int o = 16; o > 0; o >>= 1) {
+        const unsigned long long other = __shfl_xor_sync(FULL_MASK, best, o);
+        best = other > best ? other : best;
+    }
+    __syncthreads();  // scratch is free
+    if ((threadIdx.x & 31) == 0) warp_best[threadIdx.x >> 5] = best;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned long long b = 0;
+        for (int w = 0; w < (int)blockDim.x / 32; ++w) b = warp_best[w] > b ? warp_best[w] : b;
+        if (b) atomicMax(&c->best, b);
+        __threadfence();
+        last = atomicAdd(&c->done, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (last && threadIdx.x == 0) {
+        __threadfence();
+        const unsigned long long k = atomicExch(&c->best, 0ull);
+        c->done = 0;
+        if (!*c->sampling) {
+            const int id = (int)(0xFFFFFFFFu - (uint32_t)k);
+            *c->token = id;
+            c->history[*c->step] = id;
+            *c->step += 1;
+            *c->pos += 1;
+        }
+    }
+}
+
 struct GemvArgs {
     Segment seg[MAX_SEGS];
     const float* x;
@@ -60,6 +113,7 @@ struct GemvArgs {
     int tiles;  // 1: 4-bit group-64 segments run as tensor-core tiles (the host sets it for big launches)
     int prefetch;  // 1: ask L2 for this block's share of the weights before waiting on the predecessor
     int stages;    // gemv_q_resident: tiles a block holds in shared memory (at least its share)
+    TokenChoice* choice;  // gemv_q / gemv_q_tiles with one segment (the lm_head): greedy token choice
 };
 
 __device__ __forceinline__ QRows rows_of(const Segment& s) { return QRows{s.codes, s.scales, s.biases, s.rows}; }
@@ -260,6 +314,7 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
     }
     step_inputs_ready();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    unsigned long long best = 0;  // with a.choice: this thread's largest choice_key
     // tiles: slot `slot` of block b takes tiles b·SLOTS + slot, then every gridDim·SLOTS on; warp
     // kp of the slot owns groups [g0, g1) of them. Its first batch of weights is requested before
     // the prologue (weights depend on no earlier kernel), so the prologue hides under that latency.
@@ -306,6 +361,7 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
 #pragma unroll
                     for (int k = 0; k < TILE_KPARTS; ++k) y += part[it & 1][slot][k][lane];
                     if (s.accumulate) s.out[row0 + lane] += y; else s.out[row0 + lane] = y;
+                    if (a.choice && row0 + lane < a.choice->n) best = max(best, choice_key(y, row0 + lane));
                 }
                 yA = yB = 0.f;
                 ++it;
@@ -323,8 +379,10 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
         const float y = row_dot(s, L, a.K, xs, chunk_sum);
         if (lane == 0) {
             if (s.accumulate) s.out[local] += y; else s.out[local] = y;
+            if (a.choice && local < a.choice->n) best = max(best, choice_key(y, local));
         }
     }
+    if (a.choice) choose_token(a.choice, best, scratch);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 3) gemv_q(GemvArgs a) { gemv_body<false>(a); }

@@ -55,10 +55,6 @@ struct GateUpArgs {
 // min of the index among the lanes holding it) instead of shuffle trees.
 // Leaves the k expert ids and weights in ids/wts (visible after the caller's next barrier).
 #define MAX_E_PER_LANE (MAX_E / 32)
-__device__ __forceinline__ uint32_t order_key(float f) {
-    const uint32_t b = __float_as_uint(f);
-    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
 __device__ __forceinline__ float key_value(uint32_t k) {
     return __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
 }

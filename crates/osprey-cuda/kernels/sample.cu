@@ -2,8 +2,8 @@
 // choice over the logits written straight back into that slot, with the position advanced, so a
 // captured decode step replays with no host round trip.
 //   embed      — dequantises one row of the 4-bit embedding (H values). Grid 1 block.
-//   argmax_partial / argmax_final — two-pass argmax over the valid vocabulary (ties: lower id);
-//                    they stand aside when sampling is switched on (SampleParams.active).
+//   (greedy: the lm_head launch chooses, gemv.cu TokenChoice; it stands aside when sampling is
+//    switched on, SampleParams.active)
 //   sample_token — the host sampler's semantics (crates/osprey-engine/src/sampler.rs) on the GPU:
 //                    repetition / presence / frequency penalties from device-side token counts,
 //                    then greedy, or top-k (k <= 256) by an exact 4-pass radix select of the k-th
@@ -14,8 +14,9 @@
 //                    One block of 1024 threads, over the candidates sample_prepass left.
 //   sample_prepass — the first pass over the vocabulary spread over 128 blocks: penalties, then
 //                    each slice's top-k candidates (see the kernel).
-// Measured (H200, commit e06983b): embed 19 us (one block, latency-bound), argmax 24 us over the
-// 1 MB of logits (two passes). Sampling (top-k 20, top-p 0.95), launched alone with events:
+// Measured (H200, commit e06983b): embed 19 us (one block, latency-bound), a two-pass argmax
+// kernel pair 24 us over the 1 MB of logits launched alone (fused into the lm_head since: no
+// measurable change to the step, bench/results/cuda-decode-lm-head-argmax-fused.json). Sampling (top-k 20, top-p 0.95), launched alone with events:
 // 410 us when sample_token read the whole vocabulary in one block, 90 us with the prepass
 // (4K-context decode with sampling 330 -> 370 tok/s, commit 14b6745).
 #include "common.cuh"
@@ -46,68 +47,9 @@ extern "C" __global__ void embed(EmbedArgs a) {
 struct SampleParams {
     float temperature, top_p, min_p, presence, frequency, repetition;
     int top_k;
-    int active;  // 1: sample_token chooses (argmax stands aside)
+    int active;  // 1: sample_token chooses (the lm_head's greedy choice stands aside)
     unsigned long long seed;
 };
-
-struct ArgmaxArgs {
-    const SampleParams* params;
-    const float* logits;
-    float* part_val;
-    int* part_idx;
-    int* token;       // next step's input slot
-    int* pos;         // advanced by one
-    int* history;     // generated ids, indexed by step
-    int* step;
-    int n;
-};
-
-extern "C" __global__ void __launch_bounds__(256) argmax_partial(ArgmaxArgs a) {
-    step_overlap_begin();
-    step_inputs_ready();
-    if (a.params->active) return;
-    __shared__ float sv[256];
-    __shared__ int si[256];
-    float best = -INFINITY;
-    int bi = 0x7fffffff;
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < a.n; i += gridDim.x * blockDim.x) {
-        float v = a.logits[i];
-        if (v > best) { best = v; bi = i; }
-    }
-    sv[threadIdx.x] = best;
-    si[threadIdx.x] = bi;
-    __syncthreads();
-    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-        if (threadIdx.x < s) {
-            float ov = sv[threadIdx.x + s];
-            int oi = si[threadIdx.x + s];
-            if (ov > sv[threadIdx.x] || (ov == sv[threadIdx.x] && oi < si[threadIdx.x])) {
-                sv[threadIdx.x] = ov;
-                si[threadIdx.x] = oi;
-            }
-        }
-        __syncthreads();
-    }
-    if (threadIdx.x == 0) {
-        a.part_val[blockIdx.x] = sv[0];
-        a.part_idx[blockIdx.x] = si[0];
-    }
-}
-
-extern "C" __global__ void argmax_final(ArgmaxArgs a, int parts) {
-    step_overlap_begin();
-    step_inputs_ready();
-    if (threadIdx.x != 0 || a.params->active) return;
-    float best = -INFINITY;
-    int bi = 0;
-    for (int p = 0; p < parts; ++p) {
-        if (a.part_val[p] > best || (a.part_val[p] == best && a.part_idx[p] < bi)) { best = a.part_val[p]; bi = a.part_idx[p]; }
-    }
-    *a.token = bi;
-    a.history[*a.step] = bi;
-    *a.step += 1;
-    *a.pos += 1;
-}
 
 #define SAMPLE_THREADS 1024
 #define MAX_SAMPLE_K 256

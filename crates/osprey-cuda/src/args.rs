@@ -36,6 +36,23 @@ pub struct GemvArgs {
     pub prefetch: i32,
     /// gemv_q_resident: tiles a block holds in shared memory (at least its share).
     pub stages: i32,
+    /// The lm_head launch: its `TokenChoice` (device address), 0 elsewhere.
+    pub choice: u64,
+}
+
+/// gemv.cu `TokenChoice`: the greedy token choice fused into the lm_head launch (one per
+/// decoder; `best` and `done` are cleared by the kernel after each step).
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct TokenChoice {
+    pub best: u64,
+    pub done: u32,
+    pub n: i32,
+    pub sampling: u64,
+    pub token: u64,
+    pub pos: u64,
+    pub history: u64,
+    pub step: u64,
 }
 
 #[repr(C)]
@@ -158,20 +175,6 @@ pub struct EmbedArgs {
     pub bits: i32,
 }
 
-#[repr(C)]
-#[derive(Clone, Copy, Default, Debug)]
-pub struct ArgmaxArgs {
-    pub params: u64,
-    pub logits: u64,
-    pub part_val: u64,
-    pub part_idx: u64,
-    pub token: u64,
-    pub pos: u64,
-    pub history: u64,
-    pub step: u64,
-    pub n: i32,
-}
-
 /// sample.cu `SampleParams`: the sampling settings the captured step reads every replay.
 #[repr(C)]
 #[derive(Clone, Copy, Default, Debug)]
@@ -183,7 +186,7 @@ pub struct SampleParams {
     pub frequency: f32,
     pub repetition: f32,
     pub top_k: i32,
-    /// 1: sample_token chooses; 0: the argmax kernels do.
+    /// 1: sample_token chooses; 0: the lm_head launch chooses greedily (gemv.cu TokenChoice).
     pub active: i32,
     pub seed: u64,
 }
@@ -394,7 +397,7 @@ unsafe impl DeviceRepr for PrepArgs {}
 unsafe impl DeviceRepr for DecodeArgs {}
 unsafe impl DeviceRepr for CombineArgs {}
 unsafe impl DeviceRepr for EmbedArgs {}
-unsafe impl DeviceRepr for ArgmaxArgs {}
+unsafe impl DeviceRepr for TokenChoice {}
 unsafe impl DeviceRepr for SampleParams {}
 unsafe impl DeviceRepr for SampleArgs {}
 unsafe impl DeviceRepr for GemmArgs {}
@@ -416,7 +419,8 @@ mod tests {
     fn layouts_match_the_kernel_structs() {
         // sizes computed from the C declarations in kernels/*.cu (x86-64 / CUDA ABI)
         assert_eq!(std::mem::size_of::<Segment>(), 48);
-        assert_eq!(std::mem::size_of::<GemvArgs>(), 4 * 48 + 4 * 8 + 8 * 4);
+        assert_eq!(std::mem::size_of::<GemvArgs>(), 4 * 48 + 4 * 8 + 8 * 4 + 8);
+        assert_eq!(std::mem::size_of::<TokenChoice>(), 8 + 4 + 4 + 5 * 8);
         assert_eq!(
             std::mem::size_of::<GateUpArgs>(),
             2 * 24 + 3 * 8 + 8 + 8 + 2 * 4 + 4 * 8 + 4 * 4
@@ -424,7 +428,6 @@ mod tests {
         assert_eq!(std::mem::size_of::<DownArgs>(), 2 * 24 + 3 * 8 + 3 * 4 + 4);
         assert_eq!(std::mem::size_of::<GdnArgs>(), 11 * 8 + 16);
         assert_eq!(std::mem::size_of::<PrepArgs>(), 9 * 8 + 20 + 4);
-        assert_eq!(std::mem::size_of::<ArgmaxArgs>(), 8 * 8 + 8);
         assert_eq!(std::mem::size_of::<SampleParams>(), 8 * 4 + 8);
         assert_eq!(std::mem::size_of::<SampleArgs>(), 8 * 8 + 8 + 2 * 8 + 2 * 4);
         assert_eq!(std::mem::size_of::<GemmArgs>(), 14 * 8 + 8 * 4);
