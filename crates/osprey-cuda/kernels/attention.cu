@@ -11,8 +11,9 @@
 //                  values on the tensor cores (mma.sync bf16, f32 accumulate; layout at the
 //                  kernel), online softmax in fp32; the warps merge through shared memory in a
 //                  fixed order.
-//   attn_combine — merges the splits (warps over splits, lanes over dims, several splits' loads in
-//                  flight), applies the sigmoid output gate. Grid Hq.
+//   attn_combine — merges the splits in one pass (warps over splits with their own running maximum,
+//                  lanes over dims, several splits' loads in flight), applies the sigmoid output
+//                  gate. Grid Hq.
 // Shapes: head_dim D = 256 (8 dims per lane), Hq = 16, Hkv = 2.
 // Bytes: 2 KiB of K/V per position (bf16), e.g. 8 MB at 4K context, 268 MB at 128K.
 // Measured (H200, full-size model, inside the decode graph): commit 1c5da43 (a warp per query
@@ -31,8 +32,6 @@
 
 #define D 256
 #define MIN_SPLITS 128
-// the partial results a combine block weighs (the host's SPLITS is at most this)
-#define MAX_SPLITS_SMEM 1024
 #define POSITIONS_PER_SPLIT 1024
 
 // Splits in use for `len` visible positions (attn_decode and attn_combine agree through this).
@@ -190,11 +189,14 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) attn_decode(DecodeAr
     __shared__ __align__(16) float merge_acc[WARPS][G][D];
     __shared__ float merge_ml[WARPS][G][2];
     step_overlap_begin();
-    step_inputs_ready();
+    // The position moves only between steps, and every K/V row but the newest (position len - 1,
+    // appended by attn_prep just before) was written by earlier steps: a block's first loads
+    // that stop short of it are issued before the dependency wait, under its predecessors.
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int group = a.hq / a.hkv;
     const int len = *a.pos + 1, used = splits_in_use(len, a.splits);
     const int chunk = (len + used - 1) / used;
+    bool waited = false;
     // work items (KV head, split) over a grid of resident blocks: no block waits for a slot
     // behind blocks with nothing to do, whatever the context
     for (int item = blockIdx.x; item < a.hkv * used; item += gridDim.x) {
@@ -205,7 +207,14 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) attn_decode(DecodeAr
         const int stride = WARPS * PSTEP;
         int p = p0 + warp * PSTEP;
         KvStep buf[2];
-        if (p < p1) load_kv_step(a, kvh, p, p1, buf[0]);
+        if (!waited && p + PSTEP < len) {
+            if (p < p1) load_kv_step(a, kvh, p, p1, buf[0]);
+            step_inputs_ready();
+        } else {
+            if (!waited) step_inputs_ready();
+            if (p < p1) load_kv_step(a, kvh, p, p1, buf[0]);
+        }
+        waited = true;
         // warp w builds k steps 4w .. 4w + 3 of Q's fragments (scaled, bf16)
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
@@ -291,47 +300,52 @@ struct CombineArgs {
     int splits;        // the most splits (the partial results' stride)
 };
 
-// One block per query head: warp w sums splits w, w + 8, ... (lane: 8 dims, two float4 loads
-// per split, several splits' loads in flight), the warps' sums meet in shared memory.
+// One block per query head: warp w merges splits w, w + 8, ... in one pass (its own running
+// maximum, partials and weights requested together, 4 splits' loads in flight; lanes over dims),
+// then the 8 warps' results meet in shared memory. The position (which sets the splits in use)
+// moves only between steps, so it is read before the dependency wait.
 extern "C" __global__ void __launch_bounds__(256) attn_combine(CombineArgs a) {
-    __shared__ float wts[MAX_SPLITS_SMEM];
     __shared__ __align__(16) float sums[8][D];
-    __shared__ float scratch[32];
+    __shared__ float warp_ml[8][2];
     step_overlap_begin();
-    step_inputs_ready();
     const int h = blockIdx.x, used = splits_in_use(*a.pos + 1, a.splits);
+    step_inputs_ready();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const float* ml = a.part_ml + (size_t)h * a.splits * 2;
-    float mx = -INFINITY;
-    for (int s = threadIdx.x; s < used; s += blockDim.x) mx = fmaxf(mx, ml[2 * s]);
-    mx = warp_max(mx);
-    if (lane == 0) scratch[warp] = mx;
-    __syncthreads();
-    float M = scratch[0];
-    for (int w2 = 1; w2 < 8; ++w2) M = fmaxf(M, scratch[w2]);
-    float lsum = 0.f;
-    for (int s = threadIdx.x; s < used; s += blockDim.x) {
-        const float m = ml[2 * s];
-        const float w = m == -INFINITY ? 0.f : __expf(m - M);
-        wts[s] = w;
-        lsum += ml[2 * s + 1] * w;
-    }
-    const float L = block_sum(lsum, scratch);  // its barriers also publish wts
-    float o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    const float gate = sigmoidf(a.qg[h * 2 * D + D + threadIdx.x]);
+    float M = -INFINITY, L = 0.f, o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
     for (int s = warp; s < used; s += 8) {
-        const float4* src = reinterpret_cast<const float4*>(a.part_acc + ((size_t)h * a.splits + s) * D + lane * 8);
+        const size_t at = (size_t)h * a.splits + s;
+        const float2 ml = __ldcg(reinterpret_cast<const float2*>(a.part_ml + at * 2));
+        const float4* src = reinterpret_cast<const float4*>(a.part_acc + at * D + lane * 8);
         const float4 u0 = __ldcg(src), u1 = __ldcg(src + 1);
-        const float w = wts[s];
-        o[0] = fmaf(w, u0.x, o[0]); o[1] = fmaf(w, u0.y, o[1]); o[2] = fmaf(w, u0.z, o[2]); o[3] = fmaf(w, u0.w, o[3]);
-        o[4] = fmaf(w, u1.x, o[4]); o[5] = fmaf(w, u1.y, o[5]); o[6] = fmaf(w, u1.z, o[6]); o[7] = fmaf(w, u1.w, o[7]);
+        // an empty split has maximum -inf and weighs nothing
+        const float m_new = fmaxf(M, ml.x);
+        const float c = M == -INFINITY ? 0.f : __expf(M - m_new);
+        const float w = ml.x == -INFINITY ? 0.f : __expf(ml.x - m_new);
+        L = fmaf(L, c, ml.y * w);
+        o[0] = fmaf(o[0], c, w * u0.x); o[1] = fmaf(o[1], c, w * u0.y); o[2] = fmaf(o[2], c, w * u0.z); o[3] = fmaf(o[3], c, w * u0.w);
+        o[4] = fmaf(o[4], c, w * u1.x); o[5] = fmaf(o[5], c, w * u1.y); o[6] = fmaf(o[6], c, w * u1.z); o[7] = fmaf(o[7], c, w * u1.w);
+        M = m_new;
     }
 #pragma unroll
     for (int i = 0; i < 8; ++i) sums[warp][lane * 8 + i] = o[i];
+    if (lane == 0) {
+        warp_ml[warp][0] = M;
+        warp_ml[warp][1] = L;
+    }
     __syncthreads();
-    const int d = threadIdx.x;
-    float t = 0.f;
+    float Mt = -INFINITY;
 #pragma unroll
-    for (int w2 = 0; w2 < 8; ++w2) t += sums[w2][d];
-    a.out[h * D + d] = t / L * sigmoidf(a.qg[h * 2 * D + D + d]);
+    for (int w2 = 0; w2 < 8; ++w2) Mt = fmaxf(Mt, warp_ml[w2][0]);
+    const int d = threadIdx.x;
+    float t = 0.f, Lt = 0.f;
+#pragma unroll
+    for (int w2 = 0; w2 < 8; ++w2) {
+        const float mw = warp_ml[w2][0];
+        const float sc = mw == -INFINITY ? 0.f : __expf(mw - Mt);
+        t = fmaf(sums[w2][d], sc, t);
+        Lt = fmaf(warp_ml[w2][1], sc, Lt);
+    }
+    a.out[h * D + d] = t / Lt * gate;
 }

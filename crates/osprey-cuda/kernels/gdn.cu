@@ -66,7 +66,10 @@ extern "C" __global__ void __launch_bounds__(256) gdn_step(GdnArgs p) {
     float s[ROWS_PER];
 #pragma unroll
     for (int r = 0; r < ROWS_PER; ++r) s[r] = S[(i0 + r) * DV + j];
+    const float a_log = p.a_log[h], dt_bias = p.dt_bias[h];
     step_inputs_ready();
+    // the gates' inputs requested with the conv's, not after the norms' barriers: one round trip
+    const float b_in = p.b[h], a_in = p.a[h];
 
     const int parity = *p.pos & 1;
     const float* cin = parity ? p.conv_out : p.conv_in;
@@ -98,10 +101,10 @@ extern "C" __global__ void __launch_bounds__(256) gdn_step(GdnArgs p) {
     }
     __syncthreads();
 
-    const float beta = sigmoidf(p.b[h]);
-    const float xa = p.a[h] + p.dt_bias[h];
+    const float beta = sigmoidf(b_in);
+    const float xa = a_in + dt_bias;
     const float softplus = xa > 20.f ? xa : log1pf(__expf(xa));
-    const float decay = __expf(-__expf(p.a_log[h]) * softplus);
+    const float decay = __expf(-__expf(a_log) * softplus);
 
     float m = 0.f;
 #pragma unroll

@@ -1086,11 +1086,13 @@ impl CudaDecoder {
                     };
                     timed!(
                         "attn decode (split-KV)",
-                        self.launch_step(
+                        self.launch_params(
                             &self.f.attn,
                             // resident blocks (2 per SM) walking (KV head, split) items
                             launch_cfg(((self.sms * 2) as u32, 1), 128),
-                            &da
+                            &mut [&da as *const DecodeArgs as *mut c_void],
+                            // its first K/V loads (rows of earlier steps) go out before the wait
+                            self.overlap.pdl || self.overlap.early,
                         )?
                     );
                     let ca = CombineArgs {
