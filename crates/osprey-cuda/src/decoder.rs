@@ -91,8 +91,8 @@ const OVERLAP_ENV: &str = "OSPREY_CUDA_OVERLAP";
 struct StepOverlap {
     /// Launch with programmatic stream serialization (griddepcontrol in the kernels).
     pdl: bool,
-    /// The kernels that read something before the wait launch with it (`early`: only those; what
-    /// they read then overlaps the predecessor): the GEMVs, gdn_step, attn_decode.
+    /// gemv_q_resident and gdn_step launch with it (`early`: the only ones that do; what they
+    /// read before the wait then overlaps the predecessor).
     early: bool,
     /// GEMVs of at most PREFETCH_MAX_BYTES ask L2 for their weights first thing.
     prefetch: bool,
@@ -823,13 +823,7 @@ impl CudaDecoder {
         } else {
             &self.f.gemv
         };
-        // their first weights go out before the dependency wait (gemv.cu gemv_body)
-        self.launch_params(
-            f,
-            launch_cfg((blocks, 1), 256),
-            &mut [&a as *const GemvArgs as *mut c_void],
-            self.overlap.pdl || self.overlap.early,
-        )
+        self.launch_step(f, launch_cfg((blocks, 1), 256), &a)
     }
 
     /// Launches one kernel of the decode step. With `overlap.pdl` (programmatic dependent launch),
