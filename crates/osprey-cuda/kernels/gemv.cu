@@ -8,8 +8,10 @@
 //     fits in shared memory (GDN in_proj, attention q|k|v, both output projections): one block
 //     of 8 warps per SM, its whole run of 16-row tiles requested at once by bulk copies before
 //     griddepcontrol.wait, multiplied from shared memory (below).
-//   gemv_q_tiles — other launches with enough 4-bit group-64 rows (>= 2 tiles per SM; the
-//     lm_head): 16-row tiles on the integer tensor cores (tiles.cuh: x as two signed bytes per
+//   gemv_q_ring — launches of one 4-bit group-64 segment, K 2048 or 4096, too big for that (the
+//     lm_head): a block per SM streams its run of tiles through a ring of shared-memory stages
+//     (bulk copies, a producer warp, full/empty mbarriers), the same multiply (below).
+//   gemv_q_tiles — other launches with enough 4-bit group-64 rows (>= 2 tiles per SM): 16-row tiles on the integer tensor cores (tiles.cuh: x as two signed bytes per
 //     element, mma m16n8k32), 4 warps per tile splitting K, two tiles per block at a time, 256
 //     threads, grid = resident blocks (3 per SM); a warp requests its groups 4 at a time, the next
 //     batch (of this tile or its next) in flight while this one is multiplied, and the very first
@@ -487,4 +489,104 @@ extern "C" __global__ void __launch_bounds__(RES_WARPS * 32, 2) gemv_q_resident(
             if (s.accumulate) s.out[row] += y; else s.out[row] = y;
         }
     }
+}
+
+// gemv_q_ring: launches of one 4-bit group-64 segment too big for gemv_q_resident (the lm_head,
+// 15,520 tiles at K 2048): one block per SM takes a contiguous run of 16-row tiles and streams it
+// through a ring of shared-memory stages of RING_TILES tiles, each filled by three bulk copies
+// (codes, scales, biases; 32 KB of codes per request) behind a `full` mbarrier. Warps 0..7
+// multiply (quad_dot, as gemv_q_resident: each warp a K-slice of every tile) and release the
+// stage on its `empty` mbarrier; warp 8 produces: it adds the 8 warps' partial sums of a released
+// stage's rows, writes them (and keeps the greedy choice's best key), and refills the stage. The
+// first `stages` requests go out before the dependency wait and the prologue.
+// (An earlier streamed GEMV lost to gemv_q_tiles on the lm_head, 137 vs 101 us, while its
+// bank-conflicted multiply took 1,320 cycles per tile-quad and warp; quad_dot takes 590.)
+#define RING_TILES 2  // the producer warp's lane l takes row l of a stage: RING_TILES * 16 == 32
+#define RING_CONSUMERS 8
+
+extern "C" __global__ void __launch_bounds__((RING_CONSUMERS + 1) * 32, 1) gemv_q_ring(GemvArgs a) {
+    extern __shared__ __align__(128) char smem[];
+    const Segment& s = a.seg[0];
+    const int K = a.K, gpr = K / 64, S = a.stages;
+    const int total = (s.rows + 15) / 16;
+    const int t0 = (int)((long long)blockIdx.x * total / gridDim.x), t1 = (int)((long long)(blockIdx.x + 1) * total / gridDim.x);
+    const int stages_total = (t1 - t0 + RING_TILES - 1) / RING_TILES;
+    const size_t tile_codes = (size_t)16 * (K / 2), tile_sb = (size_t)16 * gpr;
+    char* codes = smem;  // [S][RING_TILES][16 rows][K/2 B]
+    __nv_bfloat16* scales = reinterpret_cast<__nv_bfloat16*>(codes + S * RING_TILES * tile_codes);  // [S][RING_TILES][16][K/64]
+    __nv_bfloat16* biases = scales + S * RING_TILES * tile_sb;
+    float* part = reinterpret_cast<float*>(biases + S * RING_TILES * tile_sb);  // [S][RING_TILES][warp][16]
+    uint4* xb8 = reinterpret_cast<uint4*>(part + S * RING_TILES * RING_CONSUMERS * 16);
+    float2* gx = reinterpret_cast<float2*>(xb8 + gpr * 8);
+    float* scratch = reinterpret_cast<float*>(gx + gpr);
+    uint64_t* full = reinterpret_cast<uint64_t*>(scratch + 32);
+    uint64_t* empty = full + S;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const bool producer_lead = threadIdx.x == RING_CONSUMERS * 32;
+    // stage st: tiles [t0 + st·RING_TILES, +RING_TILES) of this block's run, into slot st mod S
+    auto fill = [&](int st) {
+        const int slot = st % S, r0 = (t0 + st * RING_TILES) * 16;
+        const int rows = min(min(RING_TILES, t1 - t0 - st * RING_TILES) * 16, s.rows - r0);
+        mbar_arrive_expect_bytes(&full[slot], rows * (K / 2 + 2 * gpr * 2));
+        bulk_copy_to_shared(codes + slot * RING_TILES * tile_codes, s.codes + (size_t)r0 * (K / 8), rows * (K / 2), &full[slot]);
+        bulk_copy_to_shared(scales + slot * RING_TILES * tile_sb, s.scales + (size_t)r0 * gpr, rows * gpr * 2, &full[slot]);
+        bulk_copy_to_shared(biases + slot * RING_TILES * tile_sb, s.biases + (size_t)r0 * gpr, rows * gpr * 2, &full[slot]);
+    };
+    step_overlap_begin();
+    if (producer_lead) {
+        for (int i = 0; i < S; ++i) {
+            mbar_init(&full[i], 1);
+            mbar_init(&empty[i], RING_CONSUMERS);
+        }
+        mbar_init_fence();
+        for (int st = 0; st < min(S, stages_total); ++st) fill(st);
+    }
+    step_inputs_ready();
+    resident_input(XInput{a.x, a.norm_weight, a.gate_z, a.head_norm, a.eps, a.K, a.head_dim}, xb8, gx, scratch);
+    __syncthreads();  // also publishes the barriers' initialisation
+    unsigned long long best = 0;  // with a.choice: this thread's largest choice_key
+    if (warp == RING_CONSUMERS) {
+        for (int st = 0; st < stages_total; ++st) {
+            const int slot = st % S;
+            mbar_wait(&empty[slot], (st / S) & 1);
+            // lane l: row l of the stage (RING_TILES * 16 == 32 rows)
+            const int row = (t0 + st * RING_TILES) * 16 + lane;
+            if (row < t1 * 16 && row < s.rows) {
+                const float* p = part + (size_t)(slot * RING_TILES + (lane >> 4)) * RING_CONSUMERS * 16 + (lane & 15);
+                float y = 0.f;
+#pragma unroll
+                for (int w = 0; w < RING_CONSUMERS; ++w) y += p[w * 16];
+                if (s.accumulate) s.out[row] += y; else s.out[row] = y;
+                if (a.choice && row < a.choice->n) best = max(best, choice_key(y, row));
+            }
+            __syncwarp();  // the partials are read before the stage is refilled
+            if (lane == 0 && st + S < stages_total) fill(st + S);
+        }
+    } else {
+        const int g0 = warp * gpr / RING_CONSUMERS, quads = gpr / (4 * RING_CONSUMERS);
+        QuadX X;
+        if (quads == 1) load_quad_x(xb8, gx, g0, X);
+#pragma unroll 1
+        for (int st = 0; st < stages_total; ++st) {
+            const int slot = st % S, tiles = min(RING_TILES, t1 - t0 - st * RING_TILES);
+            mbar_wait(&full[slot], (st / S) & 1);
+#pragma unroll 1
+            for (int j = 0; j < tiles; ++j) {
+                const size_t i = (size_t)slot * RING_TILES + j;
+                float yA = 0.f, yB = 0.f;
+                if (quads == 1) quad_dot(codes + i * tile_codes, scales + i * tile_sb, biases + i * tile_sb, K, g0, X, yA, yB);
+                else {
+#pragma unroll 1
+                    for (int qd = 0; qd < quads; ++qd) {
+                        load_quad_x(xb8, gx, g0 + 4 * qd, X);
+                        quad_dot(codes + i * tile_codes, scales + i * tile_sb, biases + i * tile_sb, K, g0 + 4 * qd, X, yA, yB);
+                    }
+                }
+                store_quad_sums(part + (i * RING_CONSUMERS + warp) * 16, yA, yB);
+            }
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&empty[slot]);
+        }
+    }
+    if (a.choice) choose_token(a.choice, best, scratch);
 }

@@ -58,6 +58,35 @@ fn resident_launch(
     (bytes <= smem).then_some((blocks, per_block, bytes.max(RESIDENT_MIN_SMEM).min(smem)))
 }
 
+/// Tiles per stage of gemv_q_ring (gemv.cu RING_TILES) and its warps (8 multiply, 1 produces).
+const RING_TILES: usize = 2;
+const RING_THREADS: u32 = 9 * 32;
+/// Fewest tiles per SM for which gemv_q_ring streams a launch (below, the tile kernel).
+const RING_MIN_TILES_PER_SM: usize = 16;
+/// Shared memory gemv_q_ring declares statically (the token choice's flag; rounded up): what a
+/// block may take dynamically is the opt-in limit less this.
+const RING_STATIC_SMEM: usize = 1024;
+
+/// gemv_q_ring (gemv.cu) for `tiles` 16-row tiles of `k` inputs (4-bit, group 64) on `sms` SMs
+/// with `smem` bytes of shared memory a block may take: (blocks, ring stages, dynamic shared
+/// memory bytes). None for K the kernel does not take (a multiple of 2048 up to 4096), a launch
+/// of fewer than RING_MIN_TILES_PER_SM tiles per SM, or fewer than two stages that fit.
+fn ring_launch(tiles: usize, k: usize, sms: usize, smem: usize) -> Option<(usize, usize, usize)> {
+    if sms == 0 || !k.is_multiple_of(2048) || k > 4096 || tiles < RING_MIN_TILES_PER_SM * sms {
+        return None;
+    }
+    let groups = k / 64;
+    // per stage: its tiles' codes, scales and biases and the 8 warps' 16 partial sums per tile;
+    // then x's two signed bytes per element, (scale, sum) per group, scratch
+    let stage = RING_TILES * (16 * (k / 2 + 2 * groups * 2) + 8 * 16 * 4);
+    let fixed = groups * 8 * 16 + groups * 8 + 32 * 4;
+    // and two mbarriers per stage
+    let stages = smem.saturating_sub(fixed) / (stage + 16);
+    let per_block_stages = tiles.div_ceil(sms).div_ceil(RING_TILES);
+    let stages = stages.min(per_block_stages);
+    (stages >= 2).then_some((sms, stages, fixed + stages * (stage + 16)))
+}
+
 /// Dynamic shared memory of a moe_gate_up block (moe.cu): a 16-row gate and up tile pair's
 /// codes, scales and biases, x as two signed bytes per element and (scale, sum) per group, the
 /// partial sums of every quad of both tiles, scratch, the selection and the barrier.
@@ -285,6 +314,7 @@ struct Functions {
     gemv: CudaFunction,
     gemv_tiles: CudaFunction,
     gemv_resident: CudaFunction,
+    gemv_ring: CudaFunction,
     gate_up: CudaFunction,
     down: CudaFunction,
     gdn: CudaFunction,
@@ -448,6 +478,7 @@ impl CudaDecoder {
             gemv: func("gemv", "gemv_q")?,
             gemv_tiles: func("gemv", "gemv_q_tiles")?,
             gemv_resident: func("gemv", "gemv_q_resident")?,
+            gemv_ring: func("gemv", "gemv_q_ring")?,
             gate_up: func("moe", "moe_gate_up")?,
             down: func("moe", "moe_down")?,
             gdn: func("gdn", "gdn_step")?,
@@ -628,6 +659,10 @@ impl CudaDecoder {
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             smem_optin as i32,
         )?;
+        f.gemv_ring.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            (smem_optin - RING_STATIC_SMEM) as i32,
+        )?;
         f.gate_up.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             gate_up_smem(c.hidden_size) as i32,
@@ -800,6 +835,20 @@ impl CudaDecoder {
                     &mut [&a as *const GemvArgs as *mut c_void],
                     self.overlap.pdl || self.overlap.early,
                 );
+            }
+        }
+        if segs.len() == 1 && segs.iter().all(tileable) && head_ok {
+            if let Some((blocks, stages, smem)) =
+                ring_launch(tiles, k, self.sms, self.smem_optin - RING_STATIC_SMEM)
+            {
+                a.tiles = 1;
+                a.stages = stages as i32;
+                let cfg = LaunchConfig {
+                    grid_dim: (blocks as u32, 1, 1),
+                    block_dim: (RING_THREADS, 1, 1),
+                    shared_mem_bytes: smem as u32,
+                };
+                return self.launch_step(&self.f.gemv_ring, cfg, &a);
             }
         }
         let fills_gpu = tiles >= 2 * self.sms;
@@ -1631,6 +1680,23 @@ mod tests {
         assert_eq!(resident_launch(0, 2048, sms, smem), None);
         // less shared memory than the padding: padded only up to what a block may take
         assert_eq!(resident_launch(128, 4096, sms, 100_000).unwrap().2, 100_000);
+    }
+
+    #[test]
+    fn ring_launch_streams_the_lm_head_in_stages_that_fit() {
+        let (sms, smem) = (132, 232_448);
+        // the lm_head: 248,320 rows at K 2048
+        let (blocks, stages, bytes) = ring_launch(15_520, 2048, sms, smem).unwrap();
+        assert_eq!(blocks, sms);
+        assert!(stages >= 4 && bytes <= smem, "{stages} stages in {bytes} B");
+        // one more stage would not fit
+        let stage = RING_TILES * (16 * (1024 + 2 * 32 * 2) + 8 * 16 * 4) + 16;
+        assert!(bytes + stage > smem);
+        // a short run takes only the stages its tiles need (with room for more)
+        assert_eq!(ring_launch(16 * sms, 2048, sms, 1 << 20).unwrap().1, 8);
+        assert_eq!(ring_launch(15_520, 1024, sms, smem), None);
+        assert_eq!(ring_launch(15 * sms, 2048, sms, smem), None);
+        assert_eq!(ring_launch(15_520, 2048, sms, 40_000), None);
     }
 
     #[test]
