@@ -848,7 +848,13 @@ impl CudaDecoder {
                     block_dim: (RING_THREADS, 1, 1),
                     shared_mem_bytes: smem as u32,
                 };
-                return self.launch_step(&self.f.gemv_ring, cfg, &a);
+                // its first stages' weights go out before the dependency wait
+                return self.launch_params(
+                    &self.f.gemv_ring,
+                    cfg,
+                    &mut [&a as *const GemvArgs as *mut c_void],
+                    self.overlap.pdl || self.overlap.early,
+                );
             }
         }
         let fills_gpu = tiles >= 2 * self.sms;
