@@ -62,18 +62,6 @@ __device__ __forceinline__ int pad_idx(int i) { return i + ((i >> 5) << 2); }
 __device__ __forceinline__ void step_overlap_begin() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void step_inputs_ready() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
-// ---- flags between a kernel and its early-launched successor ----
-// A counter read with acquire semantics at GPU scope (pairs with __threadfence + atomicAdd).
-__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-// Spins (politely) until *p >= target.
-__device__ __forceinline__ void wait_count(const unsigned* p, unsigned target) {
-    while (ld_acquire(p) < target) __nanosleep(32);
-}
-
 // Asks L2 for this block's 1/gridDim share of [base, base + bytes), one 128-byte line per thread
 // per pass. A hint only: L2 is the GPU's point of coherence, so a prefetch can never yield stale data.
 __device__ __forceinline__ void prefetch_share_l2(const void* base, size_t bytes) {

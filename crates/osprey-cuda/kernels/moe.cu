@@ -46,16 +46,8 @@ struct GateUpArgs {
     const float* shared_gate_logit; // [1]
     float* h;                 // [k + 1, I] down-projection inputs: w_slot · SwiGLU per routed slot,
                               // then sigmoid(shared gate) · SwiGLU of the shared expert
-    unsigned* sync;           // this layer's SYNC_* flags (null: moe_down waits for the whole kernel)
     int H, I, k;
 };
-
-// Flags from moe_gate_up to the moe_down launched early behind it (one per MoE layer, zero
-// between steps): [0] the selection is written (block 0), [1] blocks whose h is written,
-// [2] moe_down blocks done (the last one clears all three).
-#define SYNC_TOPK 0
-#define SYNC_H 1
-#define SYNC_DOWN 2
 
 // Softmax top-k of E (<= 512) router logits by one warp: lane l holds logits l, l + 32, ...
 // as order-preserving integer keys; k rounds each take the largest remaining logit (ties: the
@@ -118,11 +110,6 @@ __device__ __forceinline__ void select_experts(const GateUpArgs& a, int* ids, fl
             a.topk->w[lane] = w;
         }
     }
-    if (blockIdx.x == 0 && a.sync) {
-        __threadfence();
-        __syncwarp();
-        if (lane == 0) atomicAdd(&a.sync[SYNC_TOPK], 1u);
-    }
 }
 
 // One block per 16-row tile pair (gate and up rows f0..f0 + 15 of one slot's expert): warp 0
@@ -151,10 +138,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(GateUpArgs a) {
     step_inputs_ready();
     // the shared expert's down-projection input, finished here so moe_down only copies h
     const int gi = blockIdx.x * blockDim.x + threadIdx.x;
-    if (gi < a.I) {
+    if (gi < a.I)
         a.h[a.k * a.I + gi] = sigmoidf(a.shared_gate_logit[0]) * siluf(a.shared_gate_proj[gi]) * a.shared_up_proj[gi];
-        __threadfence();  // published by this block's count below
-    }
     const int fblocks = a.I / 16, u = blockIdx.x, slot = u / fblocks, f0 = (u % fblocks) * 16;
     if (threadIdx.x < 32) {
         select_experts(a, ids, wts);
@@ -195,11 +180,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(GateUpArgs a) {
             uv += part[(quads + q) * 16 + r];
         }
         a.h[slot * a.I + f0 + r] = wts[slot] * (siluf(g) * uv);
-        __threadfence();
-    }
-    if (a.sync) {
-        __syncthreads();
-        if (threadIdx.x == 0) atomicAdd(&a.sync[SYNC_H], 1u);
     }
 }
 
@@ -209,9 +189,7 @@ struct DownArgs {
     const float* h;            // [k + 1, I] weighted activations (moe_gate_up)
     const TopK* topk;
     float* x;                  // residual stream, += result
-    unsigned* sync;            // the layer's SYNC_* flags (null: griddepcontrol.wait instead)
     int H, I, k;
-    int gate_up_blocks;        // moe_gate_up's grid: SYNC_H's count when h is whole
 };
 
 // h (Kv floats, already weighted by moe_gate_up) into shared memory (padded, hs), then as
@@ -228,11 +206,6 @@ __device__ __forceinline__ void load_h_bytes(const float* h, int Kv, float* hs, 
 
 // One block per 16 output rows; warp s multiplies segment s (routed slot s, or the shared expert
 // for s = k) of the tile's rows: I/64 groups, two batches of 4 requested at a time.
-// With a.sync the kernel is launched early, behind moe_gate_up (programmatic dependent launch, so
-// every moe_gate_up block is already resident): it asks for its experts' weights as soon as block
-// 0 of moe_gate_up has written the selection, under the rest of moe_gate_up, and waits for h only
-// before the multiply. Nothing else it reads is written by moe_gate_up or its router predecessor
-// (the residual x was final before the router started: neither is launched early).
 extern "C" __global__ void __launch_bounds__(32 * (MAX_TOPK + 1)) moe_down(DownArgs a) {
     __shared__ __align__(16) float hs[MAX_KV + MAX_KV / 8];
     __shared__ uint4 xb8[MAX_KV / 64 * 8];
@@ -244,13 +217,8 @@ extern "C" __global__ void __launch_bounds__(32 * (MAX_TOPK + 1)) moe_down(DownA
     prefetch_share_l2(a.shared_down.codes, (size_t)a.H * I / 2);
     prefetch_share_l2(a.shared_down.scales, (size_t)a.H * gps * 2);
     prefetch_share_l2(a.shared_down.biases, (size_t)a.H * gps * 2);
-    if (a.sync) {
-        if (threadIdx.x == 0) wait_count(&a.sync[SYNC_TOPK], 1u);
-        __syncthreads();
-    } else {
-        step_inputs_ready();
-    }
-    const int e = warp < k ? __ldcg(&a.topk->ids[warp]) : 0;
+    step_inputs_ready();
+    const int e = warp < k ? a.topk->ids[warp] : 0;
     const ExpertStack st = warp < k ? a.down : a.shared_down;
     const size_t base = (size_t)e * a.H;
     const QRows rows{st.codes + base * (I / 8), st.scales + base * gps, st.biases + base * gps, a.H};
@@ -258,10 +226,6 @@ extern "C" __global__ void __launch_bounds__(32 * (MAX_TOPK + 1)) moe_down(DownA
 #pragma unroll
     for (int j = 0; j < 2; ++j)
         if (j * TILE_BATCH < gps) tile_load(rows, I, row0, j * TILE_BATCH, gps, b[j]);
-    if (a.sync) {
-        if (threadIdx.x == 0) wait_count(&a.sync[SYNC_H], (unsigned)a.gate_up_blocks);
-        __syncthreads();
-    }
     load_h_bytes(a.h, Kv, hs, xb8, gx);
     __syncthreads();
     const uint4* xq = xb8 + warp * gps * 8 + (lane & 3);
@@ -286,11 +250,5 @@ extern "C" __global__ void __launch_bounds__(32 * (MAX_TOPK + 1)) moe_down(DownA
         float y = 0.f;
         for (int s = 0; s < segs; ++s) y += part[s][threadIdx.x];
         a.x[row0 + threadIdx.x] += y;
-    }
-    // the last block clears the flags for this layer's next step (every block has passed them)
-    if (a.sync && threadIdx.x == 0 && atomicAdd(&a.sync[SYNC_DOWN], 1u) == gridDim.x - 1) {
-        a.sync[SYNC_TOPK] = 0;
-        a.sync[SYNC_H] = 0;
-        a.sync[SYNC_DOWN] = 0;
     }
 }

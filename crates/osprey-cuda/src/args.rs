@@ -79,8 +79,6 @@ pub struct GateUpArgs {
     pub shared_up_proj: u64,
     pub shared_gate_logit: u64,
     pub h: u64,
-    /// This layer's moe.cu SYNC_* flags (0: none; moe_down then waits for the whole kernel).
-    pub sync: u64,
     pub hidden: i32,
     pub inter: i32,
     pub k: i32,
@@ -94,13 +92,9 @@ pub struct DownArgs {
     pub h: u64,
     pub topk: u64,
     pub x: u64,
-    /// This layer's moe.cu SYNC_* flags (0: griddepcontrol.wait instead).
-    pub sync: u64,
     pub hidden: i32,
     pub inter: i32,
     pub k: i32,
-    /// moe_gate_up's grid, the count of blocks that write h.
-    pub gate_up_blocks: i32,
 }
 
 #[repr(C)]
@@ -429,9 +423,9 @@ mod tests {
         assert_eq!(std::mem::size_of::<TokenChoice>(), 8 + 4 + 4 + 5 * 8);
         assert_eq!(
             std::mem::size_of::<GateUpArgs>(),
-            2 * 24 + 3 * 8 + 8 + 8 + 2 * 4 + 5 * 8 + 4 * 4
+            2 * 24 + 3 * 8 + 8 + 8 + 2 * 4 + 4 * 8 + 4 * 4
         );
-        assert_eq!(std::mem::size_of::<DownArgs>(), 2 * 24 + 4 * 8 + 4 * 4);
+        assert_eq!(std::mem::size_of::<DownArgs>(), 2 * 24 + 3 * 8 + 3 * 4 + 4);
         assert_eq!(std::mem::size_of::<GdnArgs>(), 11 * 8 + 16);
         assert_eq!(std::mem::size_of::<PrepArgs>(), 9 * 8 + 20 + 4);
         assert_eq!(std::mem::size_of::<SampleParams>(), 8 * 4 + 8);

@@ -294,8 +294,6 @@ struct Scratch {
     shared_u: CudaSlice<f32>,
     h: CudaSlice<f32>,
     topk: CudaSlice<i32>,
-    /// moe.cu's SYNC_* flags, 4 per layer (zero between steps).
-    moe_sync: CudaSlice<u32>,
     logits: CudaSlice<f32>,
     token: CudaSlice<i32>,
     pos: CudaSlice<i32>,
@@ -609,7 +607,6 @@ impl CudaDecoder {
             // routed slots, then the shared expert (moe_down reads it as one more segment)
             h: stream.alloc_zeros((c.num_experts_per_tok + 1) * c.moe_intermediate_size)?,
             topk: stream.alloc_zeros(32)?,
-            moe_sync: stream.alloc_zeros(4 * c.layers.len())?,
             logits: stream.alloc_zeros(c.vocab_size)?,
             token: stream.alloc_zeros(1)?,
             pos: stream.alloc_zeros(1)?,
@@ -1007,7 +1004,7 @@ impl CudaDecoder {
             self.launch_step(&self.f.embed, launch_cfg((1, 1), 256), &ea)?
         );
 
-        for (layer, l) in self.layers.iter().enumerate() {
+        for l in &self.layers {
             match &l.mixer {
                 LayerDev::Gdn {
                     qkv,
@@ -1213,57 +1210,45 @@ impl CudaDecoder {
                 shared_up_proj: self.p(&s.shared_u),
                 shared_gate_logit: self.p(&s.shared_gate_logit),
                 h: self.p(&s.h),
-                sync: 0,
                 hidden: h as i32,
                 inter: c.moe_intermediate_size as i32,
                 k: c.num_experts_per_tok as i32,
             };
             // one block per 16-row tile pair
-            let gate_up_blocks = c.num_experts_per_tok * c.moe_intermediate_size / 16;
             let cfg = LaunchConfig {
-                grid_dim: (gate_up_blocks as u32, 1, 1),
+                grid_dim: (
+                    (c.num_experts_per_tok * c.moe_intermediate_size / 16) as u32,
+                    1,
+                    1,
+                ),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: gate_up_smem(h) as u32,
             };
-            // moe_down is launched early behind moe_gate_up and follows it by this layer's flags
-            // (moe.cu); a family issued twice for profiling runs its repeat without them
-            let sync = self.p(&s.moe_sync) + (4 * layer * std::mem::size_of::<u32>()) as u64;
-            let flags = self.overlap.pdl || self.overlap.early;
-            timed!("moe top-k + expert gate/up + swiglu", repeat => {
-                let gu = GateUpArgs {
-                    sync: if flags && !repeat { sync } else { 0 },
-                    ..gu
-                };
+            timed!(
+                "moe top-k + expert gate/up + swiglu",
                 self.launch_step(&self.f.gate_up, cfg, &gu)?
-            });
+            );
             let da = DownArgs {
                 down: m.down.at(0, st),
                 shared_down: m.shared_down.m.at(m.shared_down.row0, st),
                 h: self.p(&s.h),
                 topk: self.p(&s.topk),
                 x,
-                sync: 0,
                 hidden: h as i32,
                 inter: c.moe_intermediate_size as i32,
                 k: c.num_experts_per_tok as i32,
-                gate_up_blocks: gate_up_blocks as i32,
             };
-            timed!("moe down (8 experts + shared) + residual", repeat => {
-                let early = flags && !repeat;
-                let da = DownArgs {
-                    sync: if early { sync } else { 0 },
-                    ..da
-                };
-                self.launch_params(
+            timed!(
+                "moe down (8 experts + shared) + residual",
+                self.launch_step(
                     &self.f.down,
                     launch_cfg(
                         (h.div_ceil(16) as u32, 1),
-                        32 * (c.num_experts_per_tok as u32 + 1),
+                        32 * (c.num_experts_per_tok as u32 + 1)
                     ),
-                    &mut [&da as *const DownArgs as *mut c_void],
-                    early || self.overlap.pdl,
+                    &da
                 )?
-            });
+            );
         }
         // the greedy choice rides on the lm_head launch (its repeat, when profiling, leaves it out)
         timed!("lm_head (final norm + gemv + argmax)", repeat => {
