@@ -453,6 +453,7 @@ extern "C" __global__ void __launch_bounds__(RES_WARPS * 32, 2) gemv_q_resident(
     __syncthreads();  // also publishes the barrier's initialisation
     const int warp = threadIdx.x >> 5, g0 = warp * gpr / RES_WARPS, quads = gpr / (4 * RES_WARPS);
     QuadX X;
+    const QuadLane L0 = quad_lane(K, g0);
     if (quads == 1) load_quad_x(xb8, gx, g0, X);
     mbar_wait(full, 0);
     // tile by tile (unrolled over tiles the code outgrows the instruction cache); a warp leaves
@@ -464,7 +465,7 @@ extern "C" __global__ void __launch_bounds__(RES_WARPS * 32, 2) gemv_q_resident(
         const __nv_bfloat16* sc = scales + (size_t)i * 16 * gpr;
         const __nv_bfloat16* bi = biases + (size_t)i * 16 * gpr;
         float yA = 0.f, yB = 0.f;
-        if (quads == 1) quad_dot(stage, sc, bi, K, g0, X, yA, yB);
+        if (quads == 1) quad_dot(stage, sc, bi, L0, X, yA, yB);
         else {
 #pragma unroll 1
             for (int qd = 0; qd < quads; ++qd) {
@@ -565,6 +566,7 @@ extern "C" __global__ void __launch_bounds__((RING_CONSUMERS + 1) * 32, 1) gemv_
     } else {
         const int g0 = warp * gpr / RING_CONSUMERS, quads = gpr / (4 * RING_CONSUMERS);
         QuadX X;
+        const QuadLane L0 = quad_lane(K, g0);
         if (quads == 1) load_quad_x(xb8, gx, g0, X);
 #pragma unroll 1
         for (int st = 0; st < stages_total; ++st) {
@@ -574,7 +576,7 @@ extern "C" __global__ void __launch_bounds__((RING_CONSUMERS + 1) * 32, 1) gemv_
             for (int j = 0; j < tiles; ++j) {
                 const size_t i = (size_t)slot * RING_TILES + j;
                 float yA = 0.f, yB = 0.f;
-                if (quads == 1) quad_dot(codes + i * tile_codes, scales + i * tile_sb, biases + i * tile_sb, K, g0, X, yA, yB);
+                if (quads == 1) quad_dot(codes + i * tile_codes, scales + i * tile_sb, biases + i * tile_sb, L0, X, yA, yB);
                 else {
 #pragma unroll 1
                     for (int qd = 0; qd < quads; ++qd) {

@@ -195,32 +195,61 @@ __device__ __forceinline__ void load_quad_x(const uint4* xb8, const float2* gx, 
     }
 }
 
-// four bf16 (groups gq..gq + 3 of one row) rotated so that element j is group gq + (j + c) mod 4
+// four bf16 (groups gq..gq + 3 of one row) rotated so that element j is group gq + (j + c) mod 4:
+// the two words swapped when c >= 2, then a funnel shift by 16 bits when c is odd (4 instructions;
+// a 64-bit variable rotate took about 7)
 __device__ __forceinline__ unsigned long long rot_bf16x4(const __nv_bfloat16* p, int c) {
     const uint2 v = *reinterpret_cast<const uint2*>(p);
-    const unsigned long long u = ((unsigned long long)v.y << 32) | v.x;
-    return c ? (u >> (16 * c)) | (u << (64 - 16 * c)) : u;
+    const uint32_t lo = (c & 2) ? v.y : v.x, hi = (c & 2) ? v.x : v.y, sh = (c & 1) * 16;
+    return ((unsigned long long)__funnelshift_r(hi, lo, sh) << 32) | __funnelshift_r(lo, hi, sh);
 }
 __device__ __forceinline__ float bf16x4_at(unsigned long long u, int j) { return __uint_as_float((uint32_t)(u >> (16 * j)) << 16); }
 
-// Adds the quad [gq, gq + 4) of one tile (codes rows K/2 bytes apart, scales and biases rows
-// K/64 apart) to rows g (yA) and g + 8 (yB): the high-byte part in lanes q == (g mod 4) / 2,
-// the low-byte part in lanes q + 2 (other lanes: mismatched groups).
-__device__ __forceinline__ void quad_dot(const char* stage, const __nv_bfloat16* sc, const __nv_bfloat16* bi, int K, int gq,
+// Lane (g, q)'s offsets into a tile for the quad [gq, gq + 4) at width K: byte offsets of its 8
+// code bytes of rows g and g + 8 at step j (group gq + (j + c) mod 4, c = g mod 4), and the
+// element offsets of the quad's scales (and biases) of rows g and g + 8. Computed once per quad
+// position, not per tile: a kernel walking many tiles of one quad (gemv_q_resident, gemv_q_ring)
+// otherwise recomputes them from the thread index for every tile.
+struct QuadLane {
+    int code_a[4], code_b[4];
+    int sb_a, sb_b;
+    int c;
+};
+
+// A value the compiler must keep in a register rather than recompute where it is used.
+__device__ __forceinline__ int kept(int v) {
+    asm volatile("" : "+r"(v));
+    return v;
+}
+
+__device__ __forceinline__ QuadLane quad_lane(int K, int gq) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, gpr = K / 64;
+    QuadLane L;
+    L.c = kept(g & 3);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        L.code_a[j] = kept(g * (K / 2) + q * 8 + (gq + ((j + L.c) & 3)) * 32);
+        L.code_b[j] = kept(L.code_a[j] + 8 * (K / 2));
+    }
+    L.sb_a = kept(g * gpr + gq);
+    L.sb_b = kept((g + 8) * gpr + gq);
+    return L;
+}
+
+// Adds the quad (QuadLane) of one tile (codes rows K/2 bytes apart, scales and biases rows K/64
+// apart) to rows g (yA) and g + 8 (yB): the high-byte part in lanes q == (g mod 4) / 2, the
+// low-byte part in lanes q + 2 (other lanes: mismatched groups).
+__device__ __forceinline__ void quad_dot(const char* stage, const __nv_bfloat16* sc, const __nv_bfloat16* bi, const QuadLane& L,
                                          const QuadX& X, float& yA, float& yB) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, c = g & 3, gpr = K / 64;
-    const char* ra = stage + g * (K / 2) + q * 8;
-    const char* rb = ra + 8 * (K / 2);
     uint2 wa[4], wb[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-        const int G = gq + ((j + c) & 3);
-        wa[j] = *reinterpret_cast<const uint2*>(ra + G * 32);
-        wb[j] = *reinterpret_cast<const uint2*>(rb + G * 32);
+        wa[j] = *reinterpret_cast<const uint2*>(stage + L.code_a[j]);
+        wb[j] = *reinterpret_cast<const uint2*>(stage + L.code_b[j]);
     }
-    const unsigned long long sA = rot_bf16x4(sc + g * gpr + gq, c), bA = rot_bf16x4(bi + g * gpr + gq, c);
-    const unsigned long long sB = rot_bf16x4(sc + (g + 8) * gpr + gq, c), bB = rot_bf16x4(bi + (g + 8) * gpr + gq, c);
-    const bool odd = g & 1;
+    const unsigned long long sA = rot_bf16x4(sc + L.sb_a, L.c), bA = rot_bf16x4(bi + L.sb_a, L.c);
+    const unsigned long long sB = rot_bf16x4(sc + L.sb_b, L.c), bB = rot_bf16x4(bi + L.sb_b, L.c);
+    const bool odd = L.c & 1;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         int d[4] = {0, 0, 0, 0};
@@ -236,6 +265,12 @@ __device__ __forceinline__ void quad_dot(const char* stage, const __nv_bfloat16*
         yA = fmaf(bf16x4_at(sA, j), dA, fmaf(bf16x4_at(bA, j), gs.y, yA));
         yB = fmaf(bf16x4_at(sB, j), dB, fmaf(bf16x4_at(bB, j), gs.y, yB));
     }
+}
+
+// The same for a quad used once (its offsets computed here).
+__device__ __forceinline__ void quad_dot(const char* stage, const __nv_bfloat16* sc, const __nv_bfloat16* bi, int K, int gq,
+                                         const QuadX& X, float& yA, float& yB) {
+    quad_dot(stage, sc, bi, quad_lane(K, gq), X, yA, yB);
 }
 
 // A warp's 16 row sums after quad_dot, into part[0..16): lane (g, q) with q == (g mod 4) / 2
