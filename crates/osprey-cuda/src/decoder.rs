@@ -1162,7 +1162,8 @@ impl CudaDecoder {
                         "attn combine + gate",
                         self.launch_step(
                             &self.f.combine,
-                            launch_cfg((c.num_attention_heads as u32, 1), c.head_dim as u32,),
+                            // attention.cu COMBINE_WARPS
+                            launch_cfg((c.num_attention_heads as u32, 1), 1024),
                             &ca
                         )?
                     );
