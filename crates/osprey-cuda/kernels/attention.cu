@@ -11,8 +11,9 @@
 //                  values on the tensor cores (mma.sync bf16, f32 accumulate; layout at the
 //                  kernel), online softmax in fp32; the warps merge through shared memory in a
 //                  fixed order.
-//   attn_combine — merges the splits in one pass (32 warps over splits with their own running
-//                  maximum, lanes over dims), applies the sigmoid output gate. Grid Hq.
+//   attn_combine — merges the splits in one pass (warps over splits with their own running maximum,
+//                  lanes over dims, several splits' loads in flight), applies the sigmoid output
+//                  gate. Grid Hq.
 // Shapes: head_dim D = 256 (8 dims per lane), Hq = 16, Hkv = 2.
 // Bytes: 2 KiB of K/V per position (bf16), e.g. 8 MB at 4K context, 268 MB at 128K.
 // Measured (H200, full-size model, inside the decode graph): commit 1c5da43 (a warp per query
@@ -299,23 +300,21 @@ struct CombineArgs {
     int splits;        // the most splits (the partial results' stride)
 };
 
-// One block per query head: warp w merges splits w, w + 32, ... in one pass (its own running
-// maximum, partials and weights requested together; 32 warps, so the 128 splits in use up to 128K
-// positions are one round of loads per warp), lanes over dims; then the warps' results meet in
-// shared memory. The position (which sets the splits in use) moves only between steps, so it is
-// read before the dependency wait.
-#define COMBINE_WARPS 32
-extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) attn_combine(CombineArgs a) {
-    __shared__ __align__(16) float sums[COMBINE_WARPS][D];
-    __shared__ float warp_ml[COMBINE_WARPS][2];
+// One block per query head: warp w merges splits w, w + 8, ... in one pass (its own running
+// maximum, partials and weights requested together, 4 splits' loads in flight; lanes over dims),
+// then the 8 warps' results meet in shared memory. The position (which sets the splits in use)
+// moves only between steps, so it is read before the dependency wait.
+extern "C" __global__ void __launch_bounds__(256) attn_combine(CombineArgs a) {
+    __shared__ __align__(16) float sums[8][D];
+    __shared__ float warp_ml[8][2];
     step_overlap_begin();
     const int h = blockIdx.x, used = splits_in_use(*a.pos + 1, a.splits);
     step_inputs_ready();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, d = threadIdx.x;
-    const float gate = d < D ? sigmoidf(a.qg[h * 2 * D + D + d]) : 0.f;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const float gate = sigmoidf(a.qg[h * 2 * D + D + threadIdx.x]);
     float M = -INFINITY, L = 0.f, o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
-    for (int s = warp; s < used; s += COMBINE_WARPS) {
+    for (int s = warp; s < used; s += 8) {
         const size_t at = (size_t)h * a.splits + s;
         const float2 ml = __ldcg(reinterpret_cast<const float2*>(a.part_ml + at * 2));
         const float4* src = reinterpret_cast<const float4*>(a.part_acc + at * D + lane * 8);
@@ -329,21 +328,20 @@ extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) attn_combine(Co
         o[4] = fmaf(o[4], c, w * u1.x); o[5] = fmaf(o[5], c, w * u1.y); o[6] = fmaf(o[6], c, w * u1.z); o[7] = fmaf(o[7], c, w * u1.w);
         M = m_new;
     }
-    float4* mine = reinterpret_cast<float4*>(&sums[warp][lane * 8]);
-    mine[0] = make_float4(o[0], o[1], o[2], o[3]);
-    mine[1] = make_float4(o[4], o[5], o[6], o[7]);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) sums[warp][lane * 8 + i] = o[i];
     if (lane == 0) {
         warp_ml[warp][0] = M;
         warp_ml[warp][1] = L;
     }
     __syncthreads();
-    if (d >= D) return;
     float Mt = -INFINITY;
-#pragma unroll 8
-    for (int w2 = 0; w2 < COMBINE_WARPS; ++w2) Mt = fmaxf(Mt, warp_ml[w2][0]);
+#pragma unroll
+    for (int w2 = 0; w2 < 8; ++w2) Mt = fmaxf(Mt, warp_ml[w2][0]);
+    const int d = threadIdx.x;
     float t = 0.f, Lt = 0.f;
-#pragma unroll 8
-    for (int w2 = 0; w2 < COMBINE_WARPS; ++w2) {
+#pragma unroll
+    for (int w2 = 0; w2 < 8; ++w2) {
         const float mw = warp_ml[w2][0];
         const float sc = mw == -INFINITY ? 0.f : __expf(mw - Mt);
         t = fmaf(sums[w2][d], sc, t);

@@ -1162,8 +1162,7 @@ impl CudaDecoder {
                         "attn combine + gate",
                         self.launch_step(
                             &self.f.combine,
-                            // attention.cu COMBINE_WARPS
-                            launch_cfg((c.num_attention_heads as u32, 1), 1024),
+                            launch_cfg((c.num_attention_heads as u32, 1), c.head_dim as u32,),
                             &ca
                         )?
                     );
