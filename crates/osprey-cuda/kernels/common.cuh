@@ -62,18 +62,6 @@ __device__ __forceinline__ int pad_idx(int i) { return i + ((i >> 5) << 2); }
 __device__ __forceinline__ void step_overlap_begin() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void step_inputs_ready() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
-// ---- waiting on other blocks of the same grid (all resident) ----
-// A counter read with acquire semantics at GPU scope (pairs with __threadfence + atomicAdd).
-__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-// Spins (politely) until *p >= target.
-__device__ __forceinline__ void wait_count(const unsigned* p, unsigned target) {
-    while (ld_acquire(p) < target) __nanosleep(32);
-}
-
 // Asks L2 for this block's 1/gridDim share of [base, base + bytes), one 128-byte line per thread
 // per pass. A hint only: L2 is the GPU's point of coherence, so a prefetch can never yield stale data.
 __device__ __forceinline__ void prefetch_share_l2(const void* base, size_t bytes) {
@@ -116,42 +104,6 @@ __device__ __forceinline__ int perm64(int k) {
     const int q = w >> 1, t = ((w & 1) << 1) | ((r >> 1) & 1), j = ((r & 1) << 1) | ((r >> 2) & 1);
     return (k & ~63) | (((q << 2) | t) << 2) | j;
 }
-
-// ---- Gated DeltaNet decode step (gdn.cu gdn_step; fused after in_proj in gemv.cu) ----
-// Head dims the step is written for: Dk = Dv = 128.
-#define DK 128
-#define DV 128
-
-struct GdnArgs {
-    const float* qkv;        // [conv_dim] raw projections (pre-conv)
-    const float* b;          // [Hv]
-    const float* a;          // [Hv]
-    const float* conv_w;     // [conv_dim, K]
-    const float* conv_in;    // [(K-1), conv_dim] state at even positions' read side
-    float* conv_out;         // [(K-1), conv_dim] the other buffer
-    const float* a_log;      // [Hv]
-    const float* dt_bias;    // [Hv]
-    float* state;            // [Hv, Dk, Dv]
-    float* o;                // [Hv*Dv] delta-rule output (before the gated norm)
-    const int* pos;          // selects the conv parity
-    int hk, hv, conv_dim, kernel;
-};
-
-__device__ __forceinline__ float conv_channel(const GdnArgs& p, const float* cin, int ch) {
-    const int K = p.kernel;
-    float s = 0.f;
-#pragma unroll 4
-    for (int j = 0; j < K - 1; ++j) s = fmaf(p.conv_w[ch * K + j], cin[j * p.conv_dim + ch], s);
-    s = fmaf(p.conv_w[ch * K + K - 1], __ldcg(p.qkv + ch), s);
-    return siluf(s);
-}
-
-__device__ __forceinline__ void shift_conv(const GdnArgs& p, const float* cin, float* cout, int ch) {
-    const int K = p.kernel;
-    for (int j = 0; j < K - 2; ++j) cout[j * p.conv_dim + ch] = cin[(j + 1) * p.conv_dim + ch];
-    cout[(K - 2) * p.conv_dim + ch] = __ldcg(p.qkv + ch);
-}
-
 
 // ---- routing: block 0 of moe_gate_up writes the selected experts here for moe_down ----
 #define MAX_TOPK 16

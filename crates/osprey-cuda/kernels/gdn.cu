@@ -15,10 +15,42 @@
 // state traffic = 0.42 TB/s (11% of 3.7 TB/s); latency of its short dependent phases dominates.
 #include "common.cuh"
 
+#define DK 128
+#define DV 128
 #define COLS 32
 #define COL_SPLITS (DV / COLS)
 #define ROW_GROUPS 8
 #define ROWS_PER (DK / ROW_GROUPS)
+
+struct GdnArgs {
+    const float* qkv;        // [conv_dim] raw projections (pre-conv)
+    const float* b;          // [Hv]
+    const float* a;          // [Hv]
+    const float* conv_w;     // [conv_dim, K]
+    const float* conv_in;    // [(K-1), conv_dim] state at even positions' read side
+    float* conv_out;         // [(K-1), conv_dim] the other buffer
+    const float* a_log;      // [Hv]
+    const float* dt_bias;    // [Hv]
+    float* state;            // [Hv, Dk, Dv]
+    float* o;                // [Hv*Dv] delta-rule output (before the gated norm)
+    const int* pos;          // selects the conv parity
+    int hk, hv, conv_dim, kernel;
+};
+
+__device__ __forceinline__ float conv_channel(const GdnArgs& p, const float* cin, int ch) {
+    const int K = p.kernel;
+    float s = 0.f;
+#pragma unroll 4
+    for (int j = 0; j < K - 1; ++j) s = fmaf(p.conv_w[ch * K + j], cin[j * p.conv_dim + ch], s);
+    s = fmaf(p.conv_w[ch * K + K - 1], p.qkv[ch], s);
+    return siluf(s);
+}
+
+__device__ __forceinline__ void shift_conv(const GdnArgs& p, const float* cin, float* cout, int ch) {
+    const int K = p.kernel;
+    for (int j = 0; j < K - 2; ++j) cout[j * p.conv_dim + ch] = cin[(j + 1) * p.conv_dim + ch];
+    cout[(K - 2) * p.conv_dim + ch] = p.qkv[ch];
+}
 
 extern "C" __global__ void __launch_bounds__(256) gdn_step(GdnArgs p) {
     __shared__ float q[DK], k[DK], v[COLS], part[ROW_GROUPS][COLS], scratch[32];

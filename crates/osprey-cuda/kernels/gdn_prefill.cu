@@ -39,6 +39,9 @@
 // conv + norms + gates 0.12 ms per layer for ~270 MB moved (~2.2 TB/s).
 #include "common.cuh"
 
+#define DK 128
+#define DV 128
+
 struct GdnPrefillArgs {
     const float* qkv;      // [T, conv_dim] projections (pre-conv)
     float* conv_out;       // [T, conv_dim] after conv + SiLU (q, k normalised in place later)

@@ -115,9 +115,7 @@ struct GemvArgs {
     int tiles;  // 1: 4-bit group-64 segments run as tensor-core tiles (the host sets it for big launches)
     int prefetch;  // 1: ask L2 for this block's share of the weights before waiting on the predecessor
     int stages;    // gemv_q_resident: tiles a block holds in shared memory (at least its share)
-    TokenChoice* choice;  // the lm_head launch (gemv_q_ring, gemv_q_tiles, gemv_q): greedy token choice
-    GdnArgs gdn;          // with gdn_rows: the GDN step fused after in_proj (gemv_q_resident)
-    unsigned* gdn_rows;   // [Hv] rows of each value head's step inputs written so far (null: no step)
+    TokenChoice* choice;  // gemv_q / gemv_q_tiles with one segment (the lm_head): greedy token choice
 };
 
 __device__ __forceinline__ QRows rows_of(const Segment& s) { return QRows{s.codes, s.scales, s.biases, s.rows}; }
@@ -409,104 +407,6 @@ extern "C" __global__ void __launch_bounds__(256, 3) gemv_q_tiles(GemvArgs a) { 
 // 5.0 (11.3), out_proj 5.8 (11.0); in the decode graph, in_proj 8.1 us (12.1 with gemv_q_tiles).
 #define RES_WARPS 8
 
-// ---- the GDN recurrent step fused after in_proj ----
-// in_proj's rows, in launch order: q|k|v (conv_dim: q and k Hk·Dk each, then v Hv·Dv), z (Hv·Dv),
-// b (Hv), a (Hv). Value head h's step needs the q and k rows of its key head, its v rows and its b
-// and a rows: GDN_STEP_ROWS of them. Every block, once its rows are written, adds how many of each
-// head's it wrote to gdn_rows[h]; the block holding the head's first v row waits for the count,
-// clears it, and runs the step (gdn.cu gdn_step's math; the state, bulk-copied into its shared
-// memory before the dependency wait, is updated there and written back). That block's run of
-// tiles is shorter than Dv rows (the host checks), so it holds at most one head's first v row;
-// the grid is one block per SM, all resident, so waiting on other blocks cannot deadlock.
-#define GDN_STEP_ROWS (2 * DK + DV + 2)
-
-// The value head whose step the block of tiles [t0, t1) runs, or -1.
-__device__ __forceinline__ int fused_gdn_head(const GdnArgs& p, int t0, int t1) {
-    for (int h = 0; h < p.hv; ++h) {
-        const int tile = (2 * p.hk * DK + h * DV) / 16;
-        if (tile >= t0 && tile < t1) return h;
-    }
-    return -1;
-}
-
-__device__ __forceinline__ int overlap_rows(int a0, int a1, int b0, int b1) { return max(0, min(a1, b1) - max(a0, b0)); }
-
-__device__ __forceinline__ void fused_gdn_step(const GdnArgs& p, unsigned* rows_done, int t0, int t1, int h, float* S,
-                                            float* scratch) {
-    const int t = threadIdx.x, rep = p.hv / p.hk, kd = p.hk * DK;
-    // every writer's rows reach L2 before the block counts them
-    __threadfence();
-    __syncthreads();
-    if (t < p.hv) {
-        const int r0 = t0 * 16, r1 = t1 * 16, kh = t / rep, zb = p.conv_dim + p.hv * DV;
-        const int n = overlap_rows(r0, r1, kh * DK, kh * DK + DK) + overlap_rows(r0, r1, kd + kh * DK, kd + kh * DK + DK) +
-                      overlap_rows(r0, r1, 2 * kd + t * DV, 2 * kd + t * DV + DV) + overlap_rows(r0, r1, zb + t, zb + t + 1) +
-                      overlap_rows(r0, r1, zb + p.hv + t, zb + p.hv + t + 1);
-        if (n > 0) atomicAdd(&rows_done[t], (unsigned)n);
-    }
-    if (h < 0) return;
-    float* qs = S + DK * DV;
-    float* ks = qs + DK;
-    float* vs = ks + DK;
-    float* part = vs + DV;  // [2][DV]
-    if (t == 0) {
-        wait_count(&rows_done[h], GDN_STEP_ROWS);
-        rows_done[h] = 0;  // every contribution is in: ready for the next step's count
-    }
-    __syncthreads();
-    const int kh = h / rep, parity = *p.pos & 1;
-    const float* cin = parity ? p.conv_out : p.conv_in;
-    float* cout = parity ? const_cast<float*>(p.conv_in) : p.conv_out;
-    const float b_in = __ldcg(p.b + h), a_in = __ldcg(p.a + h);
-    if (t < DK) {
-        qs[t] = conv_channel(p, cin, kh * DK + t);
-        ks[t] = conv_channel(p, cin, kd + kh * DK + t);
-        if (h % rep == 0) {
-            shift_conv(p, cin, cout, kh * DK + t);
-            shift_conv(p, cin, cout, kd + kh * DK + t);
-        }
-    } else if (t < DK + DV) {
-        vs[t - DK] = conv_channel(p, cin, 2 * kd + h * DV + (t - DK));
-        shift_conv(p, cin, cout, 2 * kd + h * DV + (t - DK));
-    }
-    // l2 norms (eps inside the sum), q scaled by 1/sqrt(Dk)
-    const float qq = block_sum(t < DK ? qs[t] * qs[t] : 0.f, scratch);
-    const float kk = block_sum(t < DK ? ks[t] * ks[t] : 0.f, scratch);
-    if (t < DK) {
-        qs[t] *= rsqrtf(qq + 1e-6f) * rsqrtf((float)DK);
-        ks[t] *= rsqrtf(kk + 1e-6f);
-    }
-    const float beta = sigmoidf(b_in);
-    const float xa = a_in + p.dt_bias[h];
-    const float softplus = xa > 20.f ? xa : log1pf(__expf(xa));
-    const float decay = __expf(-__expf(p.a_log[h]) * softplus);
-    __syncthreads();
-    // thread t: state column j, rows [half·Dk/2, +Dk/2)
-    const int j = t % DV, half = t / DV, i0 = half * (DK / 2);
-    float m = 0.f;
-    if (half < 2) {
-#pragma unroll 8
-        for (int i = i0; i < i0 + DK / 2; ++i) m = fmaf(S[i * DV + j] * decay, ks[i], m);
-        part[half * DV + j] = m;
-    }
-    __syncthreads();
-    float o = 0.f;
-    if (half < 2) {
-        const float d = beta * (vs[j] - (part[j] + part[DV + j]));
-        float* G = p.state + (size_t)h * DK * DV;
-#pragma unroll 8
-        for (int i = i0; i < i0 + DK / 2; ++i) {
-            const float s = fmaf(ks[i], d, S[i * DV + j] * decay);
-            o = fmaf(s, qs[i], o);
-            G[i * DV + j] = s;
-        }
-    }
-    __syncthreads();  // every thread has read part
-    if (half < 2) part[half * DV + j] = o;
-    __syncthreads();
-    if (t < DV) p.o[h * DV + t] = part[t] + part[DV + t];
-}
-
 // Block b takes tiles [b·T/grid, (b+1)·T/grid) of the launch's segments; a.stages >= its tile
 // count (the host sizes the dynamic shared memory by it: resident_launch in decoder.rs).
 // Shared memory: codes [stages][16 rows][K/2 B], scales and biases [stages][16][K/64], then x.
@@ -523,9 +423,6 @@ extern "C" __global__ void __launch_bounds__(RES_WARPS * 32, 2) gemv_q_resident(
     float2* gx = reinterpret_cast<float2*>(xb8 + gpr * 8);
     float* scratch = reinterpret_cast<float*>(gx + gpr);
     uint64_t* full = reinterpret_cast<uint64_t*>(scratch + 32);
-    // with the fused GDN step: the head's state and the step's vectors after the barrier
-    float* gdn_state = reinterpret_cast<float*>(full + 2);  // [DK][DV]
-    const int gdn_head = a.gdn_rows ? fused_gdn_head(a.gdn, t0, t1) : -1;
     step_overlap_begin();
     if (threadIdx.x == 0) {
         mbar_init(full, 1);
@@ -539,10 +436,7 @@ extern "C" __global__ void __launch_bounds__(RES_WARPS * 32, 2) gemv_q_resident(
             bytes += rows * (K / 2 + 2 * gpr * 2);
             t += run;
         }
-        if (gdn_head >= 0) bytes += DK * DV * 4;
         mbar_arrive_expect_bytes(full, bytes);
-        // the state only this kernel touches in this step (the previous step's wrote it)
-        if (gdn_head >= 0) bulk_copy_to_shared(gdn_state, a.gdn.state + (size_t)gdn_head * DK * DV, DK * DV * 4, full);
         for (int t = t0; t < t1;) {
             int local;
             const Segment& s = a.seg[locate_unit(a, true, t, local)];
@@ -596,7 +490,6 @@ extern "C" __global__ void __launch_bounds__(RES_WARPS * 32, 2) gemv_q_resident(
             if (s.accumulate) s.out[row] += y; else s.out[row] = y;
         }
     }
-    if (a.gdn_rows) fused_gdn_step(a.gdn, a.gdn_rows, t0, t1, gdn_head, gdn_state, scratch);
 }
 
 // gemv_q_ring: launches of one 4-bit group-64 segment too big for gemv_q_resident (the lm_head,

@@ -38,11 +38,6 @@ pub struct GemvArgs {
     pub stages: i32,
     /// The lm_head launch: its `TokenChoice` (device address), 0 elsewhere.
     pub choice: u64,
-    /// With `gdn_rows`: the GDN step fused after in_proj (gemv_q_resident).
-    pub gdn: GdnArgs,
-    /// Rows of each value head's step inputs written so far ([Hv] u32, zero between launches;
-    /// 0: no fused step).
-    pub gdn_rows: u64,
 }
 
 /// gemv.cu `TokenChoice`: the greedy token choice fused into the lm_head launch (one per
@@ -424,10 +419,7 @@ mod tests {
     fn layouts_match_the_kernel_structs() {
         // sizes computed from the C declarations in kernels/*.cu (x86-64 / CUDA ABI)
         assert_eq!(std::mem::size_of::<Segment>(), 48);
-        assert_eq!(
-            std::mem::size_of::<GemvArgs>(),
-            4 * 48 + 4 * 8 + 8 * 4 + 8 + (11 * 8 + 16) + 8
-        );
+        assert_eq!(std::mem::size_of::<GemvArgs>(), 4 * 48 + 4 * 8 + 8 * 4 + 8);
         assert_eq!(std::mem::size_of::<TokenChoice>(), 8 + 4 + 4 + 5 * 8);
         assert_eq!(
             std::mem::size_of::<GateUpArgs>(),

@@ -42,18 +42,6 @@ fn resident_launch(
     sms: usize,
     smem: usize,
 ) -> Option<(usize, usize, usize)> {
-    resident_launch_with(tiles, k, sms, smem, 0)
-}
-
-/// `resident_launch` with `extra` bytes of shared memory per block after its own (the fused GDN
-/// step's state and vectors).
-fn resident_launch_with(
-    tiles: usize,
-    k: usize,
-    sms: usize,
-    smem: usize,
-    extra: usize,
-) -> Option<(usize, usize, usize)> {
     if tiles == 0 || sms == 0 || !k.is_multiple_of(2048) || k > 4096 {
         return None;
     }
@@ -62,40 +50,12 @@ fn resident_launch_with(
     let groups = k / 64;
     // codes, scales and biases of the tiles; x as two signed bytes per element (16 B per
     // 8-element slot) and (scale, sum) per group; 32 floats of reduction scratch; the mbarrier
-    let bytes = per_block * 16 * (k / 2 + 2 * groups * 2)
-        + groups * 8 * 16
-        + groups * 8
-        + 32 * 4
-        + 8
-        + extra;
+    let bytes =
+        per_block * 16 * (k / 2 + 2 * groups * 2) + groups * 8 * 16 + groups * 8 + 32 * 4 + 8;
     // at least half an SM's shared memory, so that blocks launched early (programmatic dependent
     // launch) land one per SM instead of two on the SMs that free up first
     // (never more than a block may take: on a part with less shared memory the padding is moot)
     (bytes <= smem).then_some((blocks, per_block, bytes.max(RESIDENT_MIN_SMEM).min(smem)))
-}
-
-/// Head dims of the GDN decode step (kernels: DK, DV).
-const GDN_HEAD_DIM: usize = 128;
-/// Shared memory the GDN step fused after in_proj adds to a gemv_q_resident block (gemv.cu
-/// fused_gdn_step): padding to 16 bytes, the head's fp32 state, q, k, v and two rows of partials.
-const GDN_FUSED_SMEM: usize = 8 + 4 * (GDN_HEAD_DIM * GDN_HEAD_DIM + 5 * GDN_HEAD_DIM);
-
-/// The in_proj launch with the GDN step fused after it (gemv.cu fused_gdn_step), as
-/// `resident_launch`'s (blocks, tiles per block, shared memory bytes); None where the step cannot
-/// ride on it: not a resident launch, head dims other than the kernel's, or a block's run of
-/// tiles as long as a value head's rows (it could then hold two heads' first rows).
-fn gdn_fused_launch(
-    head_dims: (usize, usize),
-    tiles: usize,
-    k: usize,
-    sms: usize,
-    smem: usize,
-) -> Option<(usize, usize, usize)> {
-    if head_dims != (GDN_HEAD_DIM, GDN_HEAD_DIM) {
-        return None;
-    }
-    resident_launch_with(tiles, k, sms, smem, GDN_FUSED_SMEM)
-        .filter(|&(_, per_block, _)| per_block * 16 < GDN_HEAD_DIM)
 }
 
 /// Tiles per stage of gemv_q_ring (gemv.cu RING_TILES) and its warps (8 multiply, 1 produces).
@@ -334,9 +294,6 @@ struct Scratch {
     shared_u: CudaSlice<f32>,
     h: CudaSlice<f32>,
     topk: CudaSlice<i32>,
-    /// Rows of each GDN value head's step inputs written (gemv.cu fused_gdn_step; zero between
-    /// launches).
-    gdn_rows: CudaSlice<u32>,
     logits: CudaSlice<f32>,
     token: CudaSlice<i32>,
     pos: CudaSlice<i32>,
@@ -650,7 +607,6 @@ impl CudaDecoder {
             // routed slots, then the shared expert (moe_down reads it as one more segment)
             h: stream.alloc_zeros((c.num_experts_per_tok + 1) * c.moe_intermediate_size)?,
             topk: stream.alloc_zeros(32)?,
-            gdn_rows: stream.alloc_zeros(c.linear_num_value_heads.max(1))?,
             logits: stream.alloc_zeros(c.vocab_size)?,
             token: stream.alloc_zeros(1)?,
             pos: stream.alloc_zeros(1)?,
@@ -802,47 +758,6 @@ impl CudaDecoder {
         group: usize,
     ) -> Result<()> {
         self.gemv_choosing(segs, x, prologue, k, group, 0)
-    }
-
-    /// GDN in_proj (`segs`: q|k|v, z, b, a) as a resident GEMV whose blocks then run the layer's
-    /// recurrent step (gemv.cu fused_gdn_step); `launch` from gdn_fused_launch.
-    fn gemv_gdn_fused(
-        &self,
-        segs: &[Segment],
-        x: u64,
-        prologue: Prologue,
-        k: usize,
-        launch: (usize, usize, usize),
-        gdn: GdnArgs,
-    ) -> Result<()> {
-        let (blocks, per_block, smem) = launch;
-        let mut a = GemvArgs {
-            x,
-            eps: self.cfg.rms_norm_eps,
-            nseg: segs.len() as i32,
-            k: k as i32,
-            group: 64,
-            tiles: 1,
-            stages: per_block as i32,
-            gdn,
-            gdn_rows: self.p(&self.s.gdn_rows),
-            ..Default::default()
-        };
-        if let Prologue::RmsNorm(w) = prologue {
-            a.norm_weight = w;
-        }
-        a.seg[..segs.len()].copy_from_slice(segs);
-        let cfg = LaunchConfig {
-            grid_dim: (blocks as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: smem as u32,
-        };
-        self.launch_params(
-            &self.f.gemv_resident,
-            cfg,
-            &mut [&a as *const GemvArgs as *mut c_void],
-            self.overlap.pdl || self.overlap.early,
-        )
     }
 
     /// `gemv`, and with `choice` (a TokenChoice's device address; 0: none) the greedy token
@@ -1110,6 +1025,16 @@ impl CudaDecoder {
                         b.segment(self.p(&s.b), false, st),
                         a.segment(self.p(&s.a), false, st),
                     ];
+                    timed!(
+                        "gdn in_proj (norm + qkv|z|b|a)",
+                        self.gemv(
+                            &segs,
+                            x,
+                            Prologue::RmsNorm(self.p(&l.input_norm)),
+                            h,
+                            qkv.m.group
+                        )?
+                    );
                     let ga = GdnArgs {
                         qkv: self.p(&s.qkv),
                         b: self.p(&s.b),
@@ -1127,34 +1052,15 @@ impl CudaDecoder {
                         conv_dim: c.conv_dim() as i32,
                         kernel: c.conv_kernel as i32,
                     };
-                    let input_norm = Prologue::RmsNorm(self.p(&l.input_norm));
-                    let tiles: usize = segs.iter().map(|g| (g.rows as usize).div_ceil(16)).sum();
-                    let fused = (qkv.m.group == 64 && segs.iter().all(|g| g.bits == 4))
-                        .then(|| {
-                            let dims = (c.linear_key_head_dim, c.linear_value_head_dim);
-                            gdn_fused_launch(dims, tiles, h, self.sms, self.smem_optin)
-                        })
-                        .flatten();
-                    if let Some(launch) = fused {
-                        timed!(
-                            "gdn in_proj + step (norm + qkv|z|b|a, conv, l2, delta rule)",
-                            self.gemv_gdn_fused(&segs, x, input_norm, h, launch, ga)?
-                        );
-                    } else {
-                        timed!(
-                            "gdn in_proj (norm + qkv|z|b|a)",
-                            self.gemv(&segs, x, input_norm, h, qkv.m.group)?
-                        );
-                        timed!(
-                            "gdn step (conv, l2, delta rule)",
-                            self.launch_params(
-                                &self.f.gdn,
-                                launch_cfg((c.linear_num_value_heads as u32, 4), 256),
-                                &mut [&ga as *const GdnArgs as *mut c_void],
-                                self.overlap.pdl || self.overlap.early,
-                            )?
-                        );
-                    }
+                    timed!(
+                        "gdn step (conv, l2, delta rule)",
+                        self.launch_params(
+                            &self.f.gdn,
+                            launch_cfg((c.linear_num_value_heads as u32, 4), 256),
+                            &mut [&ga as *const GdnArgs as *mut c_void],
+                            self.overlap.pdl || self.overlap.early,
+                        )?
+                    );
                     let gated = Prologue::GatedHeadNorm {
                         weight: self.p(norm),
                         z: self.p(&s.z),
@@ -1780,20 +1686,6 @@ mod tests {
         assert_eq!(resident_launch(0, 2048, sms, smem), None);
         // less shared memory than the padding: padded only up to what a block may take
         assert_eq!(resident_launch(128, 4096, sms, 100_000).unwrap().2, 100_000);
-    }
-
-    #[test]
-    fn gdn_step_fuses_into_in_proj_when_a_block_holds_under_a_head_of_rows() {
-        let (sms, smem, dims) = (132, 232_448, (128, 128));
-        // Qwen3.6's in_proj: 12,352 rows at K 2048 = 772 tiles, 6 per block
-        let (blocks, per_block, bytes) = gdn_fused_launch(dims, 772, 2048, sms, smem).unwrap();
-        assert_eq!((blocks, per_block), (132, 6));
-        assert!(bytes <= smem && bytes >= 6 * 16 * (1024 + 128) + GDN_FUSED_SMEM);
-        // 8 tiles per block are 128 rows: two heads' first v rows could share a block
-        assert_eq!(gdn_fused_launch(dims, 8 * 132, 2048, sms, smem), None);
-        assert_eq!(gdn_fused_launch((128, 256), 772, 2048, sms, smem), None);
-        // the state does not fit beside a big share of tiles
-        assert_eq!(gdn_fused_launch(dims, 772, 4096, 100, smem), None);
     }
 
     #[test]
