@@ -761,7 +761,8 @@ impl CudaDecoder {
     }
 
     /// `gemv`, and with `choice` (a TokenChoice's device address; 0: none) the greedy token
-    /// choice over its single segment's rows (gemv_q or gemv_q_tiles: gemv.cu choose_token).
+    /// choice over its single segment's rows (gemv_q_ring, gemv_q_tiles or gemv_q: gemv.cu
+    /// choose_token).
     fn gemv_choosing(
         &self,
         segs: &[Segment],
@@ -819,42 +820,14 @@ impl CudaDecoder {
             _ => true,
         };
         if segs.iter().all(tileable) && head_ok && choice == 0 {
-            if let Some((blocks, per_block, smem)) =
-                resident_launch(tiles, k, self.sms, self.smem_optin)
-            {
-                a.tiles = 1;
-                a.stages = per_block as i32;
-                let cfg = LaunchConfig {
-                    grid_dim: (blocks as u32, 1, 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: smem as u32,
-                };
-                return self.launch_params(
-                    &self.f.gemv_resident,
-                    cfg,
-                    &mut [&a as *const GemvArgs as *mut c_void],
-                    self.overlap.pdl || self.overlap.early,
-                );
+            if let Some(launch) = resident_launch(tiles, k, self.sms, self.smem_optin) {
+                return self.launch_staged(&self.f.gemv_resident, a, launch, 256);
             }
         }
         if segs.len() == 1 && segs.iter().all(tileable) && head_ok {
-            if let Some((blocks, stages, smem)) =
-                ring_launch(tiles, k, self.sms, self.smem_optin - RING_STATIC_SMEM)
-            {
-                a.tiles = 1;
-                a.stages = stages as i32;
-                let cfg = LaunchConfig {
-                    grid_dim: (blocks as u32, 1, 1),
-                    block_dim: (RING_THREADS, 1, 1),
-                    shared_mem_bytes: smem as u32,
-                };
-                // its first stages' weights go out before the dependency wait
-                return self.launch_params(
-                    &self.f.gemv_ring,
-                    cfg,
-                    &mut [&a as *const GemvArgs as *mut c_void],
-                    self.overlap.pdl || self.overlap.early,
-                );
+            let smem = self.smem_optin - RING_STATIC_SMEM;
+            if let Some(launch) = ring_launch(tiles, k, self.sms, smem) {
+                return self.launch_staged(&self.f.gemv_ring, a, launch, RING_THREADS);
             }
         }
         let fills_gpu = tiles >= 2 * self.sms;
@@ -879,6 +852,32 @@ impl CudaDecoder {
             &self.f.gemv
         };
         self.launch_step(f, launch_cfg((blocks, 1), 256), &a)
+    }
+
+    /// A GEMV whose blocks stage their weights in shared memory (gemv_q_resident, gemv_q_ring):
+    /// `launch` is (blocks, tiles or stages per block, dynamic shared memory bytes). Launched
+    /// early: the weights' copies go out before the dependency wait.
+    fn launch_staged(
+        &self,
+        f: &CudaFunction,
+        mut a: GemvArgs,
+        launch: (usize, usize, usize),
+        threads: u32,
+    ) -> Result<()> {
+        let (blocks, stages, smem) = launch;
+        a.tiles = 1;
+        a.stages = stages as i32;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        self.launch_params(
+            f,
+            cfg,
+            &mut [&a as *const GemvArgs as *mut c_void],
+            self.overlap.pdl || self.overlap.early,
+        )
     }
 
     /// Launches one kernel of the decode step. With `overlap.pdl` (programmatic dependent launch),
