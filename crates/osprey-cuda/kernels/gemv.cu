@@ -3,7 +3,7 @@
 // mixed (the router and shared-expert gate are 8-bit).
 //
 // Shapes: K (input width) a multiple of 64 up to 4096, group 32/64/128.
-// Three kernels:
+// Four kernels:
 //   gemv_q_resident — launches of only 4-bit group-64 rows, K 2048 or 4096, whose share per block
 //     fits in shared memory (GDN in_proj, attention q|k|v, both output projections): one block
 //     of 8 warps per SM, its whole run of 16-row tiles requested at once by bulk copies before
@@ -11,9 +11,10 @@
 //   gemv_q_ring — launches of one 4-bit group-64 segment, K 2048 or 4096, too big for that (the
 //     lm_head): a block per SM streams its run of tiles through a ring of shared-memory stages
 //     (bulk copies, a producer warp, full/empty mbarriers), the same multiply (below).
-//   gemv_q_tiles — other launches with enough 4-bit group-64 rows (>= 2 tiles per SM): 16-row tiles on the integer tensor cores (tiles.cuh: x as two signed bytes per
-//     element, mma m16n8k32), 4 warps per tile splitting K, two tiles per block at a time, 256
-//     threads, grid = resident blocks (3 per SM); a warp requests its groups 4 at a time, the next
+//   gemv_q_tiles — other launches with enough 4-bit group-64 rows (>= 2 tiles per SM): 16-row
+//     tiles on the integer tensor cores (tiles.cuh: x as two signed bytes per element, mma
+//     m16n8k32), 4 warps per tile splitting K, two tiles per block at a time, 256 threads,
+//     grid = resident blocks (3 per SM); a warp requests its groups 4 at a time, the next
 //     batch (of this tile or its next) in flight while this one is multiplied, and the very first
 //     batch before the prologue; the 4 partial sums of a tile meet in a double buffer behind one
 //     slot barrier.
@@ -28,10 +29,11 @@
 // Ceiling: bytes of codes + scales + biases / ~3.7 TB/s streaming read (budget.md); one thread
 // per SM bulk-copying 16 KB requests streams 4.5-4.75 TB/s (bench/kernels/tma_read.cu).
 // Measured (H200, full-size model, inside the decode graph: what issuing the family twice adds
-// to a step), commit fbda03f: GDN in_proj 8.1 us (14.2 MB = 1.7 TB/s; gemv_q_tiles took 12.1),
-// GDN out_proj 6.2 us, lm_head 105 us (286 MB = 2.7 TB/s, 74%). What bounds gemv_q_resident:
-// the wait and its prologue (~1 + ~2 us, chained) and the multiply from shared memory (~2.9 us
-// for in_proj's 6 tiles, shared-memory and issue throughput; bench/kernels/gemv_resident.cu).
+// to a step), commit ca2b34f: GDN in_proj 6.9 us (14.2 MB = 2.1 TB/s; gemv_q_tiles took 12.1),
+// GDN out_proj 6.4 us; lm_head by gemv_q_ring 73-78 us (286 MB = 3.7-3.9 TB/s; 99-105 by
+// gemv_q_tiles; bench/results/cuda-decode-lm-head-ring*.json). What bounds gemv_q_resident: the
+// wait and its prologue (~1 + ~2 us, chained) and the multiply from shared memory (issue
+// throughput; bench/kernels/gemv_resident.cu, cuda-decode-quad-dot-lean.json).
 #include "tiles.cuh"
 
 #define MAX_SEGS 4
@@ -70,7 +72,7 @@ __device__ __forceinline__ unsigned long long choice_key(float logit, int id) {
 }
 
 __device__ __forceinline__ void choose_token(TokenChoice* c, unsigned long long best, float* scratch) {
-    unsigned long long* warp_best = reinterpret_cast<unsigned long long*>(scratch);  // 8 of them
+    unsigned long long* warp_best = reinterpret_cast<unsigned long long*>(scratch);  // one per warp (<= 16)
     __shared__ bool last;
     for (int o = 16; o > 0; o >>= 1) {
         const unsigned long long other = __shfl_xor_sync(FULL_MASK, best, o);
@@ -115,7 +117,7 @@ struct GemvArgs {
     int tiles;  // 1: 4-bit group-64 segments run as tensor-core tiles (the host sets it for big launches)
     int prefetch;  // 1: ask L2 for this block's share of the weights before waiting on the predecessor
     int stages;    // gemv_q_resident: tiles a block holds in shared memory (at least its share)
-    TokenChoice* choice;  // gemv_q / gemv_q_tiles with one segment (the lm_head): greedy token choice
+    TokenChoice* choice;  // the lm_head launch (gemv_q_ring, gemv_q_tiles, gemv_q): greedy token choice
 };
 
 __device__ __forceinline__ QRows rows_of(const Segment& s) { return QRows{s.codes, s.scales, s.biases, s.rows}; }
