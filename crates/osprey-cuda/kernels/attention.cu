@@ -14,7 +14,7 @@
 //   attn_combine — merges the splits in one pass (warps over splits with their own running maximum,
 //                  lanes over dims, several splits' loads in flight), applies the sigmoid output
 //                  gate. Grid Hq.
-// Shapes: head_dim D = 256 (8 dims per lane), Hq = 16, Hkv = 2.
+// Shapes: head_dim D = 256, Hq = 16, Hkv = 2 (up to 8 query heads per KV head).
 // Bytes: 2 KiB of K/V per position (bf16), e.g. 8 MB at 4K context, 268 MB at 128K.
 // Measured (H200, full-size model, inside the decode graph): commit 1c5da43 (a warp per query
 // head, each K/V row read by 8 warps through L1; grid (Hkv, 512)): 22.1 us at 4K; warps over
@@ -97,7 +97,8 @@ struct DecodeArgs {
 #define G 8
 // Positions a warp takes at once: one n8 tile of scores.
 #define PSTEP 8
-// Warps per block: 4, so two blocks fit on an SM (~200 registers per thread).
+// Warps per block: 4, so two blocks fit on an SM (255 registers per thread: two steps' K/V and the
+// 64 accumulators), and warp w stages Q's k steps 4w .. 4w + 3, the 16 of D = 256.
 #define WARPS 4
 
 // D += A·B for one m16n8k8 tile: A 16x8 bf16, B 8x8 bf16, f32 accumulate.
