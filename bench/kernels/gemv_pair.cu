@@ -31,12 +31,6 @@ static size_t pair_smem(int K) {
     return 16 * (K / 2 + 2 * gpr * 2) + gpr / 2 * 8 * 16 + gpr / 2 * 8 + 32 * 4 + PAIR_WARPS * 16 * 4 + 16 * 4 + 8;
 }
 
-// Dynamic shared memory of gemv_q_resident holding `tiles` tiles (decoder.rs resident_launch).
-static size_t resident_smem(int K, int tiles) {
-    const size_t gpr = K / 64;
-    return (size_t)tiles * 16 * (K / 2 + 2 * gpr * 2) + gpr * 8 * 16 + gpr * 8 + 32 * 4 + 8;
-}
-
 __device__ __forceinline__ unsigned cluster_rank() {
     unsigned r;
     asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
@@ -159,21 +153,14 @@ int main() {
             CK(cudaMemset(outs, 0, y.size() * 4));
             const double us = graph_us(st, CHAIN, [&](int i) {
                 GemvArgs a = args[i % copies];
-                cudaLaunchConfig_t cfg{};
-                cudaLaunchAttribute attr{};
-                attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-                attr.val.programmaticStreamSerializationAllowed = 1;
-                cfg.blockDim = dim3(256);
-                cfg.stream = st;
-                cfg.attrs = &attr;
-                cfg.numAttrs = pdl ? 1 : 0;
+                cudaLaunchAttribute attr;
                 if (kind == 0) {
-                    cfg.gridDim = dim3(std::min(tiles, sms));
-                    cfg.dynamicSmemBytes = std::max<size_t>(resident_smem(K, (tiles + sms - 1) / sms), 115 * 1024);
+                    const size_t smem = std::max<size_t>(resident_smem(K, (tiles + sms - 1) / sms), 115 * 1024);
+                    const cudaLaunchConfig_t cfg = launch_256(st, std::min(tiles, sms), smem, pdl, attr);
                     CK(cudaLaunchKernelEx(&cfg, gemv_q_resident, a));
                 } else {
-                    cfg.gridDim = dim3(2 * tiles);
-                    cfg.dynamicSmemBytes = kind == 1 ? pair_smem(K) : std::max<size_t>(pair_smem(K), 80 * 1024);
+                    const size_t smem = kind == 1 ? pair_smem(K) : std::max<size_t>(pair_smem(K), 80 * 1024);
+                    const cudaLaunchConfig_t cfg = launch_256(st, 2 * tiles, smem, pdl, attr);
                     CK(cudaLaunchKernelEx(&cfg, gemv_q_pair, a));
                 }
             });
@@ -187,13 +174,7 @@ int main() {
         const char* names[] = {"", "gemv_q_pair, pdl", "gemv_q_pair padded to 2 per SM, pdl"};
         for (int kind = 1; kind <= 2; ++kind) {
             const auto got = run(kind, true);
-            double num = 0.0, den = 0.0;
-            for (size_t i = 0; i < got.second.size(); ++i) {
-                const double d = (double)got.second[i] - ref.second[i];
-                num += d * d;
-                den += (double)ref.second[i] * ref.second[i];
-            }
-            printf("  %-44s %7.2f us   rel RMS vs resident %.2e\n", names[kind], got.first, sqrt(num / den));
+            printf("  %-44s %7.2f us   rel RMS vs resident %.2e\n", names[kind], got.first, rel_rms_f(ref.second, got.second));
         }
     }
     return 0;

@@ -17,12 +17,6 @@
 
 #define CHAIN 30
 
-// Dynamic shared memory of a block holding `tiles` tiles at width K (decoder.rs's resident_launch).
-static size_t resident_smem(int K, int tiles) {
-    const size_t gpr = K / 64;
-    return (size_t)tiles * 16 * (K / 2 + 2 * gpr * 2) + gpr * 8 * 16 + gpr * 8 + 32 * 4 + 8;
-}
-
 // Tensor-core instruction timing: each warp runs CHAINS independent accumulator chains of R
 // dependent mma.sync; cycles per instruction per warp (clock64), the slowest warp of the block.
 template <int CHAINS, bool INT8>
@@ -206,20 +200,12 @@ int main() {
             const double us = graph_us(st, CHAIN, [&](int i) {
                 GemvArgs a = args[i % copies];
                 a.stages = per_block;
-                cudaLaunchConfig_t cfg{};
-                cudaLaunchAttribute attr{};
-                attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-                attr.val.programmaticStreamSerializationAllowed = 1;
-                cfg.blockDim = dim3(256);
-                cfg.stream = st;
-                cfg.attrs = &attr;
-                cfg.numAttrs = pdl ? 1 : 0;
+                cudaLaunchAttribute attr;
                 if (resident) {
-                    cfg.gridDim = dim3(res_grid);
-                    cfg.dynamicSmemBytes = res_smem;
+                    const cudaLaunchConfig_t cfg = launch_256(st, res_grid, res_smem, pdl, attr);
                     CK(cudaLaunchKernelEx(&cfg, gemv_q_resident, a));
                 } else {
-                    cfg.gridDim = dim3(tile_grid);
+                    const cudaLaunchConfig_t cfg = launch_256(st, tile_grid, 0, pdl, attr);
                     CK(cudaLaunchKernelEx(&cfg, gemv_q_tiles, a));
                 }
             });
@@ -237,14 +223,8 @@ int main() {
         printf("  %-30s %7.2f us\n", "gemv_q_tiles", run(false, false).first);
         for (int pdl = 1; pdl >= 0; --pdl) {
             const auto got = run(true, pdl);
-            double num = 0.0, den = 0.0;
-            for (size_t i = 0; i < got.second.size(); ++i) {
-                const double d = (double)got.second[i] - ref.second[i];
-                num += d * d;
-                den += (double)ref.second[i] * ref.second[i];
-            }
             printf("  %-40s %7.2f us   rel RMS vs tiles %.2e\n", pdl ? "gemv_q_resident, pdl" : "gemv_q_resident", got.first,
-                   sqrt(num / den));
+                   rel_rms_f(ref.second, got.second));
         }
     }
     return 0;

@@ -2,6 +2,7 @@
 // grid-wide barrier for resident launches, and random quantised weights and activations.
 #pragma once
 #include "../../crates/osprey-cuda/kernels/common.cuh"
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -119,4 +120,39 @@ static float* random_x(int K) {
     std::vector<float> x(K);
     for (auto& v : x) v = (rand() % 2001 - 1000) / 1000.f;
     return upload(x);
+}
+
+// Dynamic shared memory of a gemv_q_resident block holding `tiles` tiles at width K (decoder.rs
+// resident_launch, unpadded).
+static size_t resident_smem(int K, int tiles) {
+    const size_t gpr = K / 64;
+    return (size_t)tiles * 16 * (K / 2 + 2 * gpr * 2) + gpr * 8 * 16 + gpr * 8 + 32 * 4 + 8;
+}
+
+// A launch on `st` of `grid` blocks of 256 threads with `smem` bytes of dynamic shared memory,
+// with programmatic dependent launch when `pdl`; `attr` holds that attribute (it must outlive the
+// launch call).
+static cudaLaunchConfig_t launch_256(cudaStream_t st, int grid, size_t smem, bool pdl, cudaLaunchAttribute& attr) {
+    attr = cudaLaunchAttribute{};
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(256);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = st;
+    cfg.attrs = &attr;
+    cfg.numAttrs = pdl ? 1 : 0;
+    return cfg;
+}
+
+// Relative RMS difference of `got` from `want`.
+static double rel_rms_f(const std::vector<float>& want, const std::vector<float>& got) {
+    double num = 0.0, den = 0.0;
+    for (size_t i = 0; i < want.size(); ++i) {
+        const double d = (double)got[i] - want[i];
+        num += d * d;
+        den += (double)want[i] * want[i];
+    }
+    return sqrt(num / den);
 }
