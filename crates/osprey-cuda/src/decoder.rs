@@ -105,8 +105,8 @@ fn gate_up_smem(hidden: usize) -> usize {
 const PREFETCH_MAX_BYTES: usize = 32 << 20;
 /// How the decode step's kernels may overlap: `early` (the default) programmatic dependent launch
 /// for the kernels that read something no kernel of the step writes before waiting on their
-/// predecessor: gemv_q_resident (its whole share of the weights) and gdn_step (its layer's
-/// recurrent state); `pdl` for every kernel, `1` that with the GEMVs' L2 prefetches, `prefetch`
+/// predecessor: gemv_q_resident and gemv_q_ring (their weights), gdn_step (its layer's recurrent
+/// state) and attn_decode (K/V rows of earlier steps); `pdl` for every kernel, `1` that with the GEMVs' L2 prefetches, `prefetch`
 /// the prefetches alone (at kernel start, under the prologue), `0` plain graph launches.
 /// Measured at 4K context: gemv_q_resident alone early 463 tok/s, none 448, every kernel 442
 /// (bench/results/cuda-decode-overlap-resident.json); with gdn_step early too 498 vs 488, the
@@ -120,8 +120,9 @@ const OVERLAP_ENV: &str = "OSPREY_CUDA_OVERLAP";
 struct StepOverlap {
     /// Launch with programmatic stream serialization (griddepcontrol in the kernels).
     pdl: bool,
-    /// gemv_q_resident and gdn_step launch with it (`early`: the only ones that do; what they
-    /// read before the wait then overlaps the predecessor).
+    /// The kernels that read something before the wait launch with it (gemv_q_resident,
+    /// gemv_q_ring, gdn_step, attn_decode): what they read then overlaps the predecessor. Set
+    /// whenever `pdl` is (`early` alone: only these).
     early: bool,
     /// GEMVs of at most PREFETCH_MAX_BYTES ask L2 for their weights first thing.
     prefetch: bool,
@@ -876,7 +877,7 @@ impl CudaDecoder {
             f,
             cfg,
             &mut [&a as *const GemvArgs as *mut c_void],
-            self.overlap.pdl || self.overlap.early,
+            self.overlap.early,
         )
     }
 
@@ -1057,7 +1058,7 @@ impl CudaDecoder {
                             &self.f.gdn,
                             launch_cfg((c.linear_num_value_heads as u32, 4), 256),
                             &mut [&ga as *const GdnArgs as *mut c_void],
-                            self.overlap.pdl || self.overlap.early,
+                            self.overlap.early,
                         )?
                     );
                     let gated = Prologue::GatedHeadNorm {
@@ -1146,7 +1147,7 @@ impl CudaDecoder {
                             launch_cfg(((self.sms * 2) as u32, 1), 128),
                             &mut [&da as *const DecodeArgs as *mut c_void],
                             // its first K/V loads (rows of earlier steps) go out before the wait
-                            self.overlap.pdl || self.overlap.early,
+                            self.overlap.early,
                         )?
                     );
                     let ca = CombineArgs {
