@@ -29,6 +29,18 @@ pub use prefill::GdnPrefill;
 /// Most attention splits over the context (flash-decoding; sizes the partial results): the kernel
 /// uses 128 up to 128K positions and one per 1024 beyond (attention.cu), over a fixed grid.
 const SPLITS: usize = 512;
+/// Shared memory of one 16-row tile of 4-bit group-64 rows at width `k`: codes, scales, biases.
+fn tile_smem(k: usize) -> usize {
+    16 * (k / 2 + 2 * (k / 64) * 2)
+}
+
+/// Shared memory of the input at width `k` in the tiles' byte form (tiles.cuh resident_input):
+/// two signed bytes per element (16 B per 8-element slot) and (scale, sum) per 64-group, then 32
+/// floats of reduction scratch.
+fn x_bytes_smem(k: usize) -> usize {
+    (k / 64) * (8 * 16 + 8) + 32 * 4
+}
+
 /// Just over half of an H200 SM's 228 KB of shared memory (1 KB of each block's is reserved).
 const RESIDENT_MIN_SMEM: usize = 115 * 1024;
 /// gemv_q_resident (gemv.cu) for `tiles` 16-row tiles of `k` inputs (4-bit, group 64) on `sms`
@@ -47,11 +59,8 @@ fn resident_launch(
     }
     let blocks = tiles.min(sms);
     let per_block = tiles.div_ceil(blocks);
-    let groups = k / 64;
-    // codes, scales and biases of the tiles; x as two signed bytes per element (16 B per
-    // 8-element slot) and (scale, sum) per group; 32 floats of reduction scratch; the mbarrier
-    let bytes =
-        per_block * 16 * (k / 2 + 2 * groups * 2) + groups * 8 * 16 + groups * 8 + 32 * 4 + 8;
+    // the tiles, x, and the mbarrier
+    let bytes = per_block * tile_smem(k) + x_bytes_smem(k) + 8;
     // at least half an SM's shared memory, so that blocks launched early (programmatic dependent
     // launch) land one per SM instead of two on the SMs that free up first
     // (never more than a block may take: on a part with less shared memory the padding is moot)
@@ -75,11 +84,9 @@ fn ring_launch(tiles: usize, k: usize, sms: usize, smem: usize) -> Option<(usize
     if sms == 0 || !k.is_multiple_of(2048) || k > 4096 || tiles < RING_MIN_TILES_PER_SM * sms {
         return None;
     }
-    let groups = k / 64;
-    // per stage: its tiles' codes, scales and biases and the 8 warps' 16 partial sums per tile;
-    // then x's two signed bytes per element, (scale, sum) per group, scratch
-    let stage = RING_TILES * (16 * (k / 2 + 2 * groups * 2) + 8 * 16 * 4);
-    let fixed = groups * 8 * 16 + groups * 8 + 32 * 4;
+    // per stage: its tiles and the 8 warps' 16 partial sums per tile; then x
+    let stage = RING_TILES * (tile_smem(k) + 8 * 16 * 4);
+    let fixed = x_bytes_smem(k);
     // and two mbarriers per stage
     let stages = smem.saturating_sub(fixed) / (stage + 16);
     let per_block_stages = tiles.div_ceil(sms).div_ceil(RING_TILES);
@@ -91,14 +98,8 @@ fn ring_launch(tiles: usize, k: usize, sms: usize, smem: usize) -> Option<(usize
 /// codes, scales and biases, x as two signed bytes per element and (scale, sum) per group, the
 /// partial sums of every quad of both tiles, scratch, the selection and the barrier.
 fn gate_up_smem(hidden: usize) -> usize {
-    let groups = hidden / 64;
-    2 * 16 * (hidden / 2 + 2 * groups * 2)
-        + groups * 8 * 16
-        + groups * 8
-        + 2 * (groups / 4) * 16 * 4
-        + 32 * 4
-        + 2 * 16 * 4
-        + 8
+    let quads = hidden / 256;
+    2 * tile_smem(hidden) + x_bytes_smem(hidden) + 2 * quads * 16 * 4 + 2 * 16 * 4 + 8
 }
 
 /// Largest GEMV whose weights are prefetched into L2 (60 MB) while its predecessor drains.
