@@ -69,11 +69,8 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(PAIR_WARP
     if (threadIdx.x == 0) {
         mbar_init(full, 1);
         mbar_init_fence();
-        const uint32_t cb = rows * (K / 2), sb = rows * gpr * 2;
-        mbar_arrive_expect_bytes(full, cb + 2 * sb);
-        bulk_copy_to_shared(codes, s.codes + (size_t)r0 * (K / 8), cb, full);
-        bulk_copy_to_shared(scales, s.scales + (size_t)r0 * gpr, sb, full);
-        bulk_copy_to_shared(biases, s.biases + (size_t)r0 * gpr, sb, full);
+        mbar_arrive_expect_bytes(full, q4_rows_bytes(rows, K));
+        copy_q4_rows(codes, scales, biases, 0, s.codes, s.scales, s.biases, r0, rows, K, full);
     }
     step_inputs_ready();
     resident_input(XInput{a.x + rank * Kh, nullptr, a.gate_z ? a.gate_z + rank * Kh : nullptr, a.head_norm, a.eps, Kh, a.head_dim},

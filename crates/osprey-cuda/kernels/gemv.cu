@@ -435,7 +435,7 @@ extern "C" __global__ void __launch_bounds__(RES_WARPS * 32, 2) gemv_q_resident(
             int local;
             const Segment& s = a.seg[locate_unit(a, true, t, local)];
             const int run = min(t1 - t, (s.rows + 15) / 16 - local), rows = min(run * 16, s.rows - local * 16);
-            bytes += rows * (K / 2 + 2 * gpr * 2);
+            bytes += q4_rows_bytes(rows, K);
             t += run;
         }
         mbar_arrive_expect_bytes(full, bytes);
@@ -443,10 +443,7 @@ extern "C" __global__ void __launch_bounds__(RES_WARPS * 32, 2) gemv_q_resident(
             int local;
             const Segment& s = a.seg[locate_unit(a, true, t, local)];
             const int run = min(t1 - t, (s.rows + 15) / 16 - local), r0 = local * 16, rows = min(run * 16, s.rows - r0);
-            const size_t i = t - t0;
-            bulk_copy_to_shared(codes + i * 16 * (K / 2), s.codes + (size_t)r0 * (K / 8), rows * (K / 2), full);
-            bulk_copy_to_shared(scales + i * 16 * gpr, s.scales + (size_t)r0 * gpr, rows * gpr * 2, full);
-            bulk_copy_to_shared(biases + i * 16 * gpr, s.biases + (size_t)r0 * gpr, rows * gpr * 2, full);
+            copy_q4_rows(codes, scales, biases, t - t0, s.codes, s.scales, s.biases, r0, rows, K, full);
             t += run;
         }
     }
@@ -530,10 +527,8 @@ extern "C" __global__ void __launch_bounds__((RING_CONSUMERS + 1) * 32, 1) gemv_
     auto fill = [&](int st) {
         const int slot = st % S, r0 = (t0 + st * RING_TILES) * 16;
         const int rows = min(min(RING_TILES, t1 - t0 - st * RING_TILES) * 16, s.rows - r0);
-        mbar_arrive_expect_bytes(&full[slot], rows * (K / 2 + 2 * gpr * 2));
-        bulk_copy_to_shared(codes + slot * RING_TILES * tile_codes, s.codes + (size_t)r0 * (K / 8), rows * (K / 2), &full[slot]);
-        bulk_copy_to_shared(scales + slot * RING_TILES * tile_sb, s.scales + (size_t)r0 * gpr, rows * gpr * 2, &full[slot]);
-        bulk_copy_to_shared(biases + slot * RING_TILES * tile_sb, s.biases + (size_t)r0 * gpr, rows * gpr * 2, &full[slot]);
+        mbar_arrive_expect_bytes(&full[slot], q4_rows_bytes(rows, K));
+        copy_q4_rows(codes, scales, biases, slot * RING_TILES, s.codes, s.scales, s.biases, r0, rows, K, &full[slot]);
     };
     step_overlap_begin();
     if (producer_lead) {

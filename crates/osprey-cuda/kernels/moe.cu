@@ -146,16 +146,13 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(GateUpArgs a) {
         __syncwarp();
         if (threadIdx.x == 0) {
             const size_t row0 = (size_t)ids[slot] * a.I + f0;
-            const uint32_t code_bytes = 16 * (H / 2), sb_bytes = 16 * gpr * 2;
             mbar_init(full, 1);
             mbar_init_fence();
-            mbar_arrive_expect_bytes(full, 2 * (code_bytes + 2 * sb_bytes));
+            mbar_arrive_expect_bytes(full, 2 * q4_rows_bytes(16, H));
 #pragma unroll
             for (int t = 0; t < 2; ++t) {
                 const ExpertStack& m = t ? a.up : a.gate;
-                bulk_copy_to_shared(codes + t * code_bytes, m.codes + row0 * (H / 8), code_bytes, full);
-                bulk_copy_to_shared(scales + t * 16 * gpr, m.scales + row0 * gpr, sb_bytes, full);
-                bulk_copy_to_shared(biases + t * 16 * gpr, m.biases + row0 * gpr, sb_bytes, full);
+                copy_q4_rows(codes, scales, biases, t, m.codes, m.scales, m.biases, row0, 16, H, full);
             }
         }
     }

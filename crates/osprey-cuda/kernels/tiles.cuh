@@ -159,6 +159,21 @@ __device__ __forceinline__ void tile_compute_s8(const TileBatch& b, int Gb, int 
 }
 
 // ---- tiles multiplied from shared memory (gemv_q_resident, moe_gate_up) ----
+// Shared-memory layout of n tiles: codes [n][16 rows][K/2 B], scales and biases [n][16][K/64].
+// copy_q4_rows puts rows [r0, r0 + rows) of a stored matrix at tile `slot` (rows may run over
+// several consecutive tiles) with one bulk copy each of codes, scales and biases; they arrive on
+// `bar`, which must expect q4_rows_bytes(rows, K) for them.
+__device__ __forceinline__ uint32_t q4_rows_bytes(int rows, int K) { return rows * (K / 2 + K / 64 * 4); }
+
+__device__ __forceinline__ void copy_q4_rows(char* codes, __nv_bfloat16* scales, __nv_bfloat16* biases, size_t slot,
+                                             const uint32_t* src_codes, const __nv_bfloat16* src_scales,
+                                             const __nv_bfloat16* src_biases, size_t r0, int rows, int K, uint64_t* bar) {
+    const int gpr = K / 64;
+    bulk_copy_to_shared(codes + slot * 16 * (K / 2), src_codes + r0 * (K / 8), rows * (K / 2), bar);
+    bulk_copy_to_shared(scales + slot * 16 * gpr, src_scales + r0 * gpr, rows * gpr * 2, bar);
+    bulk_copy_to_shared(biases + slot * 16 * gpr, src_biases + r0 * gpr, rows * gpr * 2, bar);
+}
+
 // The multiply reads the tiles from shared memory, where rows K/2 bytes apart share banks; read
 // as tile_load reads global memory (lane (g, q) taking rows g and g + 8 of one group at a time)
 // the 8 rows of a load meet in 8-way bank conflicts and the shared-memory pipe bounds the kernel
