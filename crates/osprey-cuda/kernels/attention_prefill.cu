@@ -218,3 +218,198 @@ extern "C" __global__ void __launch_bounds__(AWARPS * 32, 1) attn_prefill(AttnPr
         }
     }
 }
+
+// ---- attn_prefill_wgmma: the same attention on warpgroup MMA ------------------------------------
+// Block = 2 warpgroups x 64 queries of one query head (128 queries, like attn_prefill), keys in
+// tiles of 64, double-buffered with cp.async. Per tile and warpgroup: S = Q·Kᵀ as 16 wgmma
+// m64n64k16 with Q and K from shared memory (K-major core matrices: 16-byte column chunk kc of row
+// r at kc·rows·16 + r·16), the online softmax on S in registers (each warp holds its 16 rows in the
+// m16n8 accumulator layout), then O += P·V as 4 wgmma m64n256k16 with P from registers (the
+// accumulator layout is the A-fragment layout of the same rows) and V from shared memory MN-major
+// (8 consecutive head dims of one key per 16 bytes, core matrices of 8 keys x 8 dims, 128 bytes;
+// dim block nb of key block kb at kb·D·16 + nb·128). The mma.sync kernel above reads every K and V
+// tile once per warp of 16 queries through ldmatrix; here the tensor cores read them once per
+// warpgroup of 64 queries. A warpgroup skips a tile whose keys all follow its last query.
+// Shared memory: Q 128 x 256 + 2 x (K 64 x 256 + V 64 x 256) bf16 = 192 KB. Registers: O 128,
+// S 32, P 16 per thread.
+#define WG_QT 128
+#define WG_Q_BYTES (WG_QT * D * 2)
+#define WG_KV_BYTES (KT * D * 2)
+#define WG_V_KEY_BLOCK (D * 16)  // bytes between 8-key blocks of V
+#ifndef ATTN_V_LBO
+#define ATTN_V_LBO WG_V_KEY_BLOCK  // descriptor: between the two 8-key blocks of a k16 step
+#define ATTN_V_SBO 128             // descriptor: between 8-dim blocks
+#endif
+
+// S[64 x 64] (+)= A[64 x 16] · B[16 x 64], both from shared memory, K-major; fp32.
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+    asm volatile(
+        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "%32, %33, acc, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+          "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+          "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+          "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(desc_a), "l"(desc_b), "r"((int)accumulate));
+}
+
+// O[64 x 256] += A[64 x 16] · B[16 x 256]: A from registers (the m16n8k16 A fragments of each
+// warp's 16 rows), B from shared memory MN-major (transposed: 8 consecutive N values per 16 bytes).
+__device__ __forceinline__ void wgmma_m64n256k16_rs_tb(float (&d)[128], const uint32_t (&a)[4], uint64_t desc_b) {
+    asm volatile(
+        "{\n.reg .pred acc;\nsetp.ne.b32 acc, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+        "{%128, %129, %130, %131}, %132, acc, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+          "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+          "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+          "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+          "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+          "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+          "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+          "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]),
+          "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]),
+          "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]),
+          "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]),
+          "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]),
+          "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]),
+          "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]),
+          "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]),
+          "+f"(d[126]), "+f"(d[127])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma(AttnPrefillArgs a) {
+    extern __shared__ __align__(128) unsigned char smem_wg[];
+    unsigned char* Qs = smem_wg;                 // [32 kc][128 queries][16 B]
+    unsigned char* Ks = Qs + WG_Q_BYTES;         // [2][32 kc][64 keys][16 B]
+    unsigned char* Vs = Ks + 2 * WG_KV_BYTES;    // [2][8 key blocks][32 dim blocks][8 keys][16 B]
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3, wg = warp >> 2;
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * WG_QT, h = blockIdx.y, kvh = h / (a.hq / a.hkv);
+    const int n_keys = min(a.start + m0 + WG_QT, a.start + a.T);
+
+    // copies: lane pairs read one 32-byte sector (chunks 2i, 2i + 1 of a row), a warp 16 rows, so
+    // its shared-memory writes fill four whole 128-byte lines
+    for (int c = tid; c < WG_QT * D / 8; c += 256) {
+        const int pair = c >> 1, r = pair % WG_QT, kc = 2 * (pair / WG_QT) + (c & 1);
+        const bool ok = m0 + r < a.T;
+        cp_async16(Qs + kc * (WG_QT * 16) + r * 16, a.q + ((size_t)(ok ? m0 + r : 0) * a.hq + h) * D + kc * 8, ok);
+    }
+    auto load_kv = [&](int k0, int buf) {
+        unsigned char* kb = Ks + buf * WG_KV_BYTES;
+        unsigned char* vb = Vs + buf * WG_KV_BYTES;
+        for (int c = tid; c < KT * D / 8; c += 256) {
+            const int pair = c >> 1, r = pair % KT, kc = 2 * (pair / KT) + (c & 1);
+            const bool ok = k0 + r < n_keys;
+            const size_t at = ((size_t)(ok ? k0 + r : 0) * a.hkv + kvh) * D + kc * 8;
+            cp_async16(kb + kc * (KT * 16) + r * 16, a.k_cache + at, ok);
+            cp_async16(vb + (r >> 3) * WG_V_KEY_BLOCK + kc * 128 + (r & 7) * 16, a.v_cache + at, ok);
+        }
+    };
+    load_kv(0, 0);
+    asm volatile("cp.async.commit_group;\n" ::);
+
+    // this thread's query rows (block rows row_a and row_a + 8) and its warpgroup's last position
+    const int row_a = 64 * wg + 16 * (warp & 3) + g;
+    const int qpos_a = a.start + m0 + row_a, qpos_b = qpos_a + 8;
+    const int wg_last = a.start + m0 + 64 * wg + 63;
+    float o[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) o[i] = 0.f;
+    float mx_a = -INFINITY, mx_b = -INFINITY, sum_a = 0.f, sum_b = 0.f;
+
+    const int tiles = (n_keys + KT - 1) / KT;
+    for (int it = 0; it < tiles; ++it) {
+        const int k0 = it * KT, buf = it & 1;
+        if (it + 1 < tiles) load_kv(k0 + KT, buf ^ 1);
+        asm volatile("cp.async.commit_group;\n" ::);
+        asm volatile("cp.async.wait_group 1;\n" ::);
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        if (k0 <= wg_last) {
+            const unsigned char* Kb = Ks + buf * WG_KV_BYTES;
+            const unsigned char* Vb = Vs + buf * WG_KV_BYTES;
+            // S = Q Kᵀ: s[4j + 2h + e] is row row_a + 8h, key k0 + 8j + 2q + e
+            float s[32];
+            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk)
+                wgmma_m64n64k16_ss(s, wg_desc(Qs + 2 * kk * (WG_QT * 16) + wg * 64 * 16, WG_QT * 16, 128),
+                                   wg_desc(Kb + 2 * kk * (KT * 16), KT * 16, 128), kk > 0);
+            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+            fence_accumulators(s);
+
+            float tmax_a = -INFINITY, tmax_b = -INFINITY;
+#pragma unroll
+            for (int i = 0; i < 32; ++i) {
+                const int kp = k0 + 8 * (i >> 2) + 2 * q + (i & 1);
+                const bool row_b = i & 2;
+                const float v = (kp <= (row_b ? qpos_b : qpos_a) && kp < n_keys) ? s[i] * a.scale_log2 : -INFINITY;
+                s[i] = v;
+                if (row_b) tmax_b = fmaxf(tmax_b, v);
+                else tmax_a = fmaxf(tmax_a, v);
+            }
+#pragma unroll
+            for (int off = 1; off < 4; off <<= 1) {
+                tmax_a = fmaxf(tmax_a, __shfl_xor_sync(FULL_MASK, tmax_a, off));
+                tmax_b = fmaxf(tmax_b, __shfl_xor_sync(FULL_MASK, tmax_b, off));
+            }
+            const float new_a = fmaxf(mx_a, tmax_a), new_b = fmaxf(mx_b, tmax_b);
+            // rows with nothing visible yet keep a finite reference so exp2 never sees inf - inf
+            const float ref_a = new_a == -INFINITY ? 0.f : new_a, ref_b = new_b == -INFINITY ? 0.f : new_b;
+            const float corr_a = exp2f(mx_a - ref_a), corr_b = exp2f(mx_b - ref_b);
+            mx_a = new_a;
+            mx_b = new_b;
+            sum_a *= corr_a;
+            sum_b *= corr_b;
+#pragma unroll
+            for (int i = 0; i < 128; ++i) o[i] *= (i & 2) ? corr_b : corr_a;
+            // P as A fragments of the k16 steps: step kk covers S columns 16kk.. (n-blocks 2kk, 2kk + 1)
+            uint32_t pf[KT / 16][4];
+#pragma unroll
+            for (int j = 0; j < KT / 8; ++j) {
+                const float p0 = exp2f(s[4 * j] - ref_a), p1 = exp2f(s[4 * j + 1] - ref_a);
+                const float p2 = exp2f(s[4 * j + 2] - ref_b), p3 = exp2f(s[4 * j + 3] - ref_b);
+                sum_a += p0 + p1;
+                sum_b += p2 + p3;
+                pf[j >> 1][2 * (j & 1)] = pack_bf16(p0, p1);
+                pf[j >> 1][2 * (j & 1) + 1] = pack_bf16(p2, p3);
+            }
+            fence_accumulators(o);
+            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+            for (int kk = 0; kk < KT / 16; ++kk)
+                wgmma_m64n256k16_rs_tb(o, pf[kk], wg_desc(Vb + 2 * kk * WG_V_KEY_BLOCK, ATTN_V_LBO, ATTN_V_SBO));
+            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+            fence_accumulators(o);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+        sum_a += __shfl_xor_sync(FULL_MASK, sum_a, off);
+        sum_b += __shfl_xor_sync(FULL_MASK, sum_b, off);
+    }
+    const float inv_a = sum_a > 0.f ? 1.f / sum_a : 0.f, inv_b = sum_b > 0.f ? 1.f / sum_b : 0.f;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int t = m0 + row_a + 8 * hh;
+        if (t >= a.T) continue;
+        const float inv = hh ? inv_b : inv_a;
+        const float* gate = a.qg + ((size_t)t * a.hq + h) * 2 * D + D;
+        float* out = a.out + (size_t)t * a.hq * D + h * D;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            const int d = 8 * j + 2 * q;
+            const float2 gt = *reinterpret_cast<const float2*>(gate + d);
+            *reinterpret_cast<float2*>(out + d) =
+                make_float2(o[4 * j + 2 * hh] * inv * sigmoidf(gt.x), o[4 * j + 2 * hh + 1] * inv * sigmoidf(gt.y));
+        }
+    }
+}

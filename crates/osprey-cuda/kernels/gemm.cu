@@ -336,11 +336,6 @@ GEMM_KERNEL(8, 8, 1)
 #define WG_SB_BYTES (WG_ROWS * 32)
 #define WG_W_BYTES (WG_ROWS * 128)
 
-__device__ __forceinline__ uint64_t wg_desc(const void* p, uint32_t lbo, uint32_t sbo) {
-    const uint32_t addr = (uint32_t)__cvta_generic_to_shared(p);
-    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32);
-}
-
 // D[64 x 128] = A[64 x 16] · B[16 x 128] (+ D when accumulate), both from shared memory, fp32.
 __device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
     asm volatile(
@@ -383,13 +378,6 @@ __device__ __forceinline__ void wgmma_dequant_row(int G, int slot, const uint4* 
                 make_uint4(dequant_pair4(w[i], s, b), dequant_pair4(w[i] >> 4, s, b), dequant_pair4(w[i] >> 8, s, b),
                            dequant_pair4(w[i] >> 12, s, b));
     }
-}
-
-// keeps the compiler from moving accumulator registers across the asynchronous wgmma (a copy while
-// one is in flight would serialise them)
-__device__ __forceinline__ void fence_accumulators(float (&d)[64]) {
-#pragma unroll
-    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 // One group (4 k16 steps) of a warpgroup's wgmma, committed as one batch: its 128 weight rows at W

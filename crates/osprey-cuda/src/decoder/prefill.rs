@@ -13,6 +13,8 @@ use crate::args::*;
 
 /// Flash-attention tiles: shared memory Q 128x264 + 2 x (K 64x264 + V 64x264) bf16.
 const ATTN_SMEM_BYTES: usize = (128 + 4 * 64) * 264 * 2;
+/// attn_prefill_wgmma: Q 128x256 + 2 x (K 64x256 + V 64x256) bf16, unpadded core matrices.
+const ATTN_WGMMA_SMEM_BYTES: usize = (128 + 4 * 64) * 256 * 2;
 const ATTN_QUERY_TILE: usize = 128;
 /// Tokens per chunk of the chunked GDN form, and its kernels' shared memory (f32; the row strides
 /// 132, 136, 68 and 40 of gdn_prefill.cu).
@@ -35,23 +37,29 @@ const WGMMA_MT: usize = 16;
 /// 23.0 -> 19.3 ms over 40 layers).
 const WGMMA_FROM_ROWS_PER_EXPERT: usize = 48;
 
-/// Where the prefill runs gemm_q4_wgmma (the rest on mma.sync): `OSPREY_PREFILL_WGMMA=0` nowhere,
-/// `dense` in the dense projections only, otherwise (the default) also in the grouped expert
-/// gate/up GEMM. For ablations.
+/// Where the prefill runs warpgroup MMA (the rest on mma.sync): `OSPREY_PREFILL_WGMMA=0` nowhere,
+/// `dense` in the dense projections only, `gemm` in the dense projections and the grouped expert
+/// gate/up GEMM, otherwise (the default) also in attention (attn_prefill_wgmma). For ablations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Wgmma {
     dense: bool,
     grouped: bool,
+    attention: bool,
 }
 
 impl Wgmma {
     pub(super) fn from_env() -> Self {
-        let (dense, grouped) = match std::env::var("OSPREY_PREFILL_WGMMA").as_deref() {
-            Ok("0") => (false, false),
-            Ok("dense") => (true, false),
-            _ => (true, true),
+        let (dense, grouped, attention) = match std::env::var("OSPREY_PREFILL_WGMMA").as_deref() {
+            Ok("0") => (false, false, false),
+            Ok("dense") => (true, false, false),
+            Ok("gemm") => (true, true, false),
+            _ => (true, true, true),
         };
-        Wgmma { dense, grouped }
+        Wgmma {
+            dense,
+            grouped,
+            attention,
+        }
     }
 }
 
@@ -106,6 +114,7 @@ pub(super) struct PrefillKernels {
     gdn_chunk_out: CudaFunction,
     attn_prep_rows: CudaFunction,
     attn_prefill: CudaFunction,
+    attn_prefill_wgmma: CudaFunction,
 }
 
 impl PrefillKernels {
@@ -120,6 +129,11 @@ impl PrefillKernels {
             Ok(f)
         };
         let attn_prefill = with_smem("attention_prefill", "attn_prefill", ATTN_SMEM_BYTES)?;
+        let attn_prefill_wgmma = with_smem(
+            "attention_prefill",
+            "attn_prefill_wgmma",
+            ATTN_WGMMA_SMEM_BYTES,
+        )?;
         let gdn_chunk_prep = with_smem("gdn_prefill", "gdn_chunk_prep", GDN_CHUNK_PREP_SMEM_BYTES)?;
         let gdn_chunk_state =
             with_smem("gdn_prefill", "gdn_chunk_state", GDN_CHUNK_STATE_SMEM_BYTES)?;
@@ -149,6 +163,7 @@ impl PrefillKernels {
             gdn_chunk_out,
             attn_prep_rows: func("attention_prefill", "attn_prep_rows")?,
             attn_prefill,
+            attn_prefill_wgmma,
         })
     }
 }
@@ -802,13 +817,18 @@ impl CudaDecoder {
                         hq: hq as i32,
                         hkv: hkv as i32,
                     };
+                    let (attn, attn_smem) = if self.wgmma.attention {
+                        (&self.pk.attn_prefill_wgmma, ATTN_WGMMA_SMEM_BYTES)
+                    } else {
+                        (&self.pk.attn_prefill, ATTN_SMEM_BYTES)
+                    };
                     timed(self, events, "attn flash prefill + gate", |dd| {
                         dd.launch(
-                            &dd.pk.attn_prefill,
+                            attn,
                             LaunchConfig {
                                 grid_dim: (t.div_ceil(ATTN_QUERY_TILE) as u32, hq as u32, 1),
                                 block_dim: (256, 1, 1),
-                                shared_mem_bytes: ATTN_SMEM_BYTES as u32,
+                                shared_mem_bytes: attn_smem as u32,
                             },
                             &fa,
                         )?;
