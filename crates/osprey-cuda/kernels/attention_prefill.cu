@@ -229,9 +229,14 @@ extern "C" __global__ void __launch_bounds__(AWARPS * 32, 1) attn_prefill(AttnPr
 // (8 consecutive head dims of one key per 16 bytes, core matrices of 8 keys x 8 dims, 128 bytes;
 // dim block nb of key block kb at kb·D·16 + nb·128). The mma.sync kernel above reads every K and V
 // tile once per warp of 16 queries through ldmatrix; here the tensor cores read them once per
-// warpgroup of 64 queries. A warpgroup skips a tile whose keys all follow its last query.
-// Shared memory: Q 128 x 256 + 2 x (K 64 x 256 + V 64 x 256) bf16 = 192 KB. Registers: O 128,
-// S 32, P 16 per thread.
+// warpgroup of 64 queries. Step it issues S(it) and P(it - 1)·V(it - 1) together and computes the
+// softmax of S(it) while the second runs (O is rescaled after it lands; P double-buffered in
+// registers), so the tensor cores are busy during the exponentials. Both warpgroups walk
+// all the block's tiles (the first one's last tile is wholly masked: its P is zero; skipping it
+// would make the wgmma issue divergent, which the compiler serialises); only tiles that cross a
+// warpgroup's diagonal are masked.
+// Shared memory: Q 128 x 256 + 2 x (K 64 x 256 + V 64 x 256) bf16 = 192 KB; K(it) and V(it) in
+// buffer it % 2, K two steps ahead, V one. Registers: O 128, S 32, P 2 x 16 per thread.
 #define WG_QT 128
 #define WG_Q_BYTES (WG_QT * D * 2)
 #define WG_KV_BYTES (KT * D * 2)
@@ -299,98 +304,147 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma(AttnPref
         const bool ok = m0 + r < a.T;
         cp_async16(Qs + kc * (WG_QT * 16) + r * 16, a.q + ((size_t)(ok ? m0 + r : 0) * a.hq + h) * D + kc * 8, ok);
     }
-    auto load_kv = [&](int k0, int buf) {
-        unsigned char* kb = Ks + buf * WG_KV_BYTES;
-        unsigned char* vb = Vs + buf * WG_KV_BYTES;
+    // 64 keys from k0 of the KV head into K's layout, or V's (MN-major)
+    auto load_rows = [&](unsigned char* dst, int k0, bool values) {
+        const __nv_bfloat16* src = values ? a.v_cache : a.k_cache;
         for (int c = tid; c < KT * D / 8; c += 256) {
             const int pair = c >> 1, r = pair % KT, kc = 2 * (pair / KT) + (c & 1);
             const bool ok = k0 + r < n_keys;
             const size_t at = ((size_t)(ok ? k0 + r : 0) * a.hkv + kvh) * D + kc * 8;
-            cp_async16(kb + kc * (KT * 16) + r * 16, a.k_cache + at, ok);
-            cp_async16(vb + (r >> 3) * WG_V_KEY_BLOCK + kc * 128 + (r & 7) * 16, a.v_cache + at, ok);
+            cp_async16(dst + (values ? (r >> 3) * WG_V_KEY_BLOCK + kc * 128 + (r & 7) * 16 : kc * (KT * 16) + r * 16), src + at, ok);
         }
     };
-    load_kv(0, 0);
-    asm volatile("cp.async.commit_group;\n" ::);
-
-    // this thread's query rows (block rows row_a and row_a + 8) and its warpgroup's last position
+    // this thread's query rows (block rows row_a and row_a + 8) and its warpgroup's first position
     const int row_a = 64 * wg + 16 * (warp & 3) + g;
     const int qpos_a = a.start + m0 + row_a, qpos_b = qpos_a + 8;
-    const int wg_last = a.start + m0 + 64 * wg + 63;
+    const int wg_first = a.start + m0 + 64 * wg;
+    const int tiles = (n_keys + KT - 1) / KT;
     float o[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) o[i] = 0.f;
     float mx_a = -INFINITY, mx_b = -INFINITY, sum_a = 0.f, sum_b = 0.f;
 
-    const int tiles = (n_keys + KT - 1) / KT;
-    for (int it = 0; it < tiles; ++it) {
-        const int k0 = it * KT, buf = it & 1;
-        if (it + 1 < tiles) load_kv(k0 + KT, buf ^ 1);
-        asm volatile("cp.async.commit_group;\n" ::);
-        asm volatile("cp.async.wait_group 1;\n" ::);
+    // S(it) = Q K(it)ᵀ into s: s[4j + 2h + e] is row row_a + 8h, key 64·it + 8j + 2q + e
+    auto issue_scores = [&](float (&s)[32], int it) {
+        const unsigned char* Kb = Ks + (it & 1) * WG_KV_BYTES;
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+            wgmma_m64n64k16_ss(s, wg_desc(Qs + 2 * kk * (WG_QT * 16) + wg * 64 * 16, WG_QT * 16, 128),
+                               wg_desc(Kb + 2 * kk * (KT * 16), KT * 16, 128), kk > 0);
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    };
+    // O += P(it) V(it)
+    auto issue_values = [&](const uint32_t (&pf)[KT / 16][4], int it) {
+        const unsigned char* Vb = Vs + (it & 1) * WG_KV_BYTES;
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int kk = 0; kk < KT / 16; ++kk)
+            wgmma_m64n256k16_rs_tb(o, pf[kk], wg_desc(Vb + 2 * kk * WG_V_KEY_BLOCK, ATTN_V_LBO, ATTN_V_SBO));
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    };
+    // the online softmax of S(it): running maxima and sums updated, P(it) as the A fragments of
+    // the k16 steps (step kk covers S columns 16kk.., n-blocks 2kk and 2kk + 1); returns the
+    // factors that rescale O (rows a, b) to the new maxima
+    auto softmax = [&](const float (&s)[32], uint32_t (&pf)[KT / 16][4], int it, float& corr_a, float& corr_b) {
+        const int k0 = it * KT;
+        const bool diagonal = k0 + KT > wg_first;  // some key of the tile follows some query
+        float x[32];
+        float tmax_a = -INFINITY, tmax_b = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            const int kp = k0 + 8 * (i >> 2) + 2 * q + (i & 1);
+            const bool row_b = i & 2;
+            x[i] = (!diagonal || kp <= (row_b ? qpos_b : qpos_a)) ? s[i] * a.scale_log2 : -INFINITY;
+            if (row_b) tmax_b = fmaxf(tmax_b, x[i]);
+            else tmax_a = fmaxf(tmax_a, x[i]);
+        }
+#pragma unroll
+        for (int off = 1; off < 4; off <<= 1) {
+            tmax_a = fmaxf(tmax_a, __shfl_xor_sync(FULL_MASK, tmax_a, off));
+            tmax_b = fmaxf(tmax_b, __shfl_xor_sync(FULL_MASK, tmax_b, off));
+        }
+        const float new_a = fmaxf(mx_a, tmax_a), new_b = fmaxf(mx_b, tmax_b);
+        // rows with nothing visible yet keep a finite reference so exp2 never sees inf - inf
+        const float ref_a = new_a == -INFINITY ? 0.f : new_a, ref_b = new_b == -INFINITY ? 0.f : new_b;
+        corr_a = exp2f(mx_a - ref_a);
+        corr_b = exp2f(mx_b - ref_b);
+        mx_a = new_a;
+        mx_b = new_b;
+        sum_a *= corr_a;
+        sum_b *= corr_b;
+#pragma unroll
+        for (int j = 0; j < KT / 8; ++j) {
+            const float p0 = exp2f(x[4 * j] - ref_a), p1 = exp2f(x[4 * j + 1] - ref_a);
+            const float p2 = exp2f(x[4 * j + 2] - ref_b), p3 = exp2f(x[4 * j + 3] - ref_b);
+            sum_a += p0 + p1;
+            sum_b += p2 + p3;
+            pf[j >> 1][2 * (j & 1)] = pack_bf16(p0, p1);
+            pf[j >> 1][2 * (j & 1) + 1] = pack_bf16(p2, p3);
+        }
+    };
+    // K(it) and V(it) go to buffer it % 2: K(it) once S(it - 2) is done, V(it) once P(it - 2) V(it - 2)
+    // is, both known at the barrier ending step it - 2 (K) or it - 1 (V)
+    auto load_k = [&](int it) { load_rows(Ks + (it & 1) * WG_KV_BYTES, it * KT, false); };
+    auto load_v = [&](int it) { load_rows(Vs + (it & 1) * WG_KV_BYTES, it * KT, true); };
+    // every thread's copies landed and visible to the tensor cores; every warpgroup's wgmma retired
+    auto tile_barrier = [&] {
+        asm volatile("cp.async.wait_group 0;\n" ::);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();
-        if (k0 <= wg_last) {
-            const unsigned char* Kb = Ks + buf * WG_KV_BYTES;
-            const unsigned char* Vb = Vs + buf * WG_KV_BYTES;
-            // S = Q Kᵀ: s[4j + 2h + e] is row row_a + 8h, key k0 + 8j + 2q + e
-            float s[32];
-            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    };
+    // Step it (>= 1): S(it) and P(it - 1) V(it - 1) issued together; the softmax of S(it) runs
+    // while the second is still on the tensor cores; O is rescaled once it has landed. Then K(it + 2)
+    // and V(it + 1) are copied in, a whole step ahead of their use.
+    auto step = [&](uint32_t (&pf_prev)[KT / 16][4], uint32_t (&pf)[KT / 16][4], int it) {
+        float s[32];
+        issue_scores(s, it);
+        issue_values(pf_prev, it - 1);
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        fence_accumulators(s);
+        float corr_a, corr_b;
+        softmax(s, pf, it, corr_a, corr_b);
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        fence_accumulators(o);
 #pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk)
-                wgmma_m64n64k16_ss(s, wg_desc(Qs + 2 * kk * (WG_QT * 16) + wg * 64 * 16, WG_QT * 16, 128),
-                                   wg_desc(Kb + 2 * kk * (KT * 16), KT * 16, 128), kk > 0);
-            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-            fence_accumulators(s);
+        for (int i = 0; i < 128; ++i) o[i] *= (i & 2) ? corr_b : corr_a;
+        tile_barrier();
+        if (it + 2 < tiles) load_k(it + 2);
+        if (it + 1 < tiles) load_v(it + 1);
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
 
-            float tmax_a = -INFINITY, tmax_b = -INFINITY;
-#pragma unroll
-            for (int i = 0; i < 32; ++i) {
-                const int kp = k0 + 8 * (i >> 2) + 2 * q + (i & 1);
-                const bool row_b = i & 2;
-                const float v = (kp <= (row_b ? qpos_b : qpos_a) && kp < n_keys) ? s[i] * a.scale_log2 : -INFINITY;
-                s[i] = v;
-                if (row_b) tmax_b = fmaxf(tmax_b, v);
-                else tmax_a = fmaxf(tmax_a, v);
-            }
-#pragma unroll
-            for (int off = 1; off < 4; off <<= 1) {
-                tmax_a = fmaxf(tmax_a, __shfl_xor_sync(FULL_MASK, tmax_a, off));
-                tmax_b = fmaxf(tmax_b, __shfl_xor_sync(FULL_MASK, tmax_b, off));
-            }
-            const float new_a = fmaxf(mx_a, tmax_a), new_b = fmaxf(mx_b, tmax_b);
-            // rows with nothing visible yet keep a finite reference so exp2 never sees inf - inf
-            const float ref_a = new_a == -INFINITY ? 0.f : new_a, ref_b = new_b == -INFINITY ? 0.f : new_b;
-            const float corr_a = exp2f(mx_a - ref_a), corr_b = exp2f(mx_b - ref_b);
-            mx_a = new_a;
-            mx_b = new_b;
-            sum_a *= corr_a;
-            sum_b *= corr_b;
-#pragma unroll
-            for (int i = 0; i < 128; ++i) o[i] *= (i & 2) ? corr_b : corr_a;
-            // P as A fragments of the k16 steps: step kk covers S columns 16kk.. (n-blocks 2kk, 2kk + 1)
-            uint32_t pf[KT / 16][4];
-#pragma unroll
-            for (int j = 0; j < KT / 8; ++j) {
-                const float p0 = exp2f(s[4 * j] - ref_a), p1 = exp2f(s[4 * j + 1] - ref_a);
-                const float p2 = exp2f(s[4 * j + 2] - ref_b), p3 = exp2f(s[4 * j + 3] - ref_b);
-                sum_a += p0 + p1;
-                sum_b += p2 + p3;
-                pf[j >> 1][2 * (j & 1)] = pack_bf16(p0, p1);
-                pf[j >> 1][2 * (j & 1) + 1] = pack_bf16(p2, p3);
-            }
-            fence_accumulators(o);
-            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-            for (int kk = 0; kk < KT / 16; ++kk)
-                wgmma_m64n256k16_rs_tb(o, pf[kk], wg_desc(Vb + 2 * kk * WG_V_KEY_BLOCK, ATTN_V_LBO, ATTN_V_SBO));
-            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-            fence_accumulators(o);
-        }
-        __syncthreads();
+    load_k(0);
+    load_v(0);
+    if (tiles > 1) load_k(1);
+    asm volatile("cp.async.commit_group;\n" ::);
+    tile_barrier();
+    uint32_t pf0[KT / 16][4], pf1[KT / 16][4];
+    {
+        float s[32];
+        issue_scores(s, 0);
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        fence_accumulators(s);
+        float corr_a, corr_b;  // O is still zero
+        softmax(s, pf0, 0, corr_a, corr_b);
+        tile_barrier();
+        if (tiles > 2) load_k(2);
+        if (tiles > 1) load_v(1);
+        asm volatile("cp.async.commit_group;\n" ::);
     }
+    int it = 1;
+    for (; it + 1 < tiles; it += 2) {
+        step(pf0, pf1, it);
+        step(pf1, pf0, it + 1);
+    }
+    if (it < tiles) {
+        step(pf0, pf1, it);
+        issue_values(pf1, it);
+    } else {
+        issue_values(pf0, it - 1);
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    fence_accumulators(o);
 #pragma unroll
     for (int off = 1; off < 4; off <<= 1) {
         sum_a += __shfl_xor_sync(FULL_MASK, sum_a, off);
