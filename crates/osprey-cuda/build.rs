@@ -54,6 +54,7 @@ fn main() {
     println!("cargo:rustc-check-cfg=cfg(osprey_kernels)");
     println!("cargo:rerun-if-changed=kernels/common.cuh");
     println!("cargo:rerun-if-changed=kernels/tiles.cuh");
+    println!("cargo:rerun-if-changed=kernels/wgmma.cuh");
     for k in KERNELS {
         println!("cargo:rerun-if-changed=kernels/{k}.cu");
     }

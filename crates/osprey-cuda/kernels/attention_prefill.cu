@@ -18,6 +18,7 @@
 // Measured (H200, commit 7bf2668): 4K prompt, 10 layers, 1.37 TFLOP in 8.8 ms = 156 TFLOP/s
 // (20%); the first version (64-query blocks, synchronous loads, scalar fragment loads) took 38 ms.
 #include "common.cuh"
+#include "wgmma.cuh"
 
 #define D 256
 #define QT 128
@@ -246,48 +247,6 @@ extern "C" __global__ void __launch_bounds__(AWARPS * 32, 1) attn_prefill(AttnPr
 #define ATTN_V_SBO 128             // descriptor: between 8-dim blocks
 #endif
 
-// S[64 x 64] (+)= A[64 x 16] · B[16 x 64], both from shared memory, K-major; fp32.
-__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
-    asm volatile(
-        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "%32, %33, acc, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-          "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
-          "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-          "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(desc_a), "l"(desc_b), "r"((int)accumulate));
-}
-
-// O[64 x 256] += A[64 x 16] · B[16 x 256]: A from registers (the m16n8k16 A fragments of each
-// warp's 16 rows), B from shared memory MN-major (transposed: 8 consecutive N values per 16 bytes).
-__device__ __forceinline__ void wgmma_m64n256k16_rs_tb(float (&d)[128], const uint32_t (&a)[4], uint64_t desc_b) {
-    asm volatile(
-        "{\n.reg .pred acc;\nsetp.ne.b32 acc, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-        "{%128, %129, %130, %131}, %132, acc, 1, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-          "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
-          "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-          "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
-          "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
-          "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-          "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
-          "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]),
-          "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]),
-          "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]),
-          "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]),
-          "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]),
-          "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]),
-          "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]),
-          "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]),
-          "+f"(d[126]), "+f"(d[127])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-
 extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma(AttnPrefillArgs a) {
     extern __shared__ __align__(128) unsigned char smem_wg[];
     unsigned char* Qs = smem_wg;                 // [32 kc][128 queries][16 B]
@@ -327,21 +286,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma(AttnPref
     // S(it) = Q K(it)ᵀ into s: s[4j + 2h + e] is row row_a + 8h, key 64·it + 8j + 2q + e
     auto issue_scores = [&](float (&s)[32], int it) {
         const unsigned char* Kb = Ks + (it & 1) * WG_KV_BYTES;
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk)
             wgmma_m64n64k16_ss(s, wg_desc(Qs + 2 * kk * (WG_QT * 16) + wg * 64 * 16, WG_QT * 16, 128),
                                wg_desc(Kb + 2 * kk * (KT * 16), KT * 16, 128), kk > 0);
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        wgmma_commit();
     };
     // O += P(it) V(it)
     auto issue_values = [&](const uint32_t (&pf)[KT / 16][4], int it) {
         const unsigned char* Vb = Vs + (it & 1) * WG_KV_BYTES;
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < KT / 16; ++kk)
             wgmma_m64n256k16_rs_tb(o, pf[kk], wg_desc(Vb + 2 * kk * WG_V_KEY_BLOCK, ATTN_V_LBO, ATTN_V_SBO));
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        wgmma_commit();
     };
     // the online softmax of S(it): running maxima and sums updated, P(it) as the A fragments of
     // the k16 steps (step kk covers S columns 16kk.., n-blocks 2kk and 2kk + 1); returns the
@@ -400,14 +359,17 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma(AttnPref
         float s[32];
         issue_scores(s, it);
         issue_values(pf_prev, it - 1);
-        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        wgmma_wait<1>();
         fence_accumulators(s);
         float corr_a, corr_b;
         softmax(s, pf, it, corr_a, corr_b);
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        wgmma_wait<0>();
         fence_accumulators(o);
+        // deep into a long context a row's maximum rarely moves: skip the 128 multiplies then
+        if (__any_sync(FULL_MASK, corr_a != 1.f || corr_b != 1.f)) {
 #pragma unroll
-        for (int i = 0; i < 128; ++i) o[i] *= (i & 2) ? corr_b : corr_a;
+            for (int i = 0; i < 128; ++i) o[i] *= (i & 2) ? corr_b : corr_a;
+        }
         tile_barrier();
         if (it + 2 < tiles) load_k(it + 2);
         if (it + 1 < tiles) load_v(it + 1);
@@ -423,7 +385,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma(AttnPref
     {
         float s[32];
         issue_scores(s, 0);
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        wgmma_wait<0>();
         fence_accumulators(s);
         float corr_a, corr_b;  // O is still zero
         softmax(s, pf0, 0, corr_a, corr_b);
@@ -443,7 +405,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma(AttnPref
     } else {
         issue_values(pf0, it - 1);
     }
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    wgmma_wait<0>();
     fence_accumulators(o);
 #pragma unroll
     for (int off = 1; off < 4; off <<= 1) {

@@ -139,23 +139,6 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 }
 
-// ---- warpgroup MMA (wgmma) helpers ----
-// Shared-memory matrix descriptor without swizzle: start address, leading-dimension byte offset
-// (between core matrices along K for K-major operands) and stride-dimension byte offset (between
-// 8-row core matrices along M or N).
-__device__ __forceinline__ uint64_t wg_desc(const void* p, uint32_t lbo, uint32_t sbo) {
-    const uint32_t addr = (uint32_t)__cvta_generic_to_shared(p);
-    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32);
-}
-
-// keeps the compiler from moving accumulator registers across the asynchronous wgmma (a copy while
-// one is in flight would serialise them)
-template <int N>
-__device__ __forceinline__ void fence_accumulators(float (&d)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
 // ---- bulk copies into shared memory (Hopper TMA, no tensor map) behind mbarriers ----
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 

@@ -39,6 +39,7 @@
 // slower, commit 201c26b); the weights as wgmma's A operand from registers (in_proj 26.5 vs 23.9
 // ms, commit 0c8bd67).
 #include "common.cuh"
+#include "wgmma.cuh"
 
 #define GEMM_WARPS 8
 #define A_STRIDE 72  // bf16 per shared row: 64 + 8 padding (144 bytes: conflict-free 16-byte reads)
@@ -336,26 +337,6 @@ GEMM_KERNEL(8, 8, 1)
 #define WG_SB_BYTES (WG_ROWS * 32)
 #define WG_W_BYTES (WG_ROWS * 128)
 
-// D[64 x 128] = A[64 x 16] · B[16 x 128] (+ D when accumulate), both from shared memory, fp32.
-__device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
-    asm volatile(
-        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "
-        "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, "
-        "%47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, acc, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-          "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
-          "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-          "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
-          "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
-          "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-          "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
-          "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(desc_a), "l"(desc_b), "r"((int)accumulate));
-}
-
 // gemm_q4_wgmma's dequantisation: group G of block row `row` into weight buffer G % 2 (K-major
 // core-matrix layout, perm64 order), the code words from ring slot `slot` of Cs ([slot][2 halves]
 // [256 rows] uint4), scale and bias from the 8-group buffer of SBs ([2][scale, bias][256 rows]).
@@ -381,25 +362,28 @@ __device__ __forceinline__ void wgmma_dequant_row(int G, int slot, const uint4* 
 }
 
 // One group (4 k16 steps) of a warpgroup's wgmma, committed as one batch: its 128 weight rows at W
-// (two m64 halves, accumulators d[0], d[1]) by the 128 positions at X, both in the K-major layout;
-// the first group overwrites the accumulators.
+// (two m64 halves, accumulators d[0], d[1]) by the first N positions at X, both in the K-major
+// layout; the first group overwrites the accumulators.
+template <int N>
 __device__ __forceinline__ void wgmma_issue_group(float (&d)[2][64], const unsigned char* W, const unsigned char* X,
                                                   bool first) {
     fence_accumulators(d[0]);
     fence_accumulators(d[1]);
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    wgmma_fence();
 #pragma unroll
     for (int s4 = 0; s4 < 4; ++s4) {
         const uint64_t db = wg_desc(X + 2 * s4 * (WG_POS * 16), WG_POS * 16, 128);
 #pragma unroll
         for (int m = 0; m < 2; ++m)
-            wgmma_m64n128k16_ss(d[m], wg_desc(W + 2 * s4 * (WG_ROWS * 16) + m * 64 * 16, WG_ROWS * 16, 128), db,
-                                !first || s4 > 0);
+            wgmma_ss<N>(d[m], wg_desc(W + 2 * s4 * (WG_ROWS * 16) + m * 64 * 16, WG_ROWS * 16, 128), db,
+                        !first || s4 > 0);
     }
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    wgmma_commit();
     fence_accumulators(d[0]);
     fence_accumulators(d[1]);
 }
+
+template <int N> struct TileWidth { static constexpr int value = N; };
 
 extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(GemmArgs p) {
     extern __shared__ __align__(128) unsigned char wg_smem[];
@@ -449,13 +433,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(GemmArgs p) {
         const int arow = valid[c] ? (p.a_rows ? p.a_rows[pos] : pos) : 0;
         src[c] = p.a + (size_t)arow * p.K + (size_t)g_begin * 64 + (chunk & 7) * 8;
     }
-    auto load_stage = [&](int G) {
+    // group G's activations (positions 32c.. for c < quarters) and weight codes into its ring slot
+    auto load_stage = [&](int G, int quarters) {
         if (G < groups) {
             const int slot = G % WG_SLOTS;
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 const int chunk = tid + 256 * c;
-                cp_async16(Xs + slot * WG_X_BYTES + (chunk & 7) * (WG_POS * 16) + (chunk >> 3) * 16, src[c] + G * 64, valid[c]);
+                if (c < quarters)
+                    cp_async16(Xs + slot * WG_X_BYTES + (chunk & 7) * (WG_POS * 16) + (chunk >> 3) * 16, src[c] + G * 64,
+                               valid[c]);
             }
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
@@ -471,29 +458,40 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(GemmArgs p) {
     float d[2][64];  // the first wgmma overwrites them (no zeroing: a register written outside
                      // wgmma between them serialises the pipeline)
 
+    // the K loop for a tile whose positions fit in the first N (wgmma n32, n64, n96 or n128):
+    // only those positions' activations are copied and multiplied
+    auto k_loop = [&](auto width) {
+        constexpr int N = decltype(width)::value;
 #pragma unroll
-    for (int G = 0; G < WG_AHEAD; ++G) load_stage(G);
-    cp_async_wait<WG_AHEAD - 1>();
-    __syncthreads();
-    dequant(0);
-    for (int G = 0; G < groups; ++G) {
-        // slot G + 1 landed (this thread's copies), everyone's copies and weight stores visible;
-        // every warpgroup has retired wgmma(G - 2), so slot G + 3 (= G - 2) is free
-        cp_async_wait<WG_AHEAD - 2>();
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        for (int G = 0; G < WG_AHEAD; ++G) load_stage(G, N / 32);
+        cp_async_wait<WG_AHEAD - 1>();
         __syncthreads();
-        load_stage(G + WG_AHEAD);
-        const unsigned char* W = Ws + (G & 1) * WG_W_BYTES + wg * 128 * 16;
-        const unsigned char* X = Xs + (G % WG_SLOTS) * WG_X_BYTES;
-        wgmma_issue_group(d, W, X, G == 0);
-        // wgmma(G - 1) retired: its weight buffer takes group G + 1 while wgmma(G) runs on
-        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-        if (G + 1 < groups) dequant(G + 1);
-    }
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    fence_accumulators(d[0]);
-    fence_accumulators(d[1]);
-    cp_async_wait<0>();
+        dequant(0);
+        for (int G = 0; G < groups; ++G) {
+            // slot G + 1 landed (this thread's copies), everyone's copies and weight stores visible;
+            // every warpgroup has retired wgmma(G - 2), so slot G + 3 (= G - 2) is free
+            cp_async_wait<WG_AHEAD - 2>();
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            __syncthreads();
+            load_stage(G + WG_AHEAD, N / 32);
+            const unsigned char* W = Ws + (G & 1) * WG_W_BYTES + wg * 128 * 16;
+            const unsigned char* X = Xs + (G % WG_SLOTS) * WG_X_BYTES;
+            wgmma_issue_group<N>(d, W, X, G == 0);
+            // wgmma(G - 1) retired: its weight buffer takes group G + 1 while wgmma(G) runs on
+            wgmma_wait<1>();
+            if (G + 1 < groups) dequant(G + 1);
+        }
+        wgmma_wait<0>();
+        fence_accumulators(d[0]);
+        fence_accumulators(d[1]);
+        cp_async_wait<0>();
+    };
+    // a grouped tile holds an expert's rows from m0 (up to 128): its tail tile often a few
+    const int width = (min(m_end - m0, WG_POS) + 31) / 32;
+    if (width == 4) k_loop(TileWidth<128>{});
+    else if (width == 3) k_loop(TileWidth<96>{});
+    else if (width == 2) k_loop(TileWidth<64>{});
+    else k_loop(TileWidth<32>{});
 
     // d[m][4j + 2h + e]: block row 128·wg + 64·m + 16·(warp % 4) + g + 8h, position 8j + 2q + e
 #pragma unroll

@@ -39,25 +39,30 @@ const WGMMA_FROM_ROWS_PER_EXPERT: usize = 48;
 
 /// Where the prefill runs warpgroup MMA (the rest on mma.sync): `OSPREY_PREFILL_WGMMA=0` nowhere,
 /// `dense` in the dense projections only, `gemm` in the dense projections and the grouped expert
-/// gate/up GEMM, otherwise (the default) also in attention (attn_prefill_wgmma). For ablations.
+/// gate/up GEMM, `all` also in the grouped down projection, otherwise (the default) in the dense
+/// projections, the grouped gate/up GEMM and attention (attn_prefill_wgmma). For ablations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Wgmma {
     dense: bool,
     grouped: bool,
+    down: bool,
     attention: bool,
 }
 
 impl Wgmma {
     pub(super) fn from_env() -> Self {
-        let (dense, grouped, attention) = match std::env::var("OSPREY_PREFILL_WGMMA").as_deref() {
-            Ok("0") => (false, false, false),
-            Ok("dense") => (true, false, false),
-            Ok("gemm") => (true, true, false),
-            _ => (true, true, true),
-        };
+        let (dense, grouped, down, attention) =
+            match std::env::var("OSPREY_PREFILL_WGMMA").as_deref() {
+                Ok("0") => (false, false, false, false),
+                Ok("dense") => (true, false, false, false),
+                Ok("gemm") => (true, true, false, false),
+                Ok("all") => (true, true, true, true),
+                _ => (true, true, false, true),
+            };
         Wgmma {
             dense,
             grouped,
+            down,
             attention,
         }
     }
@@ -527,7 +532,10 @@ impl CudaDecoder {
                 g.tile_count = self.p(&s.tile_count[gr.plan]);
                 g.a_rows = gr.a_rows;
                 g.row_scale = gr.row_scale;
-                (gr.mt, s.max_tiles)
+                // the plan fills at most this many slots (every expert adds at most one partial
+                // tile); the rest of the scratch's slots, sized for 16-row tiles, need no blocks
+                let slots = positions.div_ceil(8 * gr.mt) + self.cfg.num_experts;
+                (gr.mt, slots.min(s.max_tiles))
             }
         };
         let func = match (m.bits, mt) {
@@ -908,7 +916,12 @@ impl CudaDecoder {
         let (mt_up, mt_down) = if self.wgmma.grouped && per_expert >= WGMMA_FROM_ROWS_PER_EXPERT {
             // the down projection (K = 512, 8 groups) stays on the narrow tiles: measured 20.2 vs
             // 23.3 ms at a 4K prompt with gemm_q4_wgmma
-            (WGMMA_MT, m_tiles(per_expert).min(4))
+            let down = if self.wgmma.down {
+                WGMMA_MT
+            } else {
+                m_tiles(per_expert).min(4)
+            };
+            (WGMMA_MT, down)
         } else {
             let mt = m_tiles(per_expert);
             (mt, mt.min(4))
