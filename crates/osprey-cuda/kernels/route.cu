@@ -1,6 +1,7 @@
 // MoE routing for prefill, all on the GPU (no host sync inside a layer):
 //   route_topk    — per token: softmax over the router logits, top-k (ties: lower expert id),
-//                   renormalised when the config says so; counts rows per expert. One warp per token.
+//                   renormalised when the config says so; counts rows per expert; the shared
+//                   expert gate's logit (its single weight row). One warp per token.
 //   route_plan    — one block: exclusive scan of the counts into each expert's first position, and
 //                   the GEMM tile plan (expert, first position, end) per tile of BM positions.
 //   route_scatter — gives every (token, slot) its position in the expert-grouped order: the A row
@@ -24,8 +25,35 @@ struct RouteArgs {
     int* a_rows;           // [T·k] token of each position
     float* row_weight;     // [T·k] routing weight of each position
     int* slot_pos;         // [T·k] position of (token, slot)
+    const __nv_bfloat16* act;          // [T, H] bf16 perm64: the router's input
+    const uint32_t* gate_codes;        // the shared expert gate's one weight row (MLX affine)
+    const __nv_bfloat16* gate_scales;
+    const __nv_bfloat16* gate_biases;
+    float* shared_gate;                // [T] its logit
     int T, E, k, renorm, bm, max_tiles;
+    int H, gate_bits, gate_group, _pad;
 };
+
+// The shared expert gate's logit of token t: one weight row · the token's activations, by one warp
+// (lane l takes logical elements 8l.. of every 256; the activations are in the perm64 order).
+// A GEMM launch for this single row cost as much as the router's 256 (its blocks compute 256-row
+// tiles); here it is a 4 KB read per token.
+__device__ __forceinline__ float shared_gate_logit(const RouteArgs& a, int t, int lane) {
+    const __nv_bfloat16* x = a.act + (size_t)t * a.H;
+    const int words_per_8 = a.gate_bits / 4;  // code words holding 8 elements
+    float acc = 0.f;
+    for (int k0 = 8 * lane; k0 < a.H; k0 += 256) {
+        const float s = __bfloat162float(a.gate_scales[k0 / a.gate_group]);
+        const float b = __bfloat162float(a.gate_biases[k0 / a.gate_group]);
+        const uint32_t* w = a.gate_codes + k0 / 8 * words_per_8;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const float code = a.gate_bits == 4 ? nib(w[0], i) : byte_code(w[i >> 2], i & 3);
+            acc = fmaf(fmaf(code, s, b), __bfloat162float(x[perm64(k0 + i)]), acc);
+        }
+    }
+    return warp_sum(acc);
+}
 
 #define MAX_E_PER_LANE (MAX_E / 32)
 
@@ -76,7 +104,9 @@ extern "C" __global__ void route_topk(RouteArgs a) {
         for (int i = 0; i < MAX_E_PER_LANE; ++i)
             if (lane + 32 * i == bid) v[i] = -INFINITY;
     }
+    const float gate_logit = shared_gate_logit(a, warp, lane);
     if (lane == 0) {
+        a.shared_gate[warp] = gate_logit;
         const float denom = a.renorm ? chosen : all;
         for (int r = 0; r < a.k; ++r) {
             a.ids[warp * a.k + r] = sel[r];

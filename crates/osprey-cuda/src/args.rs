@@ -267,12 +267,21 @@ pub struct RouteArgs {
     pub a_rows: u64,
     pub row_weight: u64,
     pub slot_pos: u64,
+    pub act: u64,
+    pub gate_codes: u64,
+    pub gate_scales: u64,
+    pub gate_biases: u64,
+    pub shared_gate: u64,
     pub t: i32,
     pub e: i32,
     pub k: i32,
     pub renorm: i32,
     pub bm: i32,
     pub max_tiles: i32,
+    pub h: i32,
+    pub gate_bits: i32,
+    pub gate_group: i32,
+    pub _pad: i32,
 }
 
 #[repr(C)]

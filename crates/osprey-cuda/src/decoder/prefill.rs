@@ -39,30 +39,25 @@ const WGMMA_FROM_ROWS_PER_EXPERT: usize = 48;
 
 /// Where the prefill runs warpgroup MMA (the rest on mma.sync): `OSPREY_PREFILL_WGMMA=0` nowhere,
 /// `dense` in the dense projections only, `gemm` in the dense projections and the grouped expert
-/// gate/up GEMM, `all` also in the grouped down projection, otherwise (the default) in the dense
-/// projections, the grouped gate/up GEMM and attention (attn_prefill_wgmma). For ablations.
+/// gate/up GEMM, otherwise (the default) also in attention (attn_prefill_wgmma). For ablations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Wgmma {
     dense: bool,
     grouped: bool,
-    down: bool,
     attention: bool,
 }
 
 impl Wgmma {
     pub(super) fn from_env() -> Self {
-        let (dense, grouped, down, attention) =
-            match std::env::var("OSPREY_PREFILL_WGMMA").as_deref() {
-                Ok("0") => (false, false, false, false),
-                Ok("dense") => (true, false, false, false),
-                Ok("gemm") => (true, true, false, false),
-                Ok("all") => (true, true, true, true),
-                _ => (true, true, false, true),
-            };
+        let (dense, grouped, attention) = match std::env::var("OSPREY_PREFILL_WGMMA").as_deref() {
+            Ok("0") => (false, false, false),
+            Ok("dense") => (true, false, false),
+            Ok("gemm") => (true, true, false),
+            _ => (true, true, true),
+        };
         Wgmma {
             dense,
             grouped,
-            down,
             attention,
         }
     }
@@ -869,7 +864,7 @@ impl CudaDecoder {
         timed(self, events, "rmsnorm -> bf16", |dd| {
             dd.norm_to_bf16(x, dd.p(&l.post_norm), h, h, t, act)
         })?;
-        timed(self, events, "gemm router + shared gate (8-bit)", |dd| {
+        timed(self, events, "gemm router (8-bit)", |dd| {
             dd.gemm(
                 &[&m.router],
                 act,
@@ -877,15 +872,6 @@ impl CudaDecoder {
                 EPI_STORE,
                 dd.p(&s.router),
                 c.num_experts,
-                None,
-            )?;
-            dd.gemm(
-                &[&m.shared_gate_logit],
-                act,
-                t,
-                EPI_STORE,
-                dd.p(&s.shared_gate),
-                1,
                 None,
             )
         })?;
@@ -915,17 +901,22 @@ impl CudaDecoder {
         let per_expert = t * k / c.num_experts;
         let (mt_up, mt_down) = if self.wgmma.grouped && per_expert >= WGMMA_FROM_ROWS_PER_EXPERT {
             // the down projection (K = 512, 8 groups) stays on the narrow tiles: measured 20.2 vs
-            // 23.3 ms at a 4K prompt with gemm_q4_wgmma
-            let down = if self.wgmma.down {
-                WGMMA_MT
-            } else {
-                m_tiles(per_expert).min(4)
-            };
-            (WGMMA_MT, down)
+            // 23.3 ms at a 4K prompt with gemm_q4_wgmma, and still 18.6 vs 22.3 with its tiles
+            // as wide as their rows (bench/results/cuda-prefill-tile-width.json)
+            (WGMMA_MT, m_tiles(per_expert).min(4))
         } else {
             let mt = m_tiles(per_expert);
             (mt, mt.min(4))
         };
+        // the shared expert gate's single row: route_topk takes its logit per token
+        let sg = &m.shared_gate_logit;
+        if !matches!(sg.m.bits, 4 | 8) {
+            bail!(
+                "shared expert gate: {}-bit weights are not supported by the prefill routing",
+                sg.m.bits
+            );
+        }
+        let gate = sg.m.at(sg.row0, &self.stream);
         let ra = RouteArgs {
             logits: self.p(&s.router),
             ids: self.p(&s.ids),
@@ -938,12 +929,21 @@ impl CudaDecoder {
             a_rows: self.p(&s.a_rows),
             row_weight: self.p(&s.row_weight),
             slot_pos: self.p(&s.slot_pos),
+            act,
+            gate_codes: gate.codes,
+            gate_scales: gate.scales,
+            gate_biases: gate.biases,
+            shared_gate: self.p(&s.shared_gate),
             t: t as i32,
             e: c.num_experts as i32,
             k: k as i32,
             renorm: c.norm_topk_prob as i32,
             bm: (8 * mt_up) as i32,
             max_tiles: s.max_tiles as i32,
+            h: h as i32,
+            gate_bits: m.shared_gate_logit.m.bits as i32,
+            gate_group: m.shared_gate_logit.m.group as i32,
+            _pad: 0,
         };
         timed(self, events, "routing (top-k, plan, scatter)", |dd| {
             // SAFETY: `counts` holds num_experts i32 on this stream's device
