@@ -441,7 +441,7 @@ mod tests {
         assert_eq!(std::mem::size_of::<SampleArgs>(), 8 * 8 + 8 + 2 * 8 + 2 * 4);
         assert_eq!(std::mem::size_of::<GemmArgs>(), 14 * 8 + 8 * 4);
         assert_eq!(std::mem::size_of::<ReduceArgs>(), 2 * 8 + 5 * 4 + 4);
-        assert_eq!(std::mem::size_of::<RouteArgs>(), 11 * 8 + 6 * 4);
+        assert_eq!(std::mem::size_of::<RouteArgs>(), 16 * 8 + 10 * 4);
         assert_eq!(std::mem::size_of::<CombineMoeArgs>(), 5 * 8 + 3 * 4 + 4);
         assert_eq!(std::mem::size_of::<EmbedRowsArgs>(), 5 * 8 + 3 * 4 + 4);
         assert_eq!(std::mem::size_of::<NormArgs>(), 4 * 8 + 4 * 4);
