@@ -67,6 +67,20 @@ fn resident_launch(
     (bytes <= smem).then_some((blocks, per_block, bytes.max(RESIDENT_MIN_SMEM).min(smem)))
 }
 
+/// gemv_q_pair (gemv.cu) takes K = 4096 only: each block of a cluster pair multiplies one half.
+const PAIR_K: usize = 4096;
+/// Shared memory of a gemv_q_pair block at least this, so that at most two blocks share an SM
+/// (measured: 5.09 vs 6.68 us per out_proj unpadded, bench/kernels/gemv_pair.cu).
+const PAIR_MIN_SMEM: usize = 80 * 1024;
+
+/// gemv_q_pair's dynamic shared memory at width `k`: the whole tile's codes, scales and biases,
+/// half of x as signed bytes and (scale, sum) per group, scratch, the warps' sums, the peer's
+/// sums, the barrier.
+fn pair_smem(k: usize) -> usize {
+    let gpr = k / 64;
+    16 * (k / 2 + 4 * gpr) + gpr / 2 * (8 * 16 + 8) + 32 * 4 + 8 * 16 * 4 + 16 * 4 + 8
+}
+
 /// Tiles per stage of gemv_q_ring (gemv.cu RING_TILES) and its warps (8 multiply, 1 produces).
 const RING_TILES: usize = 2;
 const RING_THREADS: u32 = 9 * 32;
@@ -317,6 +331,7 @@ struct Functions {
     gemv_tiles: CudaFunction,
     gemv_resident: CudaFunction,
     gemv_ring: CudaFunction,
+    gemv_pair: CudaFunction,
     gate_up: CudaFunction,
     down: CudaFunction,
     gdn: CudaFunction,
@@ -481,6 +496,7 @@ impl CudaDecoder {
             gemv_tiles: func("gemv", "gemv_q_tiles")?,
             gemv_resident: func("gemv", "gemv_q_resident")?,
             gemv_ring: func("gemv", "gemv_q_ring")?,
+            gemv_pair: func("gemv", "gemv_q_pair")?,
             gate_up: func("moe", "moe_gate_up")?,
             down: func("moe", "moe_down")?,
             gdn: func("gdn", "gdn_step")?,
@@ -669,6 +685,10 @@ impl CudaDecoder {
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             gate_up_smem(c.hidden_size) as i32,
         )?;
+        f.gemv_pair.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            pair_smem(PAIR_K).max(PAIR_MIN_SMEM).min(smem_optin) as i32,
+        )?;
         // all of the unified memory as shared memory: a resident block takes over half of it and
         // its neighbours' blocks must fit beside it
         f.gemv_resident.set_attribute(
@@ -821,6 +841,23 @@ impl CudaDecoder {
             }
             _ => true,
         };
+        // a lone K = 4096 projection without a full-width norm: each tile over a cluster pair
+        let no_full_norm = !matches!(prologue, Prologue::RmsNorm(_));
+        let lone = segs.len() == 1 && tileable(&segs[0]);
+        if lone && k == PAIR_K && no_full_norm && head_ok && choice == 0 {
+            let smem = pair_smem(k).max(PAIR_MIN_SMEM).min(self.smem_optin);
+            let cfg = LaunchConfig {
+                grid_dim: (2 * tiles as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: smem as u32,
+            };
+            return self.launch_params(
+                &self.f.gemv_pair,
+                cfg,
+                &mut [&a as *const GemvArgs as *mut c_void],
+                self.overlap.early,
+            );
+        }
         if segs.iter().all(tileable) && head_ok && choice == 0 {
             if let Some(launch) = resident_launch(tiles, k, self.sms, self.smem_optin) {
                 return self.launch_staged(&self.f.gemv_resident, a, launch, 256);
@@ -1687,6 +1724,13 @@ mod tests {
         assert_eq!(resident_launch(0, 2048, sms, smem), None);
         // less shared memory than the padding: padded only up to what a block may take
         assert_eq!(resident_launch(128, 4096, sms, 100_000).unwrap().2, 100_000);
+    }
+
+    #[test]
+    fn pair_blocks_hold_a_whole_tile_and_half_of_x() {
+        // the harness's figure for gemv_q_pair at K = 4096 (bench/kernels/gemv_pair.cu)
+        assert_eq!(pair_smem(4096), 41_928);
+        assert!(pair_smem(PAIR_K) < PAIR_MIN_SMEM);
     }
 
     #[test]
