@@ -289,7 +289,10 @@ struct GdnChunkArgs {
     float* g_cum;           // [Hv, chunks·C]: G per token
     float* chunk_states;    // [chunks, Hv, Dk, Dv]: the state before each chunk
     float* state;           // [Hv, Dk, Dv]
-    float* o;               // [T, Hv·Dv]
+    const float* z;         // [T, Hv·Dv] output gate
+    const float* norm;      // [Dv] gated RMSNorm weight
+    __nv_bfloat16* out;     // [T, Hv·Dv] bf16 perm64: RMSNorm(o)·w·silu(z) per head, out_proj's input
+    float eps;
     int T, conv_dim, hk, hv;
 };
 
@@ -561,8 +564,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) gdn_chunk_state(GdnChunkArg
 }
 
 // Grid (chunks, Hv), 256 threads: O = e^{G} ∘ (Q S) + M U' for one chunk of one head; warp w owns
-// rows 16(w%4).. and columns 64(w/4)...
-#define GDN_CHUNK_OUT_SMEM ((CHUNK * ROW_STRIDE + DK * COL_STRIDE + CHUNK * A_STRIDE + CHUNK * COL_STRIDE + CHUNK) * 4)
+// rows 16(w%4).. and columns 64(w/4)... The head's gated RMSNorm follows in place (each token's
+// 128 values are in this block: the two warps of a row band add their halves' sums of squares
+// through shared memory) and writes out_proj's bf16 input, so O never goes to memory in f32.
+#define GDN_CHUNK_OUT_SMEM ((CHUNK * ROW_STRIDE + DK * COL_STRIDE + CHUNK * A_STRIDE + CHUNK * COL_STRIDE + CHUNK + 2 * CHUNK) * 4)
 extern "C" __global__ void __launch_bounds__(256) gdn_chunk_out(GdnChunkArgs p) {
     extern __shared__ __align__(16) float smo[];
     float* Q = smo;                          // [C][ROW_STRIDE]
@@ -594,13 +599,33 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_out(GdnChunkArgs p) 
         acc[j][3] *= e1;
     }
     mma_rows_cols<8, 2>(acc, M, A_STRIDE, 16 * mt, U, COL_STRIDE, 8 * nb, CHUNK, lane);
+    // sums of squares of rows g and g + 8 over this warp's 64 columns (a quad holds a row's 64)
+    float* half_ss = G + CHUNK;  // [2 column halves][CHUNK rows]
+    float ss[2] = {0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int t = 16 * mt + g + 8 * r;
-            if (t < n)
-                *reinterpret_cast<float2*>(p.o + (size_t)(t0 + t) * p.hv * DV + h * DV + 8 * (nb + j) + 2 * q) =
-                    make_float2(acc[j][2 * r], acc[j][2 * r + 1]);
+        for (int r = 0; r < 2; ++r) ss[r] += acc[j][2 * r] * acc[j][2 * r] + acc[j][2 * r + 1] * acc[j][2 * r + 1];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        ss[r] += __shfl_xor_sync(FULL_MASK, ss[r], 1);
+        ss[r] += __shfl_xor_sync(FULL_MASK, ss[r], 2);
+        if (q == 0) half_ss[(warp >> 2) * CHUNK + 16 * mt + g + 8 * r] = ss[r];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int t = 16 * mt + g + 8 * r;
+        if (t >= n) continue;
+        const float inv = rsqrtf((half_ss[t] + half_ss[CHUNK + t]) / DV + p.eps);
+        const size_t row = (size_t)(t0 + t) * p.hv * DV + h * DV;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int d = 8 * (nb + j) + 2 * q;
+            const float2 zz = *reinterpret_cast<const float2*>(p.z + row + d);
+            const float2 w = *reinterpret_cast<const float2*>(p.norm + d);
+            p.out[row - h * DV + perm64(h * DV + d)] = __float2bfloat16(acc[j][2 * r] * inv * w.x * siluf(zz.x));
+            p.out[row - h * DV + perm64(h * DV + d + 1)] = __float2bfloat16(acc[j][2 * r + 1] * inv * w.y * siluf(zz.y));
         }
+    }
 }

@@ -60,7 +60,7 @@ struct GemmArgs {
     const int4* tiles;             // grouped plan: (expert, first position, end, _) per slot
     const int* tile_count;
     float* out;                    // [positions, ldo] f32
-    __nv_bfloat16* out_h;          // EPI_SWIGLU: [positions, N] bf16 perm64
+    __nv_bfloat16* out_h;          // EPI_SWIGLU: [positions, N] bf16 perm64; EPI_SCALED: [positions, ldo] bf16
     const float* row_scale;        // EPI_SCALED: routing weight per position
     int M;                         // dense: positions
     int N, K, group, ldo, epilogue;
@@ -127,13 +127,17 @@ __device__ __forceinline__ void dequant_row(const WeightRegs<BITS>& W, int i, in
     }
 }
 
-// The epilogues (both GEMM kernels). f32: output n at position pos stored, added into the output
-// (residual) or scaled by its position's routing weight; a split-K block z writes its partial sums
-// to slice z.
+// The epilogues (both GEMM kernels). f32: output n at position pos stored or added into the
+// output (residual); a split-K block z writes its partial sums to slice z. EPI_SCALED (the routed
+// down projection): scaled by the position's routing weight and stored as bf16 (out_h, [M, ldo]),
+// as a bf16 model's expert output is; the combine adds a token's eight in fp32.
 __device__ __forceinline__ void store_result(const GemmArgs& p, int pos, int n, float v) {
+    if (p.epilogue == EPI_SCALED) {
+        p.out_h[(size_t)pos * p.ldo + n] = __float2bfloat16(v * p.row_scale[pos]);
+        return;
+    }
     float* o = p.out + (size_t)blockIdx.z * p.M * p.ldo + (size_t)pos * p.ldo + n;
     if (p.epilogue == EPI_ADD) *o += v;
-    else if (p.epilogue == EPI_SCALED) *o = v * p.row_scale[pos];
     else *o = v;
 }
 // SwiGLU: silu(gate) · up of output n at position pos, bf16 in the perm64 order.

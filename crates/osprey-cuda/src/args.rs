@@ -356,7 +356,10 @@ pub struct GdnChunkArgs {
     pub g_cum: u64,
     pub chunk_states: u64,
     pub state: u64,
-    pub o: u64,
+    pub z: u64,
+    pub norm: u64,
+    pub out: u64,
+    pub eps: f32,
     pub t: i32,
     pub conv_dim: i32,
     pub hk: i32,
@@ -447,7 +450,7 @@ mod tests {
         assert_eq!(std::mem::size_of::<NormArgs>(), 4 * 8 + 4 * 4);
         assert_eq!(std::mem::size_of::<GdnPrefillArgs>(), 12 * 8 + 5 * 4 + 4);
         assert_eq!(std::mem::size_of::<AttnPrepRowsArgs>(), 8 * 8 + 6 * 4);
-        assert_eq!(std::mem::size_of::<GdnChunkArgs>(), 9 * 8 + 4 * 4);
+        assert_eq!(std::mem::size_of::<GdnChunkArgs>(), 11 * 8 + 5 * 4 + 4);
         assert_eq!(std::mem::size_of::<AttnPrefillArgs>(), 5 * 8 + 5 * 4 + 4);
     }
 }

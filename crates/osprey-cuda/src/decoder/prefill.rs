@@ -24,8 +24,8 @@ const GDN_CHUNK_PREP_SMEM_BYTES: usize = (2 * 64 * 132 + 64 * 68 + 2 * 64) * 4;
 /// State pass: two stages of (W 64x132, K 64x136, U 64x40, G 64), S 128x40, U' 64x40, decays 64.
 const GDN_CHUNK_STATE_SMEM_BYTES: usize =
     (2 * (64 * 132 + 64 * 136 + 64 * 40 + 64) + (128 + 64) * 40 + 64) * 4;
-/// Output: Q 64x132, S 128x136, M 64x68, U' 64x136, G 64.
-const GDN_CHUNK_OUT_SMEM_BYTES: usize = (64 * 132 + 128 * 136 + 64 * 68 + 64 * 136 + 64) * 4;
+/// Output: Q 64x132, S 128x136, M 64x68, U' 64x136, G 64, sums of squares 2x64.
+const GDN_CHUNK_OUT_SMEM_BYTES: usize = (64 * 132 + 128 * 136 + 64 * 68 + 64 * 136 + 64 + 128) * 4;
 
 /// gemm_q4_wgmma: 5 ring slots of (activations 128x128 bytes, codes 256x32), two buffers of 8
 /// groups' scales and biases 256x32, two dequantised weight tiles 256x128 bytes.
@@ -206,7 +206,7 @@ pub(super) struct PrefillScratch {
     row_weight: CudaSlice<f32>,
     slot_pos: CudaSlice<i32>,
     expert_h: CudaSlice<u16>,
-    expert_y: CudaSlice<f32>,
+    expert_y: CudaSlice<u16>,
     /// Split-K partial sums of small dense GEMMs.
     partials: CudaSlice<f32>,
     shared_h: CudaSlice<u16>,
@@ -309,11 +309,11 @@ impl CudaDecoder {
             ("shared_gate", chunk),
             ("weights", chunk * k),
             ("row_weight", chunk * k),
-            ("expert_y", chunk * k * h),
             ("shared_y", chunk * h),
         ];
         let bytes = 4 * (f32s.iter().map(|(_, n)| n).sum::<usize>() + PARTIAL_FLOATS)
             + 2 * (chunk * max_k
+                + chunk * k * h
                 + chunk * hq * d
                 + chunk * k * c.moe_intermediate_size
                 + chunk * c.shared_expert_intermediate_size)
@@ -355,10 +355,10 @@ impl CudaDecoder {
             row_weight: f(f32s[18].1)?,
             slot_pos: i(chunk * k)?,
             expert_h: hb(chunk * k * c.moe_intermediate_size)?,
-            expert_y: f(f32s[19].1)?,
+            expert_y: hb(chunk * k * h)?,
             partials: f(PARTIAL_FLOATS)?,
             shared_h: hb(chunk * c.shared_expert_intermediate_size)?,
-            shared_y: f(f32s[20].1)?,
+            shared_y: f(f32s[19].1)?,
             bytes,
         });
         Ok(())
@@ -479,7 +479,8 @@ impl CudaDecoder {
             k_splits: 1,
             ..Default::default()
         };
-        if epilogue == EPI_SWIGLU {
+        // the bf16 epilogues: SwiGLU (perm64) and the routed down projection
+        if epilogue == EPI_SWIGLU || epilogue == EPI_SCALED {
             g.out_h = out;
         } else {
             g.out = out;
@@ -716,7 +717,10 @@ impl CudaDecoder {
                             g_cum: self.p(&s.g_cum),
                             chunk_states: self.p(&s.chunk_states),
                             state: self.p(state),
-                            o: self.p(&s.y),
+                            z: self.p(&s.z),
+                            norm: self.p(norm),
+                            out: act,
+                            eps: c.rms_norm_eps,
                             t: t as i32,
                             conv_dim: conv_dim as i32,
                             hk: c.linear_num_key_heads as i32,
@@ -737,7 +741,7 @@ impl CudaDecoder {
                             let cfg = with_smem((hv as u32, split, 1), GDN_CHUNK_STATE_SMEM_BYTES);
                             dd.launch(&dd.pk.gdn_chunk_state, cfg, &ca)
                         })?;
-                        timed(self, events, "gdn chunked (WY) output", |dd| {
+                        timed(self, events, "gdn chunked (WY) output + gated norm", |dd| {
                             let cfg = with_smem((chunks, hv as u32, 1), GDN_CHUNK_OUT_SMEM_BYTES);
                             dd.launch(&dd.pk.gdn_chunk_out, cfg, &ca)
                         })?;
@@ -750,21 +754,21 @@ impl CudaDecoder {
                             )?;
                             Ok(())
                         })?;
+                        let na = NormArgs {
+                            x: self.p(&s.y),
+                            weight: self.p(norm),
+                            z: self.p(&s.z),
+                            out: act,
+                            eps: c.rms_norm_eps,
+                            k: vdim as i32,
+                            ldx: vdim as i32,
+                            head_dim: c.linear_value_head_dim as i32,
+                        };
+                        timed(self, events, "gdn gated norm -> bf16", |dd| {
+                            dd.launch(&dd.pk.gated_norm_bf16, launch_cfg((t as u32, 1), 256), &na)?;
+                            Ok(())
+                        })?;
                     }
-                    let na = NormArgs {
-                        x: self.p(&s.y),
-                        weight: self.p(norm),
-                        z: self.p(&s.z),
-                        out: act,
-                        eps: c.rms_norm_eps,
-                        k: vdim as i32,
-                        ldx: vdim as i32,
-                        head_dim: c.linear_value_head_dim as i32,
-                    };
-                    timed(self, events, "gdn gated norm -> bf16", |dd| {
-                        dd.launch(&dd.pk.gated_norm_bf16, launch_cfg((t as u32, 1), 256), &na)?;
-                        Ok(())
-                    })?;
                     timed(self, events, "gemm gdn out_proj + residual", |dd| {
                         dd.gemm(&[out], act, t, EPI_ADD, x, h, None)
                     })?;
