@@ -612,20 +612,27 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_out(GdnChunkArgs p) 
         ss[r] += __shfl_xor_sync(FULL_MASK, ss[r], 2);
         if (q == 0) half_ss[(warp >> 2) * CHUNK + 16 * mt + g + 8 * r] = ss[r];
     }
-    __syncthreads();
+    __syncthreads();  // every warp's products done: Q's buffer stages the bf16 rows
+    __nv_bfloat16* staged = reinterpret_cast<__nv_bfloat16*>(Q);  // [C][DV] perm64 within the head
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int t = 16 * mt + g + 8 * r;
-        if (t >= n) continue;
         const float inv = rsqrtf((half_ss[t] + half_ss[CHUNK + t]) / DV + p.eps);
-        const size_t row = (size_t)(t0 + t) * p.hv * DV + h * DV;
+        const float* zr = p.z + (size_t)(t0 + min(t, n - 1)) * p.hv * DV + h * DV;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             const int d = 8 * (nb + j) + 2 * q;
-            const float2 zz = *reinterpret_cast<const float2*>(p.z + row + d);
+            const float2 zz = *reinterpret_cast<const float2*>(zr + d);
             const float2 w = *reinterpret_cast<const float2*>(p.norm + d);
-            p.out[row - h * DV + perm64(h * DV + d)] = __float2bfloat16(acc[j][2 * r] * inv * w.x * siluf(zz.x));
-            p.out[row - h * DV + perm64(h * DV + d + 1)] = __float2bfloat16(acc[j][2 * r + 1] * inv * w.y * siluf(zz.y));
+            staged[t * DV + perm64(d)] = __float2bfloat16(acc[j][2 * r] * inv * w.x * siluf(zz.x));
+            staged[t * DV + perm64(d + 1)] = __float2bfloat16(acc[j][2 * r + 1] * inv * w.y * siluf(zz.y));
         }
+    }
+    __syncthreads();
+    // each token's 256 bytes of this head out in 16-byte stores
+    for (int c = threadIdx.x; c < n * DV / 8; c += blockDim.x) {
+        const int t = c / (DV / 8), k8 = c % (DV / 8);
+        *reinterpret_cast<uint4*>(p.out + (size_t)(t0 + t) * p.hv * DV + h * DV + 8 * k8) =
+            reinterpret_cast<const uint4*>(staged + t * DV)[k8];
     }
 }

@@ -265,6 +265,27 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p) {
     cp_async_wait<0>();
 
     // epilogue: acc[i][j][e] is weight row (g + 8·(e/2)) of tile i, position 2q + e%2 of m-tile j
+    if (p.epilogue == EPI_SCALED) {
+        // bf16 pairs of neighbouring outputs: lanes g and g ^ 1 swap one value each, so the even
+        // lane stores both rows at position 2q and the odd lane both at 2q + 1 (one 4-byte store
+        // instead of two 2-byte ones; N even)
+        const bool odd = g & 1;
+#pragma unroll
+        for (int j = 0; j < MT; ++j)
+#pragma unroll
+            for (int eh = 0; eh < 2; ++eh)
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    const float v0 = acc[i][j][2 * eh], v1 = acc[i][j][2 * eh + 1];
+                    const float recv = __shfl_xor_sync(FULL_MASK, odd ? v0 : v1, 4);
+                    const int pos = m0 + j * 8 + 2 * q + odd, n = n_base + i * 16 + eh * 8 + (g & ~1);
+                    if (pos >= m_end || n >= p.N) continue;
+                    const float w = p.row_scale[pos];
+                    *reinterpret_cast<__nv_bfloat162*>(p.out_h + (size_t)pos * p.ldo + n) =
+                        __floats2bfloat162_rn((odd ? recv : v0) * w, (odd ? v1 : recv) * w);
+                }
+        return;
+    }
 #pragma unroll
     for (int j = 0; j < MT; ++j)
 #pragma unroll
