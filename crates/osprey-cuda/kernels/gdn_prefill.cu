@@ -566,8 +566,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) gdn_chunk_state(GdnChunkArg
 // Grid (chunks, Hv), 256 threads: O = e^{G} ∘ (Q S) + M U' for one chunk of one head; warp w owns
 // rows 16(w%4).. and columns 64(w/4)... The head's gated RMSNorm follows in place (each token's
 // 128 values are in this block: the two warps of a row band add their halves' sums of squares
-// through shared memory) and writes out_proj's bf16 input, so O never goes to memory in f32.
-#define GDN_CHUNK_OUT_SMEM ((CHUNK * ROW_STRIDE + DK * COL_STRIDE + CHUNK * A_STRIDE + CHUNK * COL_STRIDE + CHUNK + 2 * CHUNK) * 4)
+// through shared memory) and writes out_proj's bf16 input, so O never goes to memory in f32; the
+// gate z is staged with the other inputs so its loads hide under theirs.
+#define GDN_CHUNK_OUT_SMEM ((CHUNK * ROW_STRIDE + DK * COL_STRIDE + CHUNK * A_STRIDE + 2 * CHUNK * COL_STRIDE + 3 * CHUNK) * 4)
 extern "C" __global__ void __launch_bounds__(256) gdn_chunk_out(GdnChunkArgs p) {
     extern __shared__ __align__(16) float smo[];
     float* Q = smo;                          // [C][ROW_STRIDE]
@@ -575,10 +576,13 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_out(GdnChunkArgs p) 
     float* M = S + DK * COL_STRIDE;          // [C][A_STRIDE]
     float* U = M + CHUNK * A_STRIDE;         // [C][COL_STRIDE]
     float* G = U + CHUNK * COL_STRIDE;
+    float* half_ss = G + CHUNK;              // [2 column halves][C]
+    float* Z = half_ss + 2 * CHUNK;          // [C][COL_STRIDE] the output gate
     const int c = blockIdx.x, h = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int t0 = c * CHUNK, n = min(CHUNK, p.T - t0);
     const int kh = h / (p.hv / p.hk);
     const size_t row = (size_t)t0 * p.hv + h;
+    stage_rows(Z, COL_STRIDE, p.z + (size_t)t0 * p.hv * DV + h * DV, (size_t)p.hv * DV, CHUNK, DV, n);
     stage_rows(Q, ROW_STRIDE, p.conv_out + (size_t)t0 * p.conv_dim + kh * DK, p.conv_dim, CHUNK, DK, n);
     stage_rows(S, COL_STRIDE, p.chunk_states + ((size_t)c * p.hv + h) * DK * DV, DV, DK, DV, DK);
     stage_rows(M, A_STRIDE, p.m + row * CHUNK, (size_t)p.hv * CHUNK, CHUNK, CHUNK, n);
@@ -600,7 +604,6 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_out(GdnChunkArgs p) 
     }
     mma_rows_cols<8, 2>(acc, M, A_STRIDE, 16 * mt, U, COL_STRIDE, 8 * nb, CHUNK, lane);
     // sums of squares of rows g and g + 8 over this warp's 64 columns (a quad holds a row's 64)
-    float* half_ss = G + CHUNK;  // [2 column halves][CHUNK rows]
     float ss[2] = {0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < 8; ++j)
@@ -618,7 +621,7 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_out(GdnChunkArgs p) 
     for (int r = 0; r < 2; ++r) {
         const int t = 16 * mt + g + 8 * r;
         const float inv = rsqrtf((half_ss[t] + half_ss[CHUNK + t]) / DV + p.eps);
-        const float* zr = p.z + (size_t)(t0 + min(t, n - 1)) * p.hv * DV + h * DV;
+        const float* zr = Z + t * COL_STRIDE;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             const int d = 8 * (nb + j) + 2 * q;

@@ -24,8 +24,9 @@ const GDN_CHUNK_PREP_SMEM_BYTES: usize = (2 * 64 * 132 + 64 * 68 + 2 * 64) * 4;
 /// State pass: two stages of (W 64x132, K 64x136, U 64x40, G 64), S 128x40, U' 64x40, decays 64.
 const GDN_CHUNK_STATE_SMEM_BYTES: usize =
     (2 * (64 * 132 + 64 * 136 + 64 * 40 + 64) + (128 + 64) * 40 + 64) * 4;
-/// Output: Q 64x132, S 128x136, M 64x68, U' 64x136, G 64, sums of squares 2x64.
-const GDN_CHUNK_OUT_SMEM_BYTES: usize = (64 * 132 + 128 * 136 + 64 * 68 + 64 * 136 + 64 + 128) * 4;
+/// Output: Q 64x132, S 128x136, M 64x68, U' 64x136, G 64, sums of squares 2x64, z 64x136.
+const GDN_CHUNK_OUT_SMEM_BYTES: usize =
+    (64 * 132 + 128 * 136 + 64 * 68 + 2 * 64 * 136 + 3 * 64) * 4;
 
 /// gemm_q4_wgmma: 5 ring slots of (activations 128x128 bytes, codes 256x32), two buffers of 8
 /// groups' scales and biases 256x32, two dequantised weight tiles 256x128 bytes.
