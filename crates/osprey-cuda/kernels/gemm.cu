@@ -33,8 +33,11 @@
 // loads (~160 KB pass through shared memory per 64-wide K group), but taking the weight tile out of
 // shared memory did not help (below): the dequantisation between two barriers per group, with 8
 // warps per SM, is the wall (applying the scale per group after the MMA instead would save ~64
-// instructions per thread and group but cost 128 accumulator FMAs at 128 positions). Routed gate/up 31.5 -> 28.0 ms; the down projection (K = 512) stays on mma.sync (20.1
-// ms; 23.3 with wgmma). Dropped: a mma.sync kernel with ldmatrix and shared-memory dequantisation
+// instructions per thread and group but cost 128 accumulator FMAs at 128 positions). Routed
+// gate/up 31.5 -> 28.0 ms, then 27.2 -> 24.2 with the MMA as wide as the tile's rows (n32..n128:
+// an expert's tail tile of a few rows no longer costs a full 128-position tile,
+// bench/results/cuda-prefill-tile-width.json); the down projection (K = 512) stays on mma.sync
+// (20.1 ms; 23.3 with wgmma, 22.3 with tile widths; 16.6 with bf16 outputs stored in pairs). Dropped: a mma.sync kernel with ldmatrix and shared-memory dequantisation
 // (256 x 128 tiles, 28.1 ms on in_proj); producer/consumer warpgroups over named barriers (15-25%
 // slower, commit 201c26b); the weights as wgmma's A operand from registers (in_proj 26.5 vs 23.9
 // ms, commit 0c8bd67).

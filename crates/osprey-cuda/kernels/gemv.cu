@@ -3,9 +3,12 @@
 // mixed (the router and shared-expert gate are 8-bit).
 //
 // Shapes: K (input width) a multiple of 64 up to 4096, group 32/64/128.
-// Four kernels:
+// Five kernels:
+//   gemv_q_pair — a lone 4-bit group-64 segment at K 4096 without a full-width norm (the GDN
+//     out_proj with its gated head norm, the attention o_proj): each 16-row tile over a 2-block
+//     cluster, one K half per block (bottom of the file).
 //   gemv_q_resident — launches of only 4-bit group-64 rows, K 2048 or 4096, whose share per block
-//     fits in shared memory (GDN in_proj, attention q|k|v, both output projections): one block
+//     fits in shared memory (GDN in_proj, attention q|k|v): one block
 //     of 8 warps per SM, its whole run of 16-row tiles requested at once by bulk copies before
 //     griddepcontrol.wait, multiplied from shared memory (below).
 //   gemv_q_ring — launches of one 4-bit group-64 segment, K 2048 or 4096, too big for that (the
@@ -30,7 +33,7 @@
 // per SM bulk-copying 16 KB requests streams 4.5-4.75 TB/s (bench/kernels/tma_read.cu).
 // Measured (H200, full-size model, inside the decode graph: what issuing the family twice adds
 // to a step), commit ca2b34f: GDN in_proj 6.9 us (14.2 MB = 2.1 TB/s; gemv_q_tiles took 12.1),
-// GDN out_proj 6.4 us; lm_head by gemv_q_ring 73-78 us (286 MB = 3.7-3.9 TB/s; 99-105 by
+// GDN out_proj 6.4 us (gemv_q_pair since: 4.8, commit 3739dce); lm_head by gemv_q_ring 73-78 us (286 MB = 3.7-3.9 TB/s; 99-105 by
 // gemv_q_tiles; bench/results/cuda-decode-lm-head-ring*.json). What bounds gemv_q_resident: the
 // wait and its prologue (~1 + ~2 us, chained) and the multiply from shared memory (issue
 // throughput; bench/kernels/gemv_resident.cu, cuda-decode-quad-dot-lean.json).
