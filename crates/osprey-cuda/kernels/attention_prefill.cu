@@ -79,6 +79,43 @@ struct AttnPrefillArgs {
 };
 
 
+// The online softmax of a thread's two query rows (a: fragment row g, b: g + 8) in both
+// attention kernels: running maxima and sums over the key tiles seen so far.
+struct RowPairSoftmax {
+    float mx_a = -INFINITY, mx_b = -INFINITY, sum_a = 0.f, sum_b = 0.f;
+    // Folds in a tile whose row maxima are tmax_a / tmax_b over this thread's keys (reduced over the
+    // quad here): returns the references the tile's exponentials subtract (finite even for a row
+    // with nothing visible yet, so exp2 never sees inf - inf) and the factors that rescale what
+    // was accumulated before; the sums are rescaled here.
+    __device__ __forceinline__ void fold(float tmax_a, float tmax_b, float& ref_a, float& ref_b, float& corr_a,
+                                         float& corr_b) {
+#pragma unroll
+        for (int off = 1; off < 4; off <<= 1) {
+            tmax_a = fmaxf(tmax_a, __shfl_xor_sync(FULL_MASK, tmax_a, off));
+            tmax_b = fmaxf(tmax_b, __shfl_xor_sync(FULL_MASK, tmax_b, off));
+        }
+        const float new_a = fmaxf(mx_a, tmax_a), new_b = fmaxf(mx_b, tmax_b);
+        ref_a = new_a == -INFINITY ? 0.f : new_a;
+        ref_b = new_b == -INFINITY ? 0.f : new_b;
+        corr_a = exp2f(mx_a - ref_a);
+        corr_b = exp2f(mx_b - ref_b);
+        mx_a = new_a;
+        mx_b = new_b;
+        sum_a *= corr_a;
+        sum_b *= corr_b;
+    }
+    // 1 / row sum over the quad (0 for a row that saw nothing)
+    __device__ __forceinline__ void inverse_sums(float& inv_a, float& inv_b) {
+#pragma unroll
+        for (int off = 1; off < 4; off <<= 1) {
+            sum_a += __shfl_xor_sync(FULL_MASK, sum_a, off);
+            sum_b += __shfl_xor_sync(FULL_MASK, sum_b, off);
+        }
+        inv_a = sum_a > 0.f ? 1.f / sum_a : 0.f;
+        inv_b = sum_b > 0.f ? 1.f / sum_b : 0.f;
+    }
+};
+
 #define AWARPS 8
 
 extern "C" __global__ void __launch_bounds__(AWARPS * 32, 1) attn_prefill(AttnPrefillArgs a) {
@@ -112,7 +149,7 @@ extern "C" __global__ void __launch_bounds__(AWARPS * 32, 1) attn_prefill(AttnPr
     float o[D / 8][4];
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-    float mx_a = -INFINITY, mx_b = -INFINITY, sum_a = 0.f, sum_b = 0.f;
+    RowPairSoftmax rows;
     // ldmatrix row addresses of this lane
     const int q_row = warp * 16 + (lane & 15), q_col = (lane >> 4) * 8;
     const int k_row = (lane & 7) + ((lane >> 4) << 3), k_col = ((lane >> 3) & 1) * 8;
@@ -156,19 +193,8 @@ extern "C" __global__ void __launch_bounds__(AWARPS * 32, 1) attn_prefill(AttnPr
                 s[n][e] = v;
                 if (e < 2) tmax_a = fmaxf(tmax_a, v); else tmax_b = fmaxf(tmax_b, v);
             }
-#pragma unroll
-        for (int off = 1; off < 4; off <<= 1) {
-            tmax_a = fmaxf(tmax_a, __shfl_xor_sync(FULL_MASK, tmax_a, off));
-            tmax_b = fmaxf(tmax_b, __shfl_xor_sync(FULL_MASK, tmax_b, off));
-        }
-        const float new_a = fmaxf(mx_a, tmax_a), new_b = fmaxf(mx_b, tmax_b);
-        // rows with nothing visible yet keep a finite reference so exp2 never sees inf - inf
-        const float ref_a = new_a == -INFINITY ? 0.f : new_a, ref_b = new_b == -INFINITY ? 0.f : new_b;
-        const float corr_a = exp2f(mx_a - ref_a), corr_b = exp2f(mx_b - ref_b);
-        mx_a = new_a;
-        mx_b = new_b;
-        sum_a *= corr_a;
-        sum_b *= corr_b;
+        float ref_a, ref_b, corr_a, corr_b;
+        rows.fold(tmax_a, tmax_b, ref_a, ref_b, corr_a, corr_b);
 #pragma unroll
         for (int n = 0; n < D / 8; ++n) {
             o[n][0] *= corr_a; o[n][1] *= corr_a;
@@ -179,8 +205,8 @@ extern "C" __global__ void __launch_bounds__(AWARPS * 32, 1) attn_prefill(AttnPr
         for (int n = 0; n < KT / 8; ++n) {
             const float p0 = exp2f(s[n][0] - ref_a), p1 = exp2f(s[n][1] - ref_a);
             const float p2 = exp2f(s[n][2] - ref_b), p3 = exp2f(s[n][3] - ref_b);
-            sum_a += p0 + p1;
-            sum_b += p2 + p3;
+            rows.sum_a += p0 + p1;
+            rows.sum_b += p2 + p3;
             pf[n][0] = pack_bf16(p0, p1);
             pf[n][1] = pack_bf16(p2, p3);
         }
@@ -198,12 +224,8 @@ extern "C" __global__ void __launch_bounds__(AWARPS * 32, 1) attn_prefill(AttnPr
         }
         __syncthreads();
     }
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {
-        sum_a += __shfl_xor_sync(FULL_MASK, sum_a, off);
-        sum_b += __shfl_xor_sync(FULL_MASK, sum_b, off);
-    }
-    const float inv_a = sum_a > 0.f ? 1.f / sum_a : 0.f, inv_b = sum_b > 0.f ? 1.f / sum_b : 0.f;
+    float inv_a, inv_b;
+    rows.inverse_sums(inv_a, inv_b);
     const int ta = m0 + row_a, tb = m0 + row_b;
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) {
@@ -284,7 +306,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma(AttnPref
     float o[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) o[i] = 0.f;
-    float mx_a = -INFINITY, mx_b = -INFINITY, sum_a = 0.f, sum_b = 0.f;
+    RowPairSoftmax rows;
 
     // S(it) = Q K(it)ᵀ into s: s[4j + 2h + e] is row row_a + 8h, key 64·it + 8j + 2q + e
     auto issue_scores = [&](float (&s)[32], int it) {
@@ -321,26 +343,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma(AttnPref
             if (row_b) tmax_b = fmaxf(tmax_b, x[i]);
             else tmax_a = fmaxf(tmax_a, x[i]);
         }
-#pragma unroll
-        for (int off = 1; off < 4; off <<= 1) {
-            tmax_a = fmaxf(tmax_a, __shfl_xor_sync(FULL_MASK, tmax_a, off));
-            tmax_b = fmaxf(tmax_b, __shfl_xor_sync(FULL_MASK, tmax_b, off));
-        }
-        const float new_a = fmaxf(mx_a, tmax_a), new_b = fmaxf(mx_b, tmax_b);
-        // rows with nothing visible yet keep a finite reference so exp2 never sees inf - inf
-        const float ref_a = new_a == -INFINITY ? 0.f : new_a, ref_b = new_b == -INFINITY ? 0.f : new_b;
-        corr_a = exp2f(mx_a - ref_a);
-        corr_b = exp2f(mx_b - ref_b);
-        mx_a = new_a;
-        mx_b = new_b;
-        sum_a *= corr_a;
-        sum_b *= corr_b;
+        float ref_a, ref_b;
+        rows.fold(tmax_a, tmax_b, ref_a, ref_b, corr_a, corr_b);
 #pragma unroll
         for (int j = 0; j < KT / 8; ++j) {
             const float p0 = exp2f(x[4 * j] - ref_a), p1 = exp2f(x[4 * j + 1] - ref_a);
             const float p2 = exp2f(x[4 * j + 2] - ref_b), p3 = exp2f(x[4 * j + 3] - ref_b);
-            sum_a += p0 + p1;
-            sum_b += p2 + p3;
+            rows.sum_a += p0 + p1;
+            rows.sum_b += p2 + p3;
             pf[j >> 1][2 * (j & 1)] = pack_bf16(p0, p1);
             pf[j >> 1][2 * (j & 1) + 1] = pack_bf16(p2, p3);
         }
@@ -410,12 +420,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma(AttnPref
     }
     wgmma_wait<0>();
     fence_accumulators(o);
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {
-        sum_a += __shfl_xor_sync(FULL_MASK, sum_a, off);
-        sum_b += __shfl_xor_sync(FULL_MASK, sum_b, off);
-    }
-    const float inv_a = sum_a > 0.f ? 1.f / sum_a : 0.f, inv_b = sum_b > 0.f ? 1.f / sum_b : 0.f;
+    float inv_a, inv_b;
+    rows.inverse_sums(inv_a, inv_b);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         const int t = m0 + row_a + 8 * hh;
