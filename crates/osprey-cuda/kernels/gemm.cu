@@ -355,9 +355,7 @@ GEMM_KERNEL(8, 8, 1)
 // rows (g) and the up rows of the same outputs (g + 8), so both land in one thread.
 // Split-K (dense launches of too few blocks, f32 epilogues only): block z takes K groups
 // [z, z + 1) · K / 64 / k_splits, a whole number of 8-group scale batches, and writes partial sums.
-// Needs K % 512 == 0, group 64, and N % 256 == 0 for the bf16 epilogues (SwiGLU: % 128); the
-// f32 ones store only rows below N, so their last block may be partial (in_proj b and a, 32 rows
-// each: one block that loads its last row again for the other 224).
+// Needs N % 256 == 0 (SwiGLU: % 128), K % 512 == 0, group 64.
 #define WG_POS 128
 #define WG_ROWS 256
 #define WG_SLOTS 5  // groups G - 1 (wgmma in flight), G, G + 1, G + 2, G + 3
@@ -541,7 +539,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(GemmArgs p) {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int n = blockIdx.x * WG_ROWS + wrow + 8 * h;
-                    if (n < p.N) store_result(p, pos, n, d[m][4 * j + 2 * h + e]);
+                    store_result(p, pos, n, d[m][4 * j + 2 * h + e]);
                 }
             }
     }

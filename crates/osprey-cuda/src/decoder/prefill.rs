@@ -231,18 +231,9 @@ struct Grouped {
 }
 
 /// Whether gemm_q4_wgmma takes a weight matrix: 4-bit group-64 codes, K a multiple of 512 (its
-/// scales and biases are staged 8 groups at a time), whole blocks of `rows_per_block` rows unless
-/// `partial` (the f32 epilogues store only rows below N, so a last block may be partial).
-fn wgmma_fits(
-    bits: u32,
-    group: usize,
-    cols: usize,
-    rows: usize,
-    rows_per_block: usize,
-    partial: bool,
-) -> bool {
-    let rows_ok = partial || rows.is_multiple_of(rows_per_block);
-    bits == 4 && group == 64 && cols.is_multiple_of(512) && rows_ok
+/// scales and biases are staged 8 groups at a time), whole blocks of `rows_per_block` rows.
+fn wgmma_fits(bits: u32, group: usize, cols: usize, rows: usize, rows_per_block: usize) -> bool {
+    bits == 4 && group == 64 && cols.is_multiple_of(512) && rows.is_multiple_of(rows_per_block)
 }
 
 /// K splits of a dense gemm_q4_wgmma launch of `blocks` blocks over `groups` 64-wide K groups: none
@@ -500,14 +491,13 @@ impl CudaDecoder {
         let fit = |mt: usize| if m.bits == 8 && mt == 4 { 2 } else { mt };
         let rows_per_block = if epilogue == EPI_SWIGLU { 128 } else { 256 };
         let blocks_x = w[0].rows.div_ceil(rows_per_block);
-        let f32_out = epilogue == EPI_STORE || epilogue == EPI_ADD;
-        let partial = f32_out && grouped.is_none();
-        let wgmma_fits = wgmma_fits(m.bits, m.group, m.cols, w[0].rows, rows_per_block, partial);
+        let wgmma_fits = wgmma_fits(m.bits, m.group, m.cols, w[0].rows, rows_per_block);
         let wgmma_tiles = positions.div_ceil(8 * WGMMA_MT);
         // at least half a wave of blocks: one block of 256 rows x 128 positions on wgmma beats the
         // mma.sync kernel's 2+ blocks per SM on the same work; short prompts split K to get there
         let wgmma_splits = if wgmma_fits && self.wgmma.dense && grouped.is_none() {
-            let splittable = f32_out && positions >= 8 * WGMMA_MT;
+            let splittable =
+                (epilogue == EPI_STORE || epilogue == EPI_ADD) && positions >= 8 * WGMMA_MT;
             wgmma_k_splits(blocks_x * wgmma_tiles, m.cols / 64, self.sms)
                 .filter(|&s| s == 1 || (splittable && s * positions * w[0].rows <= PARTIAL_FLOATS))
         } else {
@@ -1104,18 +1094,15 @@ mod tests {
     #[test]
     fn wgmma_takes_the_model_projections_it_can_tile() {
         // GDN in_proj qkv (8192 x 2048), out_proj (2048 x 4096), expert down (2048 x 512)
-        assert!(wgmma_fits(4, 64, 2048, 8192, 256, true));
-        assert!(wgmma_fits(4, 64, 4096, 2048, 256, true));
-        assert!(wgmma_fits(4, 64, 512, 2048, 256, false));
+        assert!(wgmma_fits(4, 64, 2048, 8192, 256));
+        assert!(wgmma_fits(4, 64, 4096, 2048, 256));
+        assert!(wgmma_fits(4, 64, 512, 2048, 256));
         // expert gate/up through the SwiGLU epilogue: 512 outputs in blocks of 128
-        assert!(wgmma_fits(4, 64, 2048, 512, 128, false));
-        // in_proj b/a (32 rows): one partial block, stored as f32
-        assert!(wgmma_fits(4, 64, 2048, 32, 256, true));
-        // the 8-bit router, a partial block under a bf16 epilogue, another group size, K not a
-        // multiple of 512
-        assert!(!wgmma_fits(8, 64, 2048, 256, 256, true));
-        assert!(!wgmma_fits(4, 64, 2048, 32, 256, false));
-        assert!(!wgmma_fits(4, 32, 2048, 8192, 256, true));
-        assert!(!wgmma_fits(4, 64, 1600, 8192, 256, true));
+        assert!(wgmma_fits(4, 64, 2048, 512, 128));
+        // the 8-bit router, in_proj b/a (32 rows), another group size, K not a multiple of 512
+        assert!(!wgmma_fits(8, 64, 2048, 256, 256));
+        assert!(!wgmma_fits(4, 64, 2048, 32, 256));
+        assert!(!wgmma_fits(4, 32, 2048, 8192, 256));
+        assert!(!wgmma_fits(4, 64, 1600, 8192, 256));
     }
 }
