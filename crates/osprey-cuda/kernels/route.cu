@@ -159,22 +159,34 @@ struct CombineMoeArgs {
     const int* slot_pos;       // [T, k]
     const float* shared;       // [T, H] shared expert output
     const float* shared_gate;  // [T] shared expert gate logit
+    const float* next_norm;    // the next layer's input RMSNorm weight [H] (null: the last layer)
+    __nv_bfloat16* act;        // [T, H] bf16 perm64: the next layer's normalised input
+    float eps;
     int T, H, k;
 };
 
-// Grid T blocks of 256 threads; float4 over the hidden dimension.
-extern "C" __global__ void moe_combine(CombineMoeArgs a) {
+// Grid T blocks of 256 threads; float4 over the hidden dimension (H <= 4096). The block holds the
+// token's finished residual row, so it also writes the next layer's RMS-normalised bf16 input
+// (the separate norm launch and its re-read of x are saved).
+#define COMBINE_MAX_QUADS 4
+extern "C" __global__ void __launch_bounds__(256) moe_combine(CombineMoeArgs a) {
     const int t = blockIdx.x;
     __shared__ int pos[MAX_TOPK];
+    __shared__ float scratch[32];
     if (threadIdx.x < a.k) pos[threadIdx.x] = a.slot_pos[t * a.k + threadIdx.x];
     __syncthreads();
     const float gate = sigmoidf(a.shared_gate[t]);
-    for (int i = threadIdx.x * 4; i < a.H; i += blockDim.x * 4) {
+    float4 row[COMBINE_MAX_QUADS];
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < COMBINE_MAX_QUADS; ++j) {
+        const int i = (threadIdx.x + j * blockDim.x) * 4;
+        if (i >= a.H) break;
         float4 acc = *reinterpret_cast<const float4*>(a.x + (size_t)t * a.H + i);
         const float4 s = *reinterpret_cast<const float4*>(a.shared + (size_t)t * a.H + i);
         float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int j = 0; j < a.k; ++j) {
-            const uint2 raw = *reinterpret_cast<const uint2*>(a.y + (size_t)pos[j] * a.H + i);
+        for (int slot = 0; slot < a.k; ++slot) {
+            const uint2 raw = *reinterpret_cast<const uint2*>(a.y + (size_t)pos[slot] * a.H + i);
             const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
             const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
             r.x += lo.x; r.y += lo.y; r.z += hi.x; r.w += hi.y;
@@ -184,5 +196,20 @@ extern "C" __global__ void moe_combine(CombineMoeArgs a) {
         acc.z += r.z + gate * s.z;
         acc.w += r.w + gate * s.w;
         *reinterpret_cast<float4*>(a.x + (size_t)t * a.H + i) = acc;
+        row[j] = acc;
+        ss += acc.x * acc.x + acc.y * acc.y + acc.z * acc.z + acc.w * acc.w;
+    }
+    if (!a.next_norm) return;
+    const float inv = rsqrtf(block_sum(ss, scratch) / a.H + a.eps);
+    __nv_bfloat16* out = a.act + (size_t)t * a.H;
+#pragma unroll
+    for (int j = 0; j < COMBINE_MAX_QUADS; ++j) {
+        const int i = (threadIdx.x + j * blockDim.x) * 4;
+        if (i >= a.H) break;
+        const float4 w = *reinterpret_cast<const float4*>(a.next_norm + i);
+        out[perm64(i)] = __float2bfloat16(row[j].x * inv * w.x);
+        out[perm64(i + 1)] = __float2bfloat16(row[j].y * inv * w.y);
+        out[perm64(i + 2)] = __float2bfloat16(row[j].z * inv * w.z);
+        out[perm64(i + 3)] = __float2bfloat16(row[j].w * inv * w.w);
     }
 }

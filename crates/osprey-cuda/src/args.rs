@@ -292,6 +292,9 @@ pub struct CombineMoeArgs {
     pub slot_pos: u64,
     pub shared: u64,
     pub shared_gate: u64,
+    pub next_norm: u64,
+    pub act: u64,
+    pub eps: f32,
     pub t: i32,
     pub h: i32,
     pub k: i32,
@@ -445,7 +448,7 @@ mod tests {
         assert_eq!(std::mem::size_of::<GemmArgs>(), 14 * 8 + 8 * 4);
         assert_eq!(std::mem::size_of::<ReduceArgs>(), 2 * 8 + 5 * 4 + 4);
         assert_eq!(std::mem::size_of::<RouteArgs>(), 16 * 8 + 10 * 4);
-        assert_eq!(std::mem::size_of::<CombineMoeArgs>(), 5 * 8 + 3 * 4 + 4);
+        assert_eq!(std::mem::size_of::<CombineMoeArgs>(), 7 * 8 + 4 * 4);
         assert_eq!(std::mem::size_of::<EmbedRowsArgs>(), 5 * 8 + 3 * 4 + 4);
         assert_eq!(std::mem::size_of::<NormArgs>(), 4 * 8 + 4 * 4);
         assert_eq!(std::mem::size_of::<GdnPrefillArgs>(), 12 * 8 + 5 * 4 + 4);

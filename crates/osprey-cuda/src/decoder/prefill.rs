@@ -5,7 +5,7 @@
 //! state) that the decode step uses. Only the last position's logits are computed. Scratch memory is bounded by
 //! the chunk size, whatever the prompt length.
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use cudarc::driver::{sys, CudaEvent, CudaFunction, CudaSlice, LaunchConfig};
 
 use super::{launch_cfg, CudaDecoder, DevLinear, DevMatrix, LayerDev, Prologue};
@@ -653,10 +653,12 @@ impl CudaDecoder {
             Ok(())
         })?;
 
-        for l in &self.layers {
-            timed(self, events, "rmsnorm -> bf16", |dd| {
-                dd.norm_to_bf16(x, dd.p(&l.input_norm), h, h, t, act)
-            })?;
+        // the first layer's input norm; every later one is written by the previous layer's combine
+        let first = self.layers.first().context("a model without layers")?;
+        timed(self, events, "rmsnorm -> bf16", |dd| {
+            dd.norm_to_bf16(x, dd.p(&first.input_norm), h, h, t, act)
+        })?;
+        for (i, l) in self.layers.iter().enumerate() {
             match &l.mixer {
                 LayerDev::Gdn {
                     qkv,
@@ -848,7 +850,8 @@ impl CudaDecoder {
                     })?;
                 }
             }
-            self.issue_moe(l, s, t, events)?;
+            let next_norm = self.layers.get(i + 1).map(|n| self.p(&n.input_norm));
+            self.issue_moe(l, s, t, next_norm, events)?;
         }
         Ok(())
     }
@@ -858,6 +861,7 @@ impl CudaDecoder {
         l: &super::LayerWeights,
         s: &PrefillScratch,
         t: usize,
+        next_norm: Option<u64>,
         events: &mut Events,
     ) -> Result<()> {
         let c = &self.cfg;
@@ -1036,11 +1040,14 @@ impl CudaDecoder {
             slot_pos: self.p(&s.slot_pos),
             shared: self.p(&s.shared_y),
             shared_gate: self.p(&s.shared_gate),
+            next_norm: next_norm.unwrap_or(0),
+            act,
+            eps: c.rms_norm_eps,
             t: t as i32,
             h: h as i32,
             k: k as i32,
         };
-        timed(self, events, "moe combine + residual", |dd| {
+        timed(self, events, "moe combine + residual (+ next norm)", |dd| {
             dd.launch(&dd.pk.moe_combine, launch_cfg((t as u32, 1), 256), &ca)?;
             Ok(())
         })
