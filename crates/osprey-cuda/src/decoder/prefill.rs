@@ -36,7 +36,7 @@ const WGMMA_MT: usize = 16;
 /// Rows per expert (on average) from which the grouped gate/up GEMM runs gemm_q4_wgmma (at 64 per
 /// expert, a 2K prompt, half its 128-position tiles' rows are empty and it still wins: gate/up
 /// 23.0 -> 19.3 ms over 40 layers).
-const WGMMA_FROM_ROWS_PER_EXPERT: usize = 16;
+const WGMMA_FROM_ROWS_PER_EXPERT: usize = 48;
 
 /// Where the prefill runs warpgroup MMA (the rest on mma.sync): `OSPREY_PREFILL_WGMMA=0` nowhere,
 /// `dense` in the dense projections only, `gemm` in the dense projections and the grouped expert
