@@ -35,7 +35,8 @@ const GEMM_WGMMA_SMEM_BYTES: usize = 5 * (128 * 128 + 256 * 32) + 2 * 256 * 32 +
 const WGMMA_MT: usize = 16;
 /// Rows per expert (on average) from which the grouped gate/up GEMM runs gemm_q4_wgmma (at 64 per
 /// expert, a 2K prompt, half its 128-position tiles' rows are empty and it still wins: gate/up
-/// 23.0 -> 19.3 ms over 40 layers).
+/// 23.0 -> 19.3 ms over 40 layers; from 16 rows, even with tiles as wide as their rows, a 1K
+/// prompt lost: 24.0K -> 22.2K tok/s).
 const WGMMA_FROM_ROWS_PER_EXPERT: usize = 48;
 
 /// Where the prefill runs warpgroup MMA (the rest on mma.sync): `OSPREY_PREFILL_WGMMA=0` nowhere,
