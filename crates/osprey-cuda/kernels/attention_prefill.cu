@@ -267,10 +267,10 @@ extern "C" __global__ void __launch_bounds__(AWARPS * 32, 1) attn_prefill(AttnPr
 #define WG_Q_BYTES (WG_QT * D * 2)
 #define WG_KV_BYTES (KT * D * 2)
 #define WG_V_KEY_BLOCK (D * 16)  // bytes between 8-key blocks of V
-#ifndef ATTN_V_LBO
-#define ATTN_V_LBO WG_V_KEY_BLOCK  // descriptor: between the two 8-key blocks of a k16 step
-#define ATTN_V_SBO 128             // descriptor: between 8-dim blocks
-#endif
+// V's descriptor (MN-major): LBO between the two 8-key blocks of a k16 step, SBO between 8-dim
+// blocks (the roles swapped fault on the H200: wgmma.cuh)
+#define ATTN_V_LBO WG_V_KEY_BLOCK
+#define ATTN_V_SBO 128
 
 extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma(AttnPrefillArgs a) {
     extern __shared__ __align__(128) unsigned char smem_wg[];
