@@ -142,7 +142,7 @@ extern "C" __global__ void __launch_bounds__(AWARPS * 32, 1) attn_prefill(AttnPr
         }
     };
     load_kv(0, 0);
-    asm volatile("cp.async.commit_group;\n" ::);
+    cp_async_commit();
 
     const int row_a = warp * 16 + g, row_b = row_a + 8;  // this thread's two query rows
     const int qpos_a = a.start + m0 + row_a, qpos_b = a.start + m0 + row_b;
@@ -159,8 +159,8 @@ extern "C" __global__ void __launch_bounds__(AWARPS * 32, 1) attn_prefill(AttnPr
     for (int it = 0; it < tiles; ++it) {
         const int k0 = it * KT, buf = it & 1;
         if (it + 1 < tiles) load_kv(k0 + KT, buf ^ 1);
-        asm volatile("cp.async.commit_group;\n" ::);
-        asm volatile("cp.async.wait_group 1;\n" ::);
+        cp_async_commit();
+        cp_async_wait<1>();
         __syncthreads();
         const __nv_bfloat16* Kb = Ks + buf * KT * QK_STRIDE;
         const __nv_bfloat16* Vb = Vs + buf * KT * QK_STRIDE;
@@ -295,7 +295,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma(AttnPref
             const int pair = c >> 1, r = pair % KT, kc = 2 * (pair / KT) + (c & 1);
             const bool ok = k0 + r < n_keys;
             const size_t at = ((size_t)(ok ? k0 + r : 0) * a.hkv + kvh) * D + kc * 8;
-            cp_async16(dst + (values ? (r >> 3) * WG_V_KEY_BLOCK + kc * 128 + (r & 7) * 16 : kc * (KT * 16) + r * 16), src + at, ok);
+            const int to = values ? (r >> 3) * WG_V_KEY_BLOCK + kc * 128 + (r & 7) * 16 : kc * (KT * 16) + r * 16;
+            cp_async16(dst + to, src + at, ok);
         }
     };
     // this thread's query rows (block rows row_a and row_a + 8) and its warpgroup's first position
@@ -361,8 +362,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma(AttnPref
     auto load_v = [&](int it) { load_rows(Vs + (it & 1) * WG_KV_BYTES, it * KT, true); };
     // every thread's copies landed and visible to the tensor cores; every warpgroup's wgmma retired
     auto tile_barrier = [&] {
-        asm volatile("cp.async.wait_group 0;\n" ::);
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        cp_async_wait<0>();
+        fence_proxy_async();
         __syncthreads();
     };
     // Step it (>= 1): S(it) and P(it - 1) V(it - 1) issued together; the softmax of S(it) runs
@@ -386,13 +387,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma(AttnPref
         tile_barrier();
         if (it + 2 < tiles) load_k(it + 2);
         if (it + 1 < tiles) load_v(it + 1);
-        asm volatile("cp.async.commit_group;\n" ::);
+        cp_async_commit();
     };
 
     load_k(0);
     load_v(0);
     if (tiles > 1) load_k(1);
-    asm volatile("cp.async.commit_group;\n" ::);
+    cp_async_commit();
     tile_barrier();
     uint32_t pf0[KT / 16][4], pf1[KT / 16][4];
     {
@@ -405,7 +406,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma(AttnPref
         tile_barrier();
         if (tiles > 2) load_k(2);
         if (tiles > 1) load_v(1);
-        asm volatile("cp.async.commit_group;\n" ::);
+        cp_async_commit();
     }
     int it = 1;
     for (; it + 1 < tiles; it += 2) {

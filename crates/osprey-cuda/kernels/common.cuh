@@ -127,6 +127,10 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
 }
+// closes this thread's group of cp.async copies; waits until at most N of its groups are in flight
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 // four 8x8 bf16 matrices; lane l gives the row address of matrix l / 8
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
     const unsigned a = (unsigned)__cvta_generic_to_shared(p);

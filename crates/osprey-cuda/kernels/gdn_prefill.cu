@@ -235,11 +235,11 @@ extern "C" __global__ void __launch_bounds__(SCAN_WARPS * 32) gdn_scan(GdnPrefil
         s[i][1] = r.y;
     }
     load_stage(p, stage[0], 0, h, kh, jb);
-    asm volatile("cp.async.commit_group;\n" ::);
+    cp_async_commit();
     for (int t0 = 0, n = 0; t0 < p.T; t0 += SCAN_TOKENS, ++n) {
         if (t0 + SCAN_TOKENS < p.T) load_stage(p, stage[(n + 1) & 1], t0 + SCAN_TOKENS, h, kh, jb);
-        asm volatile("cp.async.commit_group;\n" ::);
-        asm volatile("cp.async.wait_group 1;\n" ::);
+        cp_async_commit();
+        cp_async_wait<1>();
         __syncthreads();
         const ScanStage& st = stage[n & 1];
         const int count = min(SCAN_TOKENS, p.T - t0);
@@ -386,7 +386,7 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_prep(GdnChunkArgs p)
     const float* rows = p.conv_out + (size_t)t0 * p.conv_dim;
     stage_rows(ks, ROW_STRIDE, rows + (p.hk + kh) * DK, p.conv_dim, CHUNK, DK, n);
     stage_rows(qs, ROW_STRIDE, rows + kh * DK, p.conv_dim, CHUNK, DK, n);
-    asm volatile("cp.async.commit_group;\n" ::);
+    cp_async_commit();
     if (warp == 0) {
         // β and the inclusive scan of the log decays, two tokens per lane
         float g2[2];
@@ -412,7 +412,7 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_prep(GdnChunkArgs p)
         gc[2 * lane] = before + g2[0];
         gc[2 * lane + 1] = run;
     }
-    asm volatile("cp.async.wait_group 0;\n" ::);
+    cp_async_wait<0>();
     __syncthreads();
     {
         // K Kᵀ and Q Kᵀ: warp = (16-row tile mt, half of the 64 columns)
@@ -444,8 +444,8 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_prep(GdnChunkArgs p)
     __syncthreads();
     // v of the chunk into q's place, so the substitution below reads shared memory only
     stage_rows(qs, ROW_STRIDE, rows + 2 * p.hk * DK + h * DV, p.conv_dim, CHUNK, DV, n);
-    asm volatile("cp.async.commit_group;\n" ::);
-    asm volatile("cp.async.wait_group 0;\n" ::);
+    cp_async_commit();
+    cp_async_wait<0>();
     __syncthreads();
     // forward substitution, one column of [U | W] per thread, the column in registers
     const int j = tid;
@@ -500,12 +500,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) gdn_chunk_state(GdnChunkArg
         S[(e / STATE_COLS) * STATE_STRIDE + e % STATE_COLS] = Sg[(e / STATE_COLS) * DV + j0 + e % STATE_COLS];
     const int chunks = (p.T + CHUNK - 1) / CHUNK;
     stage_state_inputs(p, st[0], 0, h, kh, j0);
-    asm volatile("cp.async.commit_group;\n" ::);
+    cp_async_commit();
     for (int c = 0; c < chunks; ++c) {
         const int t0 = c * CHUNK, n = min(CHUNK, p.T - t0);
         if (c + 1 < chunks) stage_state_inputs(p, st[(c + 1) & 1], c + 1, h, kh, j0);
-        asm volatile("cp.async.commit_group;\n" ::);
-        asm volatile("cp.async.wait_group 1;\n" ::);
+        cp_async_commit();
+        cp_async_wait<1>();
         __syncthreads();
         const StateStage& in = st[c & 1];
         const float g_last = in.g[n - 1];
@@ -589,8 +589,8 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_out(GdnChunkArgs p) 
     stage_rows(M, A_STRIDE, p.m + row * CHUNK, (size_t)p.hv * CHUNK, CHUNK, CHUNK, n);
     stage_rows(U, COL_STRIDE, p.u_new + row * DV, (size_t)p.hv * DV, CHUNK, DV, n);
     stage_rows(G, CHUNK, p.g_cum + (size_t)h * g_pitch(p) + t0, 0, 1, CHUNK, 1);
-    asm volatile("cp.async.commit_group;\n" ::);
-    asm volatile("cp.async.wait_group 0;\n" ::);
+    cp_async_commit();
+    cp_async_wait<0>();
     __syncthreads();
     const int mt = warp & 3, nb = (warp >> 2) * 8, g = lane >> 2, q = lane & 3;
     float acc[8][4] = {};

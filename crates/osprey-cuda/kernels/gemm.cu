@@ -37,8 +37,9 @@
 // gate/up 31.5 -> 28.0 ms, then 27.2 -> 24.2 with the MMA as wide as the tile's rows (n32..n128:
 // an expert's tail tile of a few rows no longer costs a full 128-position tile,
 // bench/results/cuda-prefill-tile-width.json); the down projection (K = 512) stays on mma.sync
-// (20.1 ms; 23.3 with wgmma, 22.3 with tile widths; 16.6 with bf16 outputs stored in pairs). Dropped: a mma.sync kernel with ldmatrix and shared-memory dequantisation
-// (256 x 128 tiles, 28.1 ms on in_proj); producer/consumer warpgroups over named barriers (15-25%
+// (20.1 ms; 23.3 with wgmma, 22.3 with tile widths; 16.6 with bf16 outputs stored in pairs).
+// Dropped: a mma.sync kernel with ldmatrix and shared-memory dequantisation (256 x 128 tiles,
+// 28.1 ms on in_proj); producer/consumer warpgroups over named barriers (15-25%
 // slower, commit 201c26b); the weights as wgmma's A operand from registers (in_proj 26.5 vs 23.9
 // ms, commit 0c8bd67).
 #include "common.cuh"
@@ -71,9 +72,6 @@ struct GemmArgs {
     int _pad;
 };
 
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // A weight row's codes for one group, as this thread needs them.
 template <int BITS> struct Codes;
@@ -499,7 +497,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(GemmArgs p) {
             // slot G + 1 landed (this thread's copies), everyone's copies and weight stores visible;
             // every warpgroup has retired wgmma(G - 2), so slot G + 3 (= G - 2) is free
             cp_async_wait<WG_AHEAD - 2>();
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            fence_proxy_async();
             __syncthreads();
             load_stage(G + WG_AHEAD, N / 32);
             const unsigned char* W = Ws + (G & 1) * WG_W_BYTES + wg * 128 * 16;
