@@ -33,8 +33,8 @@
 // per SM bulk-copying 16 KB requests streams 4.5-4.75 TB/s (bench/kernels/tma_read.cu).
 // Measured (H200, full-size model, inside the decode graph: what issuing the family twice adds
 // to a step), commit ca2b34f: GDN in_proj 6.9 us (14.2 MB = 2.1 TB/s; gemv_q_tiles took 12.1),
-// GDN out_proj 6.4 us (gemv_q_pair since: 4.8, commit 3739dce); lm_head by gemv_q_ring 73-78 us (286 MB = 3.7-3.9 TB/s; 99-105 by
-// gemv_q_tiles; bench/results/cuda-decode-lm-head-ring*.json). What bounds gemv_q_resident: the
+// GDN out_proj 6.4 us (gemv_q_pair since: 4.8, commit 3739dce); lm_head by gemv_q_ring 73-78
+// us (286 MB = 3.7-3.9 TB/s; 99-105 by gemv_q_tiles; bench/results/cuda-decode-lm-head-ring*.json). What bounds gemv_q_resident: the
 // wait and its prologue (~1 + ~2 us, chained) and the multiply from shared memory (issue
 // throughput; bench/kernels/gemv_resident.cu, cuda-decode-quad-dot-lean.json).
 #include "tiles.cuh"
@@ -52,6 +52,12 @@ struct Segment {
     int accumulate;  // 1: out += W x (residual add)
     int _pad;
 };
+
+// Row `row` of a segment's output: written, or added into it (the residual add).
+__device__ __forceinline__ void write_row(const Segment& s, int row, float y) {
+    if (s.accumulate) s.out[row] += y;
+    else s.out[row] = y;
+}
 
 // The greedy token choice fused into the lm_head launch: every block keeps the largest
 // (logit, id) key of the rows it wrote (ties: the lower id), folds it into `best` with one
@@ -367,7 +373,7 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
                     float y = 0.f;
 #pragma unroll
                     for (int k = 0; k < TILE_KPARTS; ++k) y += part[it & 1][slot][k][lane];
-                    if (s.accumulate) s.out[row0 + lane] += y; else s.out[row0 + lane] = y;
+                    write_row(s, row0 + lane, y);
                     if (a.choice && row0 + lane < a.choice->n) best = max(best, choice_key(y, row0 + lane));
                 }
                 yA = yB = 0.f;
@@ -385,7 +391,7 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
         load_row(s, local, a.K, a.group, L);
         const float y = row_dot(s, L, a.K, xs, chunk_sum);
         if (lane == 0) {
-            if (s.accumulate) s.out[local] += y; else s.out[local] = y;
+            write_row(s, local, y);
             if (a.choice && local < a.choice->n) best = max(best, choice_key(y, local));
         }
     }
@@ -397,7 +403,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) gemv_q_tiles(GemvArgs a) { 
 
 // ---- resident tiles: a block's whole share in shared memory, requested before the wait ----
 // gemv_q_resident: launches of only 4-bit group-64 rows, K 2048 or 4096, whose share per block
-// fits in shared memory (GDN in_proj, attention q|k|v, both output projections). One block of 8
+// fits in shared memory (GDN in_proj, attention q|k|v). One block of 8
 // warps per SM takes a contiguous run of 16-row tiles; its first thread asks the copy engine for
 // all of their codes, scales and biases (one copy per run inside a segment) before
 // griddepcontrol.wait. The engine launches it alone with programmatic dependent launch
@@ -489,7 +495,7 @@ extern "C" __global__ void __launch_bounds__(RES_WARPS * 32, 2) gemv_q_resident(
             float y = 0.f;
 #pragma unroll
             for (int w = 0; w < RES_WARPS; ++w) y += reinterpret_cast<const float*>(stage + (w * gpr / RES_WARPS) * 32)[r];
-            if (s.accumulate) s.out[row] += y; else s.out[row] = y;
+            write_row(s, row, y);
         }
     }
 }
@@ -557,7 +563,7 @@ extern "C" __global__ void __launch_bounds__((RING_CONSUMERS + 1) * 32, 1) gemv_
                 float y = 0.f;
 #pragma unroll
                 for (int w = 0; w < RING_CONSUMERS; ++w) y += p[w * 16];
-                if (s.accumulate) s.out[row] += y; else s.out[row] = y;
+                write_row(s, row, y);
                 if (a.choice && row < a.choice->n) best = max(best, choice_key(y, row));
             }
             __syncwarp();  // the partials are read before the stage is refilled
@@ -668,6 +674,6 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(PAIR_WARP
     if (rank == 0 && (int)threadIdx.x < rows) {
         y += peer[threadIdx.x];
         const int row = r0 + threadIdx.x;
-        if (s.accumulate) s.out[row] += y; else s.out[row] = y;
+        write_row(s, row, y);
     }
 }
