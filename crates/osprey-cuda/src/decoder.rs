@@ -73,12 +73,10 @@ const PAIR_K: usize = 4096;
 /// (measured: 5.09 vs 6.68 us per out_proj unpadded, bench/kernels/gemv_pair.cu).
 const PAIR_MIN_SMEM: usize = 80 * 1024;
 
-/// gemv_q_pair's dynamic shared memory at width `k`: the whole tile's codes, scales and biases,
-/// half of x as signed bytes and (scale, sum) per group, scratch, the warps' sums, the peer's
-/// sums, the barrier.
+/// gemv_q_pair's dynamic shared memory at width `k`: the whole tile, its half of x (with the
+/// reduction scratch), the 8 warps' 16 sums, the peer's 16 sums, the barrier.
 fn pair_smem(k: usize) -> usize {
-    let gpr = k / 64;
-    16 * (k / 2 + 4 * gpr) + gpr / 2 * (8 * 16 + 8) + 32 * 4 + 8 * 16 * 4 + 16 * 4 + 8
+    tile_smem(k) + x_bytes_smem(k / 2) + 8 * 16 * 4 + 16 * 4 + 8
 }
 
 /// Tiles per stage of gemv_q_ring (gemv.cu RING_TILES) and its warps (8 multiply, 1 produces).
@@ -846,17 +844,7 @@ impl CudaDecoder {
         let lone = segs.len() == 1 && tileable(&segs[0]);
         if lone && k == PAIR_K && no_full_norm && head_ok && choice == 0 {
             let smem = pair_smem(k).max(PAIR_MIN_SMEM).min(self.smem_optin);
-            let cfg = LaunchConfig {
-                grid_dim: (2 * tiles as u32, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: smem as u32,
-            };
-            return self.launch_params(
-                &self.f.gemv_pair,
-                cfg,
-                &mut [&a as *const GemvArgs as *mut c_void],
-                self.overlap.early,
-            );
+            return self.launch_staged(&self.f.gemv_pair, a, (2 * tiles, 1, smem), 256);
         }
         if segs.iter().all(tileable) && head_ok && choice == 0 {
             if let Some(launch) = resident_launch(tiles, k, self.sms, self.smem_optin) {
@@ -893,9 +881,10 @@ impl CudaDecoder {
         self.launch_step(f, launch_cfg((blocks, 1), 256), &a)
     }
 
-    /// A GEMV whose blocks stage their weights in shared memory (gemv_q_resident, gemv_q_ring):
-    /// `launch` is (blocks, tiles or stages per block, dynamic shared memory bytes). Launched
-    /// early: the weights' copies go out before the dependency wait.
+    /// A GEMV whose blocks stage their weights in shared memory (gemv_q_resident, gemv_q_ring,
+    /// gemv_q_pair): `launch` is (blocks, tiles or stages per block, dynamic shared memory bytes;
+    /// a pair block holds its one tile). Launched early: the weights' copies go out before the
+    /// dependency wait.
     fn launch_staged(
         &self,
         f: &CudaFunction,

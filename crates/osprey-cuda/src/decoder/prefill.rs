@@ -951,8 +951,8 @@ impl CudaDecoder {
             bm: (8 * mt_up) as i32,
             max_tiles: s.max_tiles as i32,
             h: h as i32,
-            gate_bits: m.shared_gate_logit.m.bits as i32,
-            gate_group: m.shared_gate_logit.m.group as i32,
+            gate_bits: sg.m.bits as i32,
+            gate_group: sg.m.group as i32,
             _pad: 0,
         };
         timed(self, events, "routing (top-k, plan, scatter)", |dd| {
