@@ -338,19 +338,31 @@ GEMM_KERNEL(8, 8, 1)
 // ---- warpgroup MMA: dequantised weights and activations from shared memory -----------------------
 // gemm_q4_wgmma: 4-bit group-64 weights, block = 2 warpgroups, 256 weight rows x 128 positions;
 // warpgroup wg multiplies its 128 weight rows (two m64 halves) by all 128 positions with wgmma
-// m64n128k16, both operands from shared memory in the K-major layout without swizzle (core column
-// kc = 8 k's of the group at kc · rows · 16 bytes, row r at r · 16). Thread r dequantises block row
-// r per group into that layout (one 16-byte store per code word, perm64 order = the activations'
-// storage order, so the dot products are unchanged).
+// m64n128k16, both operands from shared memory in the K-major layout: the weights without swizzle
+// (core column kc = 8 k's of the group at kc · rows · 16 bytes, row r at r · 16; thread r
+// dequantises block row r per group into it, one 16-byte store per code word, perm64 order = the
+// activations' storage order, so the dot products are unchanged), the activations as rows of 128
+// bytes with the 128-byte swizzle (16-byte chunk c of position p at p · 128 + (c ^ p % 8) · 16).
+// Copies by the tensor memory accelerator (TMA; 2-D tensor maps built on the host per launch):
+// per group the block's code words (256 rows x 32 bytes), every 8th group 8 groups' scales and
+// biases (256 x 16 bytes each), and for dense launches the activations (128 positions x 128
+// bytes, swizzled by the copy); thread 0 issues them, an mbarrier per ring slot counts their bytes.
+// Grouped launches gather their positions' activations (a_rows), which a tensor map cannot:
+// every thread copies 4 chunks of 16 bytes by cp.async into the same swizzled layout.
+// Why TMA: per-thread cp.async copies of the same bytes cost ~1,200 of ~2,870 clocks per group
+// (bench/kernels/wgmma_layout.cu: the loop alone, operands in L2: wgmma only 1,137 clocks, with
+// the dequantisation 1,662, with cp.async copies 2,866, with TMA copies 1,825, with TMA for the
+// weights and cp.async for the activations 2,106).
 // Why 256 rows: every block re-reads its 128 positions' activations from L2 for each group, so the
 // L2 traffic per FLOP falls with the rows per block (measured with 128 rows: L2 75% busy, 2.5 GB
 // read for one 137 GFLOP in_proj launch, slower than mma.sync).
-// Step G: wait for ring slot G + 1 (activations, codes; a 5-slot cp.async ring three groups
-// ahead; scales and biases 8 groups at a time in two more buffers), issue group G's wgmma on weight
-// buffer G % 2, retire group G - 1's, dequantise group G + 1 into the buffer those read; group G's
-// wgmma run on through the next step's barrier and copies.
+// Step G: wait for ring slot G + 1 (activations, codes; a 5-slot ring three groups ahead; scales
+// and biases 8 groups at a time in two more buffers), issue group G's wgmma on weight buffer
+// G % 2, retire group G - 1's, dequantise group G + 1 into the buffer those read; group G's wgmma
+// run on through the next step's barrier and copies.
 // SwiGLU: the block's 256 rows are 128 gate + 128 up rows; each 16-row group of a warp holds 8 gate
-// rows (g) and the up rows of the same outputs (g + 8), so both land in one thread.
+// rows (g) and the up rows of the same outputs (g + 8), so both land in one thread; the copies
+// bring 128 rows of each matrix ([matrix][128 rows] in shared memory).
 // Split-K (dense launches of too few blocks, f32 epilogues only): block z takes K groups
 // [z, z + 1) · K / 64 / k_splits, a whole number of 8-group scale batches, and writes partial sums.
 // Needs N % 256 == 0 (SwiGLU: % 128), K % 512 == 0, group 64.
@@ -363,21 +375,55 @@ GEMM_KERNEL(8, 8, 1)
 #define WG_SB_BYTES (WG_ROWS * 32)
 #define WG_W_BYTES (WG_ROWS * 128)
 
+// A TMA tensor map as cuTensorMapEncodeTiled writes it (opaque; 64-byte aligned in parameter space).
+struct __align__(64) TensorMap {
+    unsigned long long opaque[16];
+};
+
+// gemm_q4_wgmma's parameters: the GEMM's, and the tensor maps its copies read through.
+struct WgmmaArgs {
+    GemmArgs p;
+    TensorMap x;          // activations [positions, K] bf16, box 64 x 128, 128-byte swizzle (dense only)
+    TensorMap codes[2];   // [rows, K / 8] words, box 8 x 256 (SwiGLU: 8 x 128 of each matrix)
+    TensorMap scales[2];  // [rows, K / 64] bf16, box 8 x 256 (SwiGLU: 8 x 128)
+    TensorMap biases[2];
+};
+
+// 2-D tensor copy global -> shared through `map` at element coordinates (x innermost, y), its bytes
+// counted on `bar`
+__device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap* map, int x, int y, uint64_t* bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+            smem_addr(dst)),
+        "l"(map), "r"(x), "r"(y), "r"(smem_addr(bar))
+        : "memory");
+}
+
+// wgmma descriptor of a K-major operand in rows of 128 bytes with the 128-byte swizzle: 8-row
+// groups 1,024 bytes apart (the leading byte offset is unused in this mode)
+__device__ __forceinline__ uint64_t wg_desc_sw128(const void* p) {
+    return wg_desc(p, 16, 1024) | ((uint64_t)1 << 62);
+}
+
 // gemm_q4_wgmma's dequantisation: group G of block row `row` into weight buffer G % 2 (K-major
-// core-matrix layout, perm64 order), the code words from ring slot `slot` of Cs ([slot][2 halves]
-// [256 rows] uint4), scale and bias from the 8-group buffer of SBs ([2][scale, bias][256 rows]).
+// core-matrix layout, perm64 order), from the row `src` of the copies: code words in ring slot
+// `slot` of Cs ([slot][256 rows][2 halves] uint4), scale and bias from the 8-group buffer of SBs
+// ([2][scale, bias][256 rows] uint4).
 __device__ __forceinline__ void wgmma_dequant_row(int G, int slot, const uint4* Cs, const uint4* SBs, unsigned char* Ws,
-                                                  int row) {
-    const uint4* sb = SBs + ((G >> 3) & 1) * 2 * WG_ROWS + row;
+                                                  int row, int src) {
+    const uint4* sb = SBs + ((G >> 3) & 1) * 2 * WG_ROWS + src;
     const uint32_t sw = reinterpret_cast<const uint32_t*>(sb)[(G & 7) >> 1];
     const uint32_t bw = reinterpret_cast<const uint32_t*>(sb + WG_ROWS)[(G & 7) >> 1];
     const int hi = (G & 1) * 16;
     const __nv_bfloat16_raw sr{(unsigned short)(sw >> hi)}, br{(unsigned short)(bw >> hi)};
     const __nv_bfloat162 s = __bfloat162bfloat162(__nv_bfloat16(sr)), b = __bfloat162bfloat162(__nv_bfloat16(br));
     unsigned char* dst = Ws + (G & 1) * WG_W_BYTES + row * 16;
+    // rows 32 bytes apart: lanes 4..7 of each 8 read their second half first (no bank conflict)
+    const int first = (src >> 2) & 1;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const uint4 c = Cs[(slot * 2 + h) * WG_ROWS + row];
+    for (int hh = 0; hh < 2; ++hh) {
+        const int h = hh ^ first;
+        const uint4 c = Cs[(slot * WG_ROWS + src) * 2 + h];
         const uint32_t w[4] = {c.x, c.y, c.z, c.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i)
@@ -388,8 +434,8 @@ __device__ __forceinline__ void wgmma_dequant_row(int G, int slot, const uint4* 
 }
 
 // One group (4 k16 steps) of a warpgroup's wgmma, committed as one batch: its 128 weight rows at W
-// (two m64 halves, accumulators d[0], d[1]) by the first N positions at X, both in the K-major
-// layout; the first group overwrites the accumulators.
+// (two m64 halves, accumulators d[0], d[1]; core-matrix layout) by the first N positions at X
+// (swizzled rows); the first group overwrites the accumulators.
 template <int N>
 __device__ __forceinline__ void wgmma_issue_group(float (&d)[2][64], const unsigned char* W, const unsigned char* X,
                                                   bool first) {
@@ -398,7 +444,7 @@ __device__ __forceinline__ void wgmma_issue_group(float (&d)[2][64], const unsig
     wgmma_fence();
 #pragma unroll
     for (int s4 = 0; s4 < 4; ++s4) {
-        const uint64_t db = wg_desc(X + 2 * s4 * (WG_POS * 16), WG_POS * 16, 128);
+        const uint64_t db = wg_desc_sw128(X + 32 * s4);
 #pragma unroll
         for (int m = 0; m < 2; ++m)
             wgmma_ss<N>(d[m], wg_desc(W + 2 * s4 * (WG_ROWS * 16) + m * 64 * 16, WG_ROWS * 16, 128), db,
@@ -411,92 +457,91 @@ __device__ __forceinline__ void wgmma_issue_group(float (&d)[2][64], const unsig
 
 template <int N> struct TileWidth { static constexpr int value = N; };
 
-extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(GemmArgs p) {
-    extern __shared__ __align__(128) unsigned char wg_smem[];
-    unsigned char* Xs = wg_smem;                                                   // [slot][8 kc][128 pos][16 B]
-    uint4* Cs = reinterpret_cast<uint4*>(wg_smem + WG_SLOTS * WG_X_BYTES);         // [slot][2 halves][256 rows]
+extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(const __grid_constant__ WgmmaArgs args) {
+    extern __shared__ __align__(1024) unsigned char wg_smem[];
+    const GemmArgs& p = args.p;
+    unsigned char* Xs = wg_smem;                                                   // [slot][128 pos][128 B], swizzled
+    uint4* Cs = reinterpret_cast<uint4*>(wg_smem + WG_SLOTS * WG_X_BYTES);         // [slot][256 rows][2 halves]
     uint4* SBs = reinterpret_cast<uint4*>(wg_smem + WG_SLOTS * (WG_X_BYTES + WG_CODE_BYTES));  // [2][scale, bias][256 rows]: 8 groups
     unsigned char* Ws = wg_smem + WG_SLOTS * (WG_X_BYTES + WG_CODE_BYTES) + 2 * WG_SB_BYTES;  // [2][8 kc][256 rows][16 B]
+    uint64_t* landed = reinterpret_cast<uint64_t*>(Ws + 2 * WG_W_BYTES);          // [slot]: the slot's TMA bytes arrived
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const int wg = warp >> 2;
     const bool swiglu = p.epilogue == EPI_SWIGLU;
+    const bool gather = p.a_rows != nullptr;
 
     int expert, m0, m_end;
     if (!block_positions(p, WG_POS, expert, m0, m_end)) return;
-    // this block's share of the K groups: all of them, or 1/k_splits (whole 8-group batches)
-    const int groups_per_row = p.K / 64, groups = groups_per_row / p.k_splits, g_begin = groups * blockIdx.z;
-    const int wpr = p.K / 8;
-
-    // block row r -> weight matrix and global row
-    auto weight_row = [&](int r, int& mat) -> size_t {
-        int n = (int)blockIdx.x * WG_ROWS + r;
-        mat = 0;
-        if (swiglu) {
-            mat = (r & 15) >> 3;
-            n = (int)blockIdx.x * 128 + 8 * (r >> 4) + (r & 7);
-        }
-        return (size_t)expert * p.expert_rows + min(n, p.N - 1);
-    };
-    // staging: thread t copies 16-byte halves of rows t / 2 and 128 + t / 2 (codes, and at every
-    // 8th group 8 scales or biases), neighbouring lanes the two halves of one 32-byte sector
-    const int st_half = tid & 1;
-    const uint32_t* crow[2];
-    const uint4* sbrow[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        int mat;
-        const size_t rr = weight_row((tid >> 1) + 128 * i, mat);
-        crow[i] = p.codes[mat] + rr * wpr + 4 * st_half + g_begin * 8;
-        sbrow[i] = reinterpret_cast<const uint4*>((st_half ? p.biases[mat] : p.scales[mat]) + rr * groups_per_row + g_begin);
+    if (tid == 0) {
+        for (int i = 0; i < WG_SLOTS; ++i) mbar_init(&landed[i], 1);
+        mbar_init_fence();
     }
+    // this block's share of the K groups: all of them, or 1/k_splits (whole 8-group batches)
+    const int groups = p.K / 64 / p.k_splits, g_begin = groups * blockIdx.z;
+    // the block's first weight row in each matrix; block row r's copy row (SwiGLU: [matrix][128])
+    const int row0 = expert * (int)p.expert_rows + (int)blockIdx.x * (swiglu ? 128 : WG_ROWS);
+    const int src_row = swiglu ? ((tid & 15) >> 3) * 128 + 8 * (tid >> 4) + (tid & 7) : tid;
 
     const __nv_bfloat16* src[4];
-    bool valid[4];
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
         const int chunk = tid + 256 * c, r = chunk >> 3, pos = m0 + r;
-        valid[c] = pos < m_end;
-        const int arow = valid[c] ? (p.a_rows ? p.a_rows[pos] : pos) : 0;
-        src[c] = p.a + (size_t)arow * p.K + (size_t)g_begin * 64 + (chunk & 7) * 8;
+        const bool valid = pos < m_end;
+        src[c] = gather ? p.a + (size_t)(valid ? p.a_rows[pos] : 0) * p.K + (size_t)g_begin * 64 + (chunk & 7) * 8 : nullptr;
     }
-    // group G's activations (positions 32c.. for c < quarters) and weight codes into its ring slot
+    // group G's copies into its ring slot: TMA for the weights (and a dense launch's activations),
+    // cp.async for gathered activations (positions 32c.. for c < quarters)
     auto load_stage = [&](int G, int quarters) {
         if (G < groups) {
-            const int slot = G % WG_SLOTS;
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const int chunk = tid + 256 * c;
-                if (c < quarters)
-                    cp_async16(Xs + slot * WG_X_BYTES + (chunk & 7) * (WG_POS * 16) + (chunk >> 3) * 16, src[c] + G * 64,
-                               valid[c]);
+            const int slot = G % WG_SLOTS, k = g_begin + G;
+            if (tid == 0) {
+                const bool sb = (G & 7) == 0;
+                mbar_arrive_expect_bytes(&landed[slot], (gather ? 0 : WG_X_BYTES) + WG_CODE_BYTES + (sb ? WG_SB_BYTES : 0));
+                if (!gather) tma_load_2d(Xs + slot * WG_X_BYTES, &args.x, k * 64, m0, &landed[slot]);
+                uint4* sbs = SBs + ((G >> 3) & 1) * 2 * WG_ROWS;
+                for (int mat = 0; mat < (swiglu ? 2 : 1); ++mat) {
+                    const int r = mat * 128;
+                    tma_load_2d(Cs + (slot * WG_ROWS + r) * 2, &args.codes[mat], k * 8, row0, &landed[slot]);
+                    if (sb) {
+                        tma_load_2d(sbs + r, &args.scales[mat], k, row0, &landed[slot]);
+                        tma_load_2d(sbs + WG_ROWS + r, &args.biases[mat], k, row0, &landed[slot]);
+                    }
+                }
             }
+            if (gather) {
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const int r = (tid >> 1) + 128 * i;
-                cp_async16(Cs + (slot * 2 + st_half) * WG_ROWS + r, crow[i] + G * 8, true);
-                if ((G & 7) == 0) cp_async16(SBs + (((G >> 3) & 1) * 2 + st_half) * WG_ROWS + r, sbrow[i] + (G >> 3), true);
+                for (int c = 0; c < 4; ++c) {
+                    const int chunk = tid + 256 * c, pos = chunk >> 3;
+                    if (c < quarters)
+                        cp_async16(Xs + slot * WG_X_BYTES + pos * 128 + (((chunk & 7) ^ (pos & 7)) << 4), src[c] + G * 64,
+                                   m0 + pos < m_end);
+                }
             }
         }
         cp_async_commit();
     };
+    auto wait_stage = [&](int G) { mbar_wait(&landed[G % WG_SLOTS], (G / WG_SLOTS) & 1); };
     // group G of block row tid into weight buffer G % 2
-    auto dequant = [&](int G) { wgmma_dequant_row(G, G % WG_SLOTS, Cs, SBs, Ws, tid); };
+    auto dequant = [&](int G) { wgmma_dequant_row(G, G % WG_SLOTS, Cs, SBs, Ws, tid, src_row); };
     float d[2][64];  // the first wgmma overwrites them (no zeroing: a register written outside
                      // wgmma between them serialises the pipeline)
 
     // the K loop for a tile whose positions fit in the first N (wgmma n32, n64, n96 or n128):
-    // only those positions' activations are copied and multiplied
+    // only those positions' activations are gathered and multiplied
     auto k_loop = [&](auto width) {
         constexpr int N = decltype(width)::value;
+        __syncthreads();  // the barriers' initialisation
 #pragma unroll
         for (int G = 0; G < WG_AHEAD; ++G) load_stage(G, N / 32);
         cp_async_wait<WG_AHEAD - 1>();
+        wait_stage(0);
         __syncthreads();
         dequant(0);
         for (int G = 0; G < groups; ++G) {
-            // slot G + 1 landed (this thread's copies), everyone's copies and weight stores visible;
-            // every warpgroup has retired wgmma(G - 2), so slot G + 3 (= G - 2) is free
+            // slot G + 1 landed, everyone's copies and weight stores visible; every warpgroup has
+            // retired wgmma(G - 2), so slot G + 3 (= G - 2) is free
             cp_async_wait<WG_AHEAD - 2>();
+            if (G + 1 < groups) wait_stage(G + 1);
             fence_proxy_async();
             __syncthreads();
             load_stage(G + WG_AHEAD, N / 32);

@@ -235,6 +235,27 @@ pub struct GemmArgs {
     pub pad: i32,
 }
 
+/// gemm.cu `TensorMap`: a TMA tensor map as `cuTensorMapEncodeTiled` writes it (opaque).
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct TensorMap {
+    pub opaque: [u64; 16],
+}
+
+/// gemm.cu `WgmmaArgs`: gemm_q4_wgmma's GEMM arguments and the tensor maps of its copies.
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct WgmmaArgs {
+    pub p: GemmArgs,
+    /// Activations [positions, K] bf16, box 64 x 128, 128-byte swizzle (dense launches).
+    pub x: TensorMap,
+    /// Code words [rows, K / 8], box 8 x 256 (SwiGLU: 8 x 128 of each matrix).
+    pub codes: [TensorMap; 2],
+    /// Scales and biases [rows, K / 64] bf16, box 8 x 256 (SwiGLU: 8 x 128).
+    pub scales: [TensorMap; 2],
+    pub biases: [TensorMap; 2],
+}
+
 /// gemm.cu `ReduceArgs`: the split-K reduction.
 #[repr(C)]
 #[derive(Clone, Copy, Default, Debug)]
@@ -416,6 +437,7 @@ unsafe impl DeviceRepr for TokenChoice {}
 unsafe impl DeviceRepr for SampleParams {}
 unsafe impl DeviceRepr for SampleArgs {}
 unsafe impl DeviceRepr for GemmArgs {}
+unsafe impl DeviceRepr for WgmmaArgs {}
 unsafe impl DeviceRepr for ReduceArgs {}
 unsafe impl DeviceRepr for RouteArgs {}
 unsafe impl DeviceRepr for CombineMoeArgs {}
@@ -446,6 +468,8 @@ mod tests {
         assert_eq!(std::mem::size_of::<SampleParams>(), 8 * 4 + 8);
         assert_eq!(std::mem::size_of::<SampleArgs>(), 8 * 8 + 8 + 2 * 8 + 2 * 4);
         assert_eq!(std::mem::size_of::<GemmArgs>(), 14 * 8 + 8 * 4);
+        // GemmArgs padded to the maps' 64-byte alignment, then 7 maps of 128 bytes
+        assert_eq!(std::mem::size_of::<WgmmaArgs>(), 192 + 7 * 128);
         assert_eq!(std::mem::size_of::<ReduceArgs>(), 2 * 8 + 5 * 4 + 4);
         assert_eq!(std::mem::size_of::<RouteArgs>(), 16 * 8 + 10 * 4);
         assert_eq!(std::mem::size_of::<CombineMoeArgs>(), 7 * 8 + 4 * 4);

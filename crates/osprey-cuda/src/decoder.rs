@@ -209,6 +209,10 @@ impl DevMatrix {
     fn groups_per_row(&self) -> usize {
         self.cols / self.group
     }
+    /// Rows uploaded (every expert's, for a stack).
+    fn rows(&self) -> usize {
+        self.codes.len() / self.words_per_row()
+    }
     /// Pointers to row `row0` onwards.
     fn at(&self, row0: usize, stream: &CudaStream) -> ExpertStack {
         ExpertStack {

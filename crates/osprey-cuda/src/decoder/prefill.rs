@@ -29,8 +29,10 @@ const GDN_CHUNK_OUT_SMEM_BYTES: usize =
     (64 * 132 + 128 * 136 + 64 * 68 + 2 * 64 * 136 + 3 * 64) * 4;
 
 /// gemm_q4_wgmma: 5 ring slots of (activations 128x128 bytes, codes 256x32), two buffers of 8
-/// groups' scales and biases 256x32, two dequantised weight tiles 256x128 bytes.
-const GEMM_WGMMA_SMEM_BYTES: usize = 5 * (128 * 128 + 256 * 32) + 2 * 256 * 32 + 2 * 256 * 128;
+/// groups' scales and biases 256x32, two dequantised weight tiles 256x128 bytes, an mbarrier per
+/// ring slot.
+const GEMM_WGMMA_SMEM_BYTES: usize =
+    5 * (128 * 128 + 256 * 32) + 2 * 256 * 32 + 2 * 256 * 128 + 5 * 8;
 /// Tile height / 8 of gemm_q4_wgmma (128 positions).
 const WGMMA_MT: usize = 16;
 /// Rows per expert (on average) from which the grouped gate/up GEMM runs gemm_q4_wgmma (at 64 per
@@ -229,6 +231,84 @@ struct Grouped {
     row_scale: u64,
     /// Which of the two plans.
     plan: usize,
+}
+
+/// A 2-D TMA tensor map over the row-major matrix at `base` of `dims` = [columns, rows] elements
+/// of `dtype` (bf16 or 32-bit words), copied in boxes of `boxes` = [columns, rows]; `swizzle`: the
+/// 128-byte swizzle (rows of 128 bytes, as wgmma reads them).
+fn tensor_map(
+    base: u64,
+    dtype: sys::CUtensorMapDataType,
+    dims: [usize; 2],
+    boxes: [u32; 2],
+    swizzle: bool,
+) -> Result<TensorMap> {
+    use sys::CUtensorMapDataType as T;
+    let elem_bytes = if dtype == T::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 {
+        2
+    } else {
+        4
+    };
+    let global_dims = [dims[0] as u64, dims[1] as u64];
+    let row_bytes = [(dims[0] * elem_bytes) as u64];
+    let element_strides = [1u32, 1];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+    // SAFETY: encoding only writes `map` from the arrays, which outlive the call; the device
+    // address is not touched until a kernel copies through the map
+    let r = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            dtype,
+            2,
+            base as *mut std::ffi::c_void,
+            global_dims.as_ptr(),
+            row_bytes.as_ptr(),
+            boxes.as_ptr(),
+            element_strides.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            if swizzle {
+                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B
+            } else {
+                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE
+            },
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        bail!("TMA tensor map over {dims:?} elements in boxes of {boxes:?}: {r:?}");
+    }
+    // SAFETY: written by the successful encode above
+    let map = unsafe { map.assume_init() };
+    Ok(TensorMap { opaque: map.opaque })
+}
+
+/// gemm_q4_wgmma's arguments for the launch `g` over the matrices of `w`: the tensor maps of the
+/// activations (unless gathered through `a_rows`) and, per matrix, of its codes, scales and biases
+/// from the launch's first row (a grouped launch: every expert's rows).
+fn wgmma_args(g: GemmArgs, w: &[&DevLinear], positions: usize, grouped: bool) -> Result<WgmmaArgs> {
+    use sys::CUtensorMapDataType as T;
+    let (bf16, word) = (
+        T::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        T::CU_TENSOR_MAP_DATA_TYPE_UINT32,
+    );
+    let box_rows = if g.epilogue == EPI_SWIGLU { 128 } else { 256 };
+    let k = g.k as usize;
+    let mut args = WgmmaArgs {
+        p: g,
+        ..Default::default()
+    };
+    if g.a_rows == 0 {
+        args.x = tensor_map(g.a, bf16, [k, positions], [64, 128], true)?;
+    }
+    for i in 0..2 {
+        let l = w.get(i).copied().unwrap_or(w[0]);
+        let rows = if grouped { l.m.rows() - l.row0 } else { l.rows };
+        args.codes[i] = tensor_map(g.codes[i], word, [k / 8, rows], [8, box_rows], false)?;
+        args.scales[i] = tensor_map(g.scales[i], bf16, [k / 64, rows], [8, box_rows], false)?;
+        args.biases[i] = tensor_map(g.biases[i], bf16, [k / 64, rows], [8, box_rows], false)?;
+    }
+    Ok(args)
 }
 
 /// Whether gemm_q4_wgmma takes a weight matrix: 4-bit group-64 codes, K a multiple of 512 (its
@@ -581,19 +661,21 @@ impl CudaDecoder {
             g.ldo = reduce.n;
             g.epilogue = EPI_STORE;
         }
-        self.launch(
-            func,
-            LaunchConfig {
-                grid_dim: (blocks_x as u32, blocks_y as u32, splits as u32),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: if mt == WGMMA_MT {
-                    GEMM_WGMMA_SMEM_BYTES as u32
-                } else {
-                    0
-                },
-            },
-            &g,
-        )?;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks_x as u32, blocks_y as u32, splits as u32),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        if mt == WGMMA_MT {
+            let args = wgmma_args(g, w, positions, grouped.is_some())?;
+            let cfg = LaunchConfig {
+                shared_mem_bytes: GEMM_WGMMA_SMEM_BYTES as u32,
+                ..cfg
+            };
+            self.launch(func, cfg, &args)?;
+        } else {
+            self.launch(func, cfg, &g)?;
+        }
         if splits > 1 {
             let cells = positions * w[0].rows;
             self.launch(
