@@ -128,15 +128,9 @@ __device__ __forceinline__ void dequant_row(const WeightRegs<BITS>& W, int i, in
     }
 }
 
-// The epilogues (both GEMM kernels). f32: output n at position pos stored or added into the
-// output (residual); a split-K block z writes its partial sums to slice z. EPI_SCALED (the routed
-// down projection): scaled by the position's routing weight and stored as bf16 (out_h, [M, ldo]),
-// as a bf16 model's expert output is; the combine adds a token's eight in fp32.
+// mma.sync epilogues: output n at position pos stored or added into the f32 output (residual); a
+// split-K block z writes its partial sums to slice z.
 __device__ __forceinline__ void store_result(const GemmArgs& p, int pos, int n, float v) {
-    if (p.epilogue == EPI_SCALED) {
-        p.out_h[(size_t)pos * p.ldo + n] = __float2bfloat16(v * p.row_scale[pos]);
-        return;
-    }
     float* o = p.out + (size_t)blockIdx.z * p.M * p.ldo + (size_t)pos * p.ldo + n;
     if (p.epilogue == EPI_ADD) *o += v;
     else *o = v;
@@ -374,6 +368,8 @@ GEMM_KERNEL(8, 8, 1)
 #define WG_CODE_BYTES (WG_ROWS * 32)
 #define WG_SB_BYTES (WG_ROWS * 32)
 #define WG_W_BYTES (WG_ROWS * 128)
+#define WG_OUT_STRIDE (WG_ROWS + 4)  // f32 per position of the epilogue's tile (no bank conflicts)
+#define WG_OUT_H_STRIDE (128 + 8)    // bf16 per position of the SwiGLU epilogue's tile
 
 // A TMA tensor map as cuTensorMapEncodeTiled writes it (opaque; 64-byte aligned in parameter space).
 struct __align__(64) TensorMap {
@@ -564,7 +560,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(const __grid_
     else if (width == 2) k_loop(TileWidth<64>{});
     else k_loop(TileWidth<32>{});
 
+    // epilogue through shared memory (the ring is free once every wgmma has retired): the tile as
+    // [128 positions][256 rows + 4] f32 (SwiGLU: 128 outputs, bf16 in perm64 order), then whole
+    // rows to global memory in 16-byte pieces; an added output's loads all issued before its stores
     // d[m][4j + 2h + e]: block row 128·wg + 64·m + 16·(warp % 4) + g + 8h, position 8j + 2q + e
+    __syncthreads();
+    float* tile = reinterpret_cast<float*>(wg_smem);
+    __nv_bfloat16* tile_h = reinterpret_cast<__nv_bfloat16*>(wg_smem);
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
         const int wrow = 128 * wg + 64 * m + 16 * (warp & 3) + g;
@@ -572,18 +574,72 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(const __grid_
         for (int j = 0; j < 16; ++j)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                const int pos = m0 + 8 * j + 2 * q + e;
-                if (pos >= m_end) continue;
+                const int pos = 8 * j + 2 * q + e;
                 if (swiglu) {
-                    const int n = blockIdx.x * 128 + 8 * (wrow >> 4) + g;
-                    store_swiglu(p, pos, n, d[m][4 * j + e], d[m][4 * j + 2 + e]);
+                    const int n = 8 * (wrow >> 4) + g;  // 0..127
+                    tile_h[pos * WG_OUT_H_STRIDE + perm64(n)] =
+                        __float2bfloat16(siluf(d[m][4 * j + e]) * d[m][4 * j + 2 + e]);
                     continue;
                 }
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int n = blockIdx.x * WG_ROWS + wrow + 8 * h;
-                    store_result(p, pos, n, d[m][4 * j + 2 * h + e]);
+                for (int h = 0; h < 2; ++h) tile[pos * WG_OUT_STRIDE + wrow + 8 * h] = d[m][4 * j + 2 * h + e];
+            }
+    }
+    __syncthreads();
+    const int rows_out = min(m_end - m0, WG_POS);
+    if (swiglu) {
+        // 128 bf16 = 16 pieces per position: a warp takes two positions per pass
+        const int n0 = blockIdx.x * 128;
+        for (int r = warp * 2 + (lane >> 4); r < rows_out; r += 16) {
+            const uint4 v = *reinterpret_cast<const uint4*>(tile_h + r * WG_OUT_H_STRIDE + (lane & 15) * 8);
+            *reinterpret_cast<uint4*>(p.out_h + (size_t)(m0 + r) * p.N + n0 + (lane & 15) * 8) = v;
+        }
+        return;
+    }
+    // 256 f32 = 64 pieces per position: lane l takes pieces l and l + 32 of the warp's positions
+    const int n0 = blockIdx.x * WG_ROWS;
+    constexpr int BATCH = 8;  // positions per warp and batch
+    for (int r0 = warp * BATCH; r0 < rows_out; r0 += GEMM_WARPS * BATCH) {
+        float4 v[BATCH][2];
+#pragma unroll
+        for (int b = 0; b < BATCH; ++b)
+#pragma unroll
+            for (int c = 0; c < 2; ++c)
+                v[b][c] = *reinterpret_cast<const float4*>(tile + (r0 + b) * WG_OUT_STRIDE + (lane + 32 * c) * 4);
+        if (p.epilogue == EPI_ADD) {
+            float4 o[BATCH][2];
+#pragma unroll
+            for (int b = 0; b < BATCH; ++b)
+#pragma unroll
+                for (int c = 0; c < 2; ++c)
+                    if (r0 + b < rows_out)
+                        o[b][c] = *reinterpret_cast<const float4*>(p.out + (size_t)(m0 + r0 + b) * p.ldo + n0 + (lane + 32 * c) * 4);
+#pragma unroll
+            for (int b = 0; b < BATCH; ++b)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    v[b][c].x += o[b][c].x;
+                    v[b][c].y += o[b][c].y;
+                    v[b][c].z += o[b][c].z;
+                    v[b][c].w += o[b][c].w;
+                }
+        }
+#pragma unroll
+        for (int b = 0; b < BATCH; ++b) {
+            const int pos = m0 + r0 + b;
+            if (r0 + b >= rows_out) break;
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int n = n0 + (lane + 32 * c) * 4;
+                if (p.epilogue == EPI_SCALED) {
+                    const float w = p.row_scale[pos];
+                    __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(p.out_h + (size_t)pos * p.ldo + n);
+                    o[0] = __floats2bfloat162_rn(v[b][c].x * w, v[b][c].y * w);
+                    o[1] = __floats2bfloat162_rn(v[b][c].z * w, v[b][c].w * w);
+                } else {
+                    *reinterpret_cast<float4*>(p.out + (size_t)blockIdx.z * p.M * p.ldo + (size_t)pos * p.ldo + n) = v[b][c];
                 }
             }
+        }
     }
 }
