@@ -992,10 +992,7 @@ impl CudaDecoder {
         // faster with tiles of at most 32 rows (measured at 4K: 20.2 vs 25.8 ms over 40 layers)
         let per_expert = t * k / c.num_experts;
         let (mt_up, mt_down) = if self.wgmma.grouped && per_expert >= WGMMA_FROM_ROWS_PER_EXPERT {
-            // the down projection (K = 512, 8 groups) stays on the narrow tiles: measured 20.2 vs
-            // 23.3 ms at a 4K prompt with gemm_q4_wgmma, and still 18.6 vs 22.3 with its tiles
-            // as wide as their rows (bench/results/cuda-prefill-tile-width.json)
-            (WGMMA_MT, m_tiles(per_expert).min(4))
+            (WGMMA_MT, WGMMA_MT)
         } else {
             let mt = m_tiles(per_expert);
             (mt, mt.min(4))
