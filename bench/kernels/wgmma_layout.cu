@@ -1,33 +1,27 @@
 // Where gemm_q4_wgmma's time per 64-wide K group goes: its main loop (crates/osprey-cuda/kernels/
 // gemm.cu, included) rebuilt with parts switched off, on one tile per SM (132 blocks of 256
-// threads, 256 weight rows x 128 positions, K = 2048 x `reps`), all operands L2-resident:
-//   mma      — the two warpgroups' wgmma alone (no barrier, no copies, no dequantisation);
-//   +sync    — and the per-group barrier with its proxy fence;
-//   +deq     — and the dequantisation of the next group's weights from shared memory;
-//   +copy    — and the cp.async ring (activations and codes), i.e. the production loop;
-// each with the shared-memory layouts as gemm_q4_wgmma has them (no swizzle) and with the
-// 128-byte swizzle (descriptor layout type 1; rows of 128 bytes, 8-row atoms of 1024 bytes).
+// threads, 256 weight rows x 128 positions, 512 groups each), all operands L2-resident:
+//   mma    — the two warpgroups' wgmma alone (no barrier, no copies, no dequantisation);
+//   +sync  — and the per-group barrier with its proxy fence;
+//   +deq   — and the dequantisation of the next group's weights from shared memory;
+//   +copy  — and per-thread cp.async copies (activations and codes): the loop as it was;
+//   tma    — the copies by TMA through 2-D tensor maps, activations in the 128-byte swizzle;
+//   tma-w  — TMA for the weights, cp.async for the activations (a gathered launch);
+// the first four with the activations as gemm_q4_wgmma had them (no swizzle) and swizzled.
+// Ran on the H200 at b3c9dde (bench/results/cuda-prefill-wgmma-loop-probe.json), clocks per
+// group: mma 1,137, +deq 1,662, +copy 2,866, tma 1,825, tma-w 2,106.
 // Values are random and the products are not checked: this measures time only.
 // Run on the GPU machine:  nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 \
 //     bench/kernels/wgmma_layout.cu -o /tmp/wgmma_layout && /tmp/wgmma_layout
 #include "../../crates/osprey-cuda/kernels/gemm.cu"
 #include "harness.cuh"
-#include <cuda.h>
-
-// 2-D tensor copy global -> shared (TMA), completing on `bar`; coordinates innermost first
-__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, int x, int y, uint64_t* bar) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
-                     smem_addr(dst)),
-                 "l"(map), "r"(x), "r"(y), "r"(smem_addr(bar))
-                 : "memory");
-}
 
 struct Maps {
-    CUtensorMap x, codes, scales;
+    TensorMap x, codes, scales;
 };
 
-// dequantisation with the codes as the TMA lands them: [256 rows][32 bytes]
-__device__ __forceinline__ void dequant_rowmajor(int G, int slot, const uint4* Cs, const uint4* SBs, unsigned char* Ws, int row) {
+// the dequantisation as it was with per-thread copies: codes as [slot][2 halves][256 rows] uint4
+__device__ __forceinline__ void dequant_half_major(int G, int slot, const uint4* Cs, const uint4* SBs, unsigned char* Ws, int row) {
     const uint4* sb = SBs + ((G >> 3) & 1) * 2 * WG_ROWS + row;
     const uint32_t sw = reinterpret_cast<const uint32_t*>(sb)[(G & 7) >> 1];
     const uint32_t bw = reinterpret_cast<const uint32_t*>(sb + WG_ROWS)[(G & 7) >> 1];
@@ -37,7 +31,7 @@ __device__ __forceinline__ void dequant_rowmajor(int G, int slot, const uint4* C
     unsigned char* dst = Ws + (G & 1) * WG_W_BYTES + row * 16;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const uint4 c = Cs[slot * 2 * WG_ROWS + row * 2 + h];
+        const uint4 c = Cs[(slot * 2 + h) * WG_ROWS + row];
         const uint32_t w[4] = {c.x, c.y, c.z, c.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i)
@@ -45,11 +39,6 @@ __device__ __forceinline__ void dequant_rowmajor(int G, int slot, const uint4* C
                 make_uint4(dequant_pair4(w[i], s, b), dequant_pair4(w[i] >> 4, s, b), dequant_pair4(w[i] >> 8, s, b),
                            dequant_pair4(w[i] >> 12, s, b));
     }
-}
-
-__device__ __forceinline__ uint64_t wg_desc_sw128(const void* p) {
-    const uint32_t addr = (uint32_t)__cvta_generic_to_shared(p);
-    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
 }
 
 template <bool SWZ>
@@ -153,8 +142,8 @@ __global__ void __launch_bounds__(256, 1) loop_probe(const __nv_bfloat16* a, con
         mbar_wait(&full[0], 0);
         mbar_wait(&full[1], 0);
     }
-    if (MODE >= 4) dequant_rowmajor(0, 0, Cs, SBs, Ws, tid);
-    else if (MODE >= 2) wgmma_dequant_row(0, 0, Cs, SBs, Ws, tid);
+    if (MODE >= 4) wgmma_dequant_row(0, 0, Cs, SBs, Ws, tid, tid);
+    else if (MODE >= 2) dequant_half_major(0, 0, Cs, SBs, Ws, tid);
     for (int G = 0; G < groups; ++G) {
         if (MODE >= 4 && G + 1 < groups) mbar_wait(&full[(G + 1) % WG_SLOTS], ((G + 1) / WG_SLOTS) & 1);
         if (MODE >= 1) {
@@ -167,8 +156,8 @@ __global__ void __launch_bounds__(256, 1) loop_probe(const __nv_bfloat16* a, con
         const unsigned char* X = Xs + (G % WG_SLOTS) * WG_X_BYTES;
         issue_group<SWZ>(d, W, X, G == 0);
         wgmma_wait<1>();
-        if (MODE >= 4 && G + 1 < groups) dequant_rowmajor(G + 1, (G + 1) % WG_SLOTS, Cs, SBs, Ws, tid);
-        else if (MODE >= 2 && G + 1 < groups) wgmma_dequant_row(G + 1, (G + 1) % WG_SLOTS, Cs, SBs, Ws, tid);
+        if (MODE >= 4 && G + 1 < groups) wgmma_dequant_row(G + 1, (G + 1) % WG_SLOTS, Cs, SBs, Ws, tid, tid);
+        else if (MODE >= 2 && G + 1 < groups) dequant_half_major(G + 1, (G + 1) % WG_SLOTS, Cs, SBs, Ws, tid);
     }
     wgmma_wait<0>();
     fence_accumulators(d[0]);
@@ -207,27 +196,12 @@ int main() {
     const __nv_bfloat16* sb = upload(w.scales);
     float* sink;
     CK(cudaMalloc(&sink, 256 * 4));
-    // tensor maps through the driver's entry point (no -lcuda)
-    using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
-                                const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult q;
-    CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q));
-    const Encode encode = reinterpret_cast<Encode>(fn);
     Maps maps{};
-    auto map2d = [&](CUtensorMap* m, CUtensorMapDataType t, const void* base, uint64_t inner, uint64_t outer, uint64_t row_bytes,
-                     uint32_t box_inner, uint32_t box_outer, CUtensorMapSwizzle sw) {
-        const cuuint64_t dims[2] = {inner, outer}, strides[1] = {row_bytes};
-        const cuuint32_t box[2] = {box_inner, box_outer}, estr[2] = {1, 1};
-        const CUresult r = encode(m, t, 2, const_cast<void*>(base), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE, sw,
-                                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-        if (r != CUDA_SUCCESS) { printf("encode failed %d\n", (int)r); exit(1); }
-    };
-    map2d(&maps.x, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, a, 2048, 1024, 4096, 64, 128, CU_TENSOR_MAP_SWIZZLE_128B);
-    map2d(&maps.codes, CU_TENSOR_MAP_DATA_TYPE_UINT32, codes, 256, 2048, 1024, 8, 256, CU_TENSOR_MAP_SWIZZLE_NONE);
-    map2d(&maps.scales, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, sb, 32, 2048, 64, 8, 256, CU_TENSOR_MAP_SWIZZLE_NONE);
+    tensor_map_2d(&maps.x, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, a, 2048, 1024, 2, 64, 128, true);
+    tensor_map_2d(&maps.codes, CU_TENSOR_MAP_DATA_TYPE_UINT32, codes, 256, 2048, 4, 8, 256, false);
+    tensor_map_2d(&maps.scales, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, sb, 32, 2048, 2, 8, 256, false);
     probe<false, 0>("mma", a, codes, sb, sink, maps);
+    probe<false, 1>("+sync", a, codes, sb, sink, maps);
     probe<false, 2>("+deq", a, codes, sb, sink, maps);
     probe<false, 3>("+copy", a, codes, sb, sink, maps);
     probe<true, 0>("mma", a, codes, sb, sink, maps);

@@ -19,25 +19,27 @@
 // Grid: x = column blocks, y = position tiles (dense) or tile slots of the grouped plan (route.cu
 // writes (expert, first position, end) per slot and the number used; spare slots exit).
 // Epilogues: store f32, add into f32 (residual), SwiGLU to bf16 perm64 (expert and shared
-// gate/up), store f32 times a per-row routing weight (expert down). Dense launches too small to
+// gate/up), times a per-row routing weight to bf16 (expert down, as a bf16 model's expert output is;
+// the combine adds a token's eight in fp32). Dense launches too small to
 // fill the GPU (short prompts, the router) split K over grid z into partial sums that
 // gemm_reduce adds in a fixed order.
 // Ceiling: bf16 dense mma ~790 TFLOP/s measured (gpu.md); mma.sync reaches about 2/3 of it.
-// gemm_q4_wgmma (bottom of the file) takes the launches with whole 128-position tiles: warpgroup
+// gemm_q4_wgmma (bottom of the file) takes the launches with whole 128-position tiles (dense
+// projections from 128 positions, the routed gate/up and down from 48 rows per expert): warpgroup
 // MMA from shared memory, each weight dequantised once per block into shared memory.
-// Measured (H200, 4K prompt, full-size model, 30 layers): GDN in_proj 31.0 ms (mma.sync, 200
-// TFLOP/s, ncu: tensor pipe 34% active, most stalls fixed-latency dependencies) -> 23.4 ms with
-// gemm_q4_wgmma (265 TFLOP/s; ncu: L2 63% busy, yet clusters sharing the activation tile by TMA
-// multicast changed nothing). ncu's source view (bench/results/cuda-prefill-wgmma-ncu-source.json):
-// the hot spots wait for the shared-memory pipe to accept cp.async copies and the dequantisation's
-// loads (~160 KB pass through shared memory per 64-wide K group), but taking the weight tile out of
-// shared memory did not help (below): the dequantisation between two barriers per group, with 8
-// warps per SM, is the wall (applying the scale per group after the MMA instead would save ~64
-// instructions per thread and group but cost 128 accumulator FMAs at 128 positions). Routed
-// gate/up 31.5 -> 28.0 ms, then 27.2 -> 24.2 with the MMA as wide as the tile's rows (n32..n128:
-// an expert's tail tile of a few rows no longer costs a full 128-position tile,
-// bench/results/cuda-prefill-tile-width.json); the down projection (K = 512) stays on mma.sync
-// (20.1 ms; 23.3 with wgmma, 22.3 with tile widths; 16.6 with bf16 outputs stored in pairs).
+// Measured (H200, 4K prompt, full-size model): GDN in_proj (30 layers) 31.0 ms on mma.sync (200
+// TFLOP/s) -> 23.4 ms with gemm_q4_wgmma fed by cp.async -> 22.2 with TMA copies -> 15.4 with the
+// epilogue staged through shared memory (bench/results/cuda-prefill-tma-epilogue.json). What
+// limited it, taken apart in bench/kernels/wgmma_layout.cu (the loop alone, operands in L2, clocks
+// per 64-wide K group: wgmma alone 1,137, with the dequantisation 1,662, with per-thread cp.async
+// copies 2,866, with TMA copies 1,825) and bench/kernels/gemm_wgmma.cu (the whole kernel on
+// in_proj's shape: 3,267 clocks per group and block against 2,245 on one long-K wave: each
+// block's epilogue of 128 scattered 4-byte stores per thread, all blocks of a wave at once, cost
+// ~16 us per block; staged, 2,301 clocks, 462 TFLOP/s). Routed gate/up 31.5 -> 20.1 ms over 40
+// layers (tiles as wide as their rows: n32..n128, an expert's tail tile of a few rows no longer
+// costs a full 128-position tile, bench/results/cuda-prefill-tile-width.json); the routed down
+// projection (K = 512, 8 groups a block) moved from mma.sync (16.4 ms) to gemm_q4_wgmma (12.3)
+// once the epilogue was staged.
 // Dropped: a mma.sync kernel with ldmatrix and shared-memory dequantisation (256 x 128 tiles,
 // 28.1 ms on in_proj); producer/consumer warpgroups over named barriers (15-25%
 // slower, commit 201c26b); the weights as wgmma's A operand from registers (in_proj 26.5 vs 23.9
