@@ -584,21 +584,13 @@ impl CudaDecoder {
         } else {
             None
         };
-        let splittable_f32 = epilogue == EPI_STORE || epilogue == EPI_ADD;
-        let split_instead =
-            splittable_f32 && blocks_x * positions.div_ceil(8 * fit(m_tiles(positions))) >= 16;
         let (mt, blocks_y) = match grouped {
             None if wgmma_splits.is_some() => (WGMMA_MT, wgmma_tiles),
             None => {
                 // shorter position tiles when the launch would not fill the GPU twice over (short
-                // prompts, narrow outputs such as the router): a few long blocks are latency-bound.
-                // A narrow f32 launch of at least 16 full tiles splits K instead (below): shorter
-                // tiles dequantise every weight once more per tile
+                // prompts, narrow outputs such as the router): a few long blocks are latency-bound
                 let mut mt = fit(m_tiles(positions));
-                while !split_instead
-                    && mt > 2
-                    && blocks_x * positions.div_ceil(8 * mt) < 2 * self.sms
-                {
+                while mt > 2 && blocks_x * positions.div_ceil(8 * mt) < 2 * self.sms {
                     mt = fit(mt / 2);
                 }
                 (mt, positions.div_ceil(8 * mt))
@@ -638,13 +630,15 @@ impl CudaDecoder {
         // launches of 32-128 blocks measured no better, so they keep whole K)
         let groups = m.cols / 64;
         let mut splits = wgmma_splits.unwrap_or(1);
-        let blocks = blocks_x * blocks_y;
-        let few_blocks = blocks * 8 <= self.sms;
-        // at least 16 full tiles that would not fill the GPU twice over: K split to get there
-        let narrow = split_instead && blocks < 2 * self.sms;
-        if grouped.is_none() && mt != WGMMA_MT && (few_blocks || narrow) && splittable_f32 {
-            let target = if few_blocks { self.sms } else { 2 * self.sms };
-            splits = target
+        let few_blocks = blocks_x * blocks_y * 8 <= self.sms;
+        if grouped.is_none()
+            && mt != WGMMA_MT
+            && few_blocks
+            && (epilogue == EPI_STORE || epilogue == EPI_ADD)
+        {
+            let blocks = blocks_x * blocks_y;
+            splits = self
+                .sms
                 .div_ceil(blocks.max(1))
                 .min(groups / 4)
                 .clamp(1, MAX_K_SPLITS);
