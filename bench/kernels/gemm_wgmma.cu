@@ -33,7 +33,7 @@ static void dense(const char* name, int M, int N, int K, int epilogue) {
         tensor_map_2d(&args.scales[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, w.scales, K / 64, N, 2, 8, 256, false);
         tensor_map_2d(&args.biases[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, w.biases, K / 64, N, 2, 8, 256, false);
     }
-    const int smem = 5 * (128 * 128 + 256 * 32) + 2 * 256 * 32 + 2 * 256 * 128 + 5 * 8;
+    const int smem = WG_SMEM_BYTES;
     CK(cudaFuncSetAttribute(gemm_q4_wgmma, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const dim3 grid(N / 256, (M + 127) / 128, 1);
     cudaStream_t st;

@@ -363,15 +363,17 @@ GEMM_KERNEL(8, 8, 1)
 // [z, z + 1) · K / 64 / k_splits, a whole number of 8-group scale batches, and writes partial sums.
 // Needs N % 256 == 0 (SwiGLU: % 128), K % 512 == 0, group 64.
 #define WG_POS 128
+#define WG_TAIL 32  // positions a grouped tile may take past WG_POS: an expert's last few rows
 #define WG_ROWS 256
 #define WG_SLOTS 5  // groups G - 1 (wgmma in flight), G, G + 1, G + 2, G + 3
 #define WG_AHEAD 3
-#define WG_X_BYTES (WG_POS * 128)
+#define WG_X_BYTES ((WG_POS + WG_TAIL) * 128)
 #define WG_CODE_BYTES (WG_ROWS * 32)
 #define WG_SB_BYTES (WG_ROWS * 32)
 #define WG_W_BYTES (WG_ROWS * 128)
 #define WG_OUT_STRIDE (WG_ROWS + 4)  // f32 per position of the epilogue's tile (no bank conflicts)
 #define WG_OUT_H_STRIDE (128 + 8)    // bf16 per position of the SwiGLU epilogue's tile
+#define WG_SMEM_BYTES (WG_SLOTS * (WG_X_BYTES + WG_CODE_BYTES + 8) + 2 * WG_SB_BYTES + 2 * WG_W_BYTES)
 
 // A TMA tensor map as cuTensorMapEncodeTiled writes it (opaque; 64-byte aligned in parameter space).
 struct __align__(64) TensorMap {
@@ -381,7 +383,8 @@ struct __align__(64) TensorMap {
 // gemm_q4_wgmma's parameters: the GEMM's, and the tensor maps its copies read through.
 struct WgmmaArgs {
     GemmArgs p;
-    TensorMap x;          // activations [positions, K] bf16, box 64 x 128, 128-byte swizzle (dense only)
+    TensorMap x;          // activations [positions, K] bf16, box 64 x 128, 128-byte swizzle (not gathered)
+    TensorMap x_tail;     // the same, box 64 x 32 (a grouped tile's positions past 128)
     TensorMap codes[2];   // [rows, K / 8] words, box 8 x 256 (SwiGLU: 8 x 128 of each matrix)
     TensorMap scales[2];  // [rows, K / 64] bf16, box 8 x 256 (SwiGLU: 8 x 128)
     TensorMap biases[2];
@@ -433,24 +436,35 @@ __device__ __forceinline__ void wgmma_dequant_row(int G, int slot, const uint4* 
 
 // One group (4 k16 steps) of a warpgroup's wgmma, committed as one batch: its 128 weight rows at W
 // (two m64 halves, accumulators d[0], d[1]; core-matrix layout) by the first N positions at X
-// (swizzled rows); the first group overwrites the accumulators.
-template <int N>
-__device__ __forceinline__ void wgmma_issue_group(float (&d)[2][64], const unsigned char* W, const unsigned char* X,
-                                                  bool first) {
+// (swizzled rows) and, with TAIL, positions 128..159 into t[0], t[1]; the first group overwrites
+// the accumulators.
+template <int N, bool TAIL>
+__device__ __forceinline__ void wgmma_issue_group(float (&d)[2][64], float (&t)[2][16], const unsigned char* W,
+                                                  const unsigned char* X, bool first) {
     fence_accumulators(d[0]);
     fence_accumulators(d[1]);
+    if constexpr (TAIL) {
+        fence_accumulators(t[0]);
+        fence_accumulators(t[1]);
+    }
     wgmma_fence();
 #pragma unroll
     for (int s4 = 0; s4 < 4; ++s4) {
-        const uint64_t db = wg_desc_sw128(X + 32 * s4);
+        const uint64_t db = wg_desc_sw128(X + 32 * s4), dt = wg_desc_sw128(X + WG_POS * 128 + 32 * s4);
 #pragma unroll
-        for (int m = 0; m < 2; ++m)
-            wgmma_ss<N>(d[m], wg_desc(W + 2 * s4 * (WG_ROWS * 16) + m * 64 * 16, WG_ROWS * 16, 128), db,
-                        !first || s4 > 0);
+        for (int m = 0; m < 2; ++m) {
+            const uint64_t da = wg_desc(W + 2 * s4 * (WG_ROWS * 16) + m * 64 * 16, WG_ROWS * 16, 128);
+            wgmma_ss<N>(d[m], da, db, !first || s4 > 0);
+            if constexpr (TAIL) wgmma_ss<32>(t[m], da, dt, !first || s4 > 0);
+        }
     }
     wgmma_commit();
     fence_accumulators(d[0]);
     fence_accumulators(d[1]);
+    if constexpr (TAIL) {
+        fence_accumulators(t[0]);
+        fence_accumulators(t[1]);
+    }
 }
 
 template <int N> struct TileWidth { static constexpr int value = N; };
@@ -480,22 +494,29 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(const __grid_
     const int row0 = expert * (int)p.expert_rows + (int)blockIdx.x * (swiglu ? 128 : WG_ROWS);
     const int src_row = swiglu ? ((tid & 15) >> 3) * 128 + 8 * (tid >> 4) + (tid & 7) : tid;
 
-    const __nv_bfloat16* src[4];
+    // a grouped tile holds an expert's rows from m0: up to 128, or up to 160 when the plan merged
+    // the expert's last few rows into its last tile (route_plan's tail)
+    const int rows_out = min(m_end - m0, p.tiles && m_end - m0 <= WG_POS + WG_TAIL ? WG_POS + WG_TAIL : WG_POS);
+    const bool tail = rows_out > WG_POS;
+    const __nv_bfloat16* src[5];
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
+    for (int c = 0; c < 5; ++c) {
         const int chunk = tid + 256 * c, r = chunk >> 3, pos = m0 + r;
         const bool valid = pos < m_end;
         src[c] = gather ? p.a + (size_t)(valid ? p.a_rows[pos] : 0) * p.K + (size_t)g_begin * 64 + (chunk & 7) * 8 : nullptr;
     }
-    // group G's copies into its ring slot: TMA for the weights (and a dense launch's activations),
+    // group G's copies into its ring slot: TMA for the weights (and activations not gathered),
     // cp.async for gathered activations (positions 32c.. for c < quarters)
     auto load_stage = [&](int G, int quarters) {
         if (G < groups) {
             const int slot = G % WG_SLOTS, k = g_begin + G;
             if (tid == 0) {
                 const bool sb = (G & 7) == 0;
-                mbar_arrive_expect_bytes(&landed[slot], (gather ? 0 : WG_X_BYTES) + WG_CODE_BYTES + (sb ? WG_SB_BYTES : 0));
+                const int x_bytes = gather ? 0 : (tail ? WG_POS + WG_TAIL : WG_POS) * 128;
+                mbar_arrive_expect_bytes(&landed[slot], x_bytes + WG_CODE_BYTES + (sb ? WG_SB_BYTES : 0));
                 if (!gather) tma_load_2d(Xs + slot * WG_X_BYTES, &args.x, k * 64, m0, &landed[slot]);
+                if (!gather && tail)
+                    tma_load_2d(Xs + slot * WG_X_BYTES + WG_POS * 128, &args.x_tail, k * 64, m0 + WG_POS, &landed[slot]);
                 uint4* sbs = SBs + ((G >> 3) & 1) * 2 * WG_ROWS;
                 for (int mat = 0; mat < (swiglu ? 2 : 1); ++mat) {
                     const int r = mat * 128;
@@ -508,7 +529,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(const __grid_
             }
             if (gather) {
 #pragma unroll
-                for (int c = 0; c < 4; ++c) {
+                for (int c = 0; c < 5; ++c) {
                     const int chunk = tid + 256 * c, pos = chunk >> 3;
                     if (c < quarters)
                         cp_async16(Xs + slot * WG_X_BYTES + pos * 128 + (((chunk & 7) ^ (pos & 7)) << 4), src[c] + G * 64,
@@ -523,11 +544,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(const __grid_
     auto dequant = [&](int G) { wgmma_dequant_row(G, G % WG_SLOTS, Cs, SBs, Ws, tid, src_row); };
     float d[2][64];  // the first wgmma overwrites them (no zeroing: a register written outside
                      // wgmma between them serialises the pipeline)
+    float dt[2][16];  // positions 128..159 of a tile with a tail
 
-    // the K loop for a tile whose positions fit in the first N (wgmma n32, n64, n96 or n128):
-    // only those positions' activations are gathered and multiplied
+    // the K loop for a tile whose positions fit in the first N (wgmma n32, n64, n96 or n128; 160:
+    // n128 and the tail's n32): only those positions' activations are gathered and multiplied
     auto k_loop = [&](auto width) {
         constexpr int N = decltype(width)::value;
+        constexpr bool TAIL = N > WG_POS;
         __syncthreads();  // the barriers' initialisation
 #pragma unroll
         for (int G = 0; G < WG_AHEAD; ++G) load_stage(G, N / 32);
@@ -545,7 +568,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(const __grid_
             load_stage(G + WG_AHEAD, N / 32);
             const unsigned char* W = Ws + (G & 1) * WG_W_BYTES + wg * 128 * 16;
             const unsigned char* X = Xs + (G % WG_SLOTS) * WG_X_BYTES;
-            wgmma_issue_group<N>(d, W, X, G == 0);
+            wgmma_issue_group<TAIL ? WG_POS : N, TAIL>(d, dt, W, X, G == 0);
             // wgmma(G - 1) retired: its weight buffer takes group G + 1 while wgmma(G) runs on
             wgmma_wait<1>();
             if (G + 1 < groups) dequant(G + 1);
@@ -553,11 +576,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(const __grid_
         wgmma_wait<0>();
         fence_accumulators(d[0]);
         fence_accumulators(d[1]);
+        if constexpr (TAIL) {
+            fence_accumulators(dt[0]);
+            fence_accumulators(dt[1]);
+        }
         cp_async_wait<0>();
     };
-    // a grouped tile holds an expert's rows from m0 (up to 128): its tail tile often a few
-    const int width = (min(m_end - m0, WG_POS) + 31) / 32;
-    if (width == 4) k_loop(TileWidth<128>{});
+    // an expert's last tile often holds a few rows: the MMA as wide as the tile's rows
+    const int width = (rows_out + 31) / 32;
+    if (width == 5) k_loop(TileWidth<160>{});
+    else if (width == 4) k_loop(TileWidth<128>{});
     else if (width == 3) k_loop(TileWidth<96>{});
     else if (width == 2) k_loop(TileWidth<64>{});
     else k_loop(TileWidth<32>{});
@@ -586,9 +614,23 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(const __grid_
 #pragma unroll
                 for (int h = 0; h < 2; ++h) tile[pos * WG_OUT_STRIDE + wrow + 8 * h] = d[m][4 * j + 2 * h + e];
             }
+        if (!tail) continue;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int pos = WG_POS + 8 * j + 2 * q + e;
+                if (swiglu) {
+                    const int n = 8 * (wrow >> 4) + g;
+                    tile_h[pos * WG_OUT_H_STRIDE + perm64(n)] =
+                        __float2bfloat16(siluf(dt[m][4 * j + e]) * dt[m][4 * j + 2 + e]);
+                    continue;
+                }
+#pragma unroll
+                for (int h = 0; h < 2; ++h) tile[pos * WG_OUT_STRIDE + wrow + 8 * h] = dt[m][4 * j + 2 * h + e];
+            }
     }
     __syncthreads();
-    const int rows_out = min(m_end - m0, WG_POS);
     if (swiglu) {
         // 128 bf16 = 16 pieces per position: a warp takes two positions per pass
         const int n0 = blockIdx.x * 128;

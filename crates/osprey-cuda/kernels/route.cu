@@ -3,7 +3,9 @@
 //                   renormalised when the config says so; counts rows per expert; the shared
 //                   expert gate's logit (its single weight row). One warp per token.
 //   route_plan    — one block: exclusive scan of the counts into each expert's first position, and
-//                   the GEMM tile plan (expert, first position, end) per tile of BM positions.
+//                   the GEMM tile plan (expert, first position, end) per tile of BM positions; an
+//                   expert's last rows, when at most `tail`, join its last full tile (a kernel
+//                   reads a tile's rows as min(end - first, BM + tail if end - first <= BM + tail)).
 //   route_scatter — gives every (token, slot) its position in the expert-grouped order: the A row
 //                   (token) of the position, its routing weight, and where the token finds it.
 //   moe_combine   — x[t] += Σ_slots y[position] (already weighted) + sigmoid(shared gate) · shared,
@@ -33,7 +35,8 @@ struct RouteArgs {
     const __nv_bfloat16* gate_biases;
     float* shared_gate;                // [T] its logit
     int T, E, k, renorm, bm, max_tiles;
-    int H, gate_bits, gate_group, _pad;
+    int H, gate_bits, gate_group;
+    int tail;              // route_plan: an expert's last rows, when at most this many, join its last full tile
 };
 
 // The shared expert gate's logit of token t: one weight row · the token's activations, by one warp
@@ -123,7 +126,8 @@ extern "C" __global__ void __launch_bounds__(512) route_plan(RouteArgs a) {
     __shared__ int scan_pos[MAX_E], scan_tiles[MAX_E];
     const int e = threadIdx.x;
     const int c = e < a.E ? a.counts[e] : 0;
-    const int nt = (c + a.bm - 1) / a.bm;
+    int nt = (c + a.bm - 1) / a.bm;
+    if (nt > 1 && c - (nt - 1) * a.bm <= a.tail) --nt;
     scan_pos[e] = c;
     scan_tiles[e] = nt;
     __syncthreads();

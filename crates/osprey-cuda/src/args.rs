@@ -247,8 +247,10 @@ pub struct TensorMap {
 #[derive(Clone, Copy, Default, Debug)]
 pub struct WgmmaArgs {
     pub p: GemmArgs,
-    /// Activations [positions, K] bf16, box 64 x 128, 128-byte swizzle (dense launches).
+    /// Activations [positions, K] bf16, box 64 x 128, 128-byte swizzle (not gathered).
     pub x: TensorMap,
+    /// The same with boxes of 32 positions (a grouped tile's positions past 128).
+    pub x_tail: TensorMap,
     /// Code words [rows, K / 8], box 8 x 256 (SwiGLU: 8 x 128 of each matrix).
     pub codes: [TensorMap; 2],
     /// Scales and biases [rows, K / 64] bf16, box 8 x 256 (SwiGLU: 8 x 128).
@@ -302,7 +304,8 @@ pub struct RouteArgs {
     pub h: i32,
     pub gate_bits: i32,
     pub gate_group: i32,
-    pub _pad: i32,
+    /// route_plan: an expert's last rows, when at most this many, join its last full tile.
+    pub tail: i32,
 }
 
 #[repr(C)]
@@ -468,8 +471,8 @@ mod tests {
         assert_eq!(std::mem::size_of::<SampleParams>(), 8 * 4 + 8);
         assert_eq!(std::mem::size_of::<SampleArgs>(), 8 * 8 + 8 + 2 * 8 + 2 * 4);
         assert_eq!(std::mem::size_of::<GemmArgs>(), 14 * 8 + 8 * 4);
-        // GemmArgs padded to the maps' 64-byte alignment, then 7 maps of 128 bytes
-        assert_eq!(std::mem::size_of::<WgmmaArgs>(), 192 + 7 * 128);
+        // GemmArgs padded to the maps' 64-byte alignment, then 8 maps of 128 bytes
+        assert_eq!(std::mem::size_of::<WgmmaArgs>(), 192 + 8 * 128);
         assert_eq!(std::mem::size_of::<ReduceArgs>(), 2 * 8 + 5 * 4 + 4);
         assert_eq!(std::mem::size_of::<RouteArgs>(), 16 * 8 + 10 * 4);
         assert_eq!(std::mem::size_of::<CombineMoeArgs>(), 7 * 8 + 4 * 4);

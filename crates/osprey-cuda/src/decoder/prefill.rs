@@ -28,11 +28,12 @@ const GDN_CHUNK_STATE_SMEM_BYTES: usize =
 const GDN_CHUNK_OUT_SMEM_BYTES: usize =
     (64 * 132 + 128 * 136 + 64 * 68 + 2 * 64 * 136 + 3 * 64) * 4;
 
-/// gemm_q4_wgmma: 5 ring slots of (activations 128x128 bytes, codes 256x32), two buffers of 8
-/// groups' scales and biases 256x32, two dequantised weight tiles 256x128 bytes, an mbarrier per
-/// ring slot.
-const GEMM_WGMMA_SMEM_BYTES: usize =
-    5 * (128 * 128 + 256 * 32) + 2 * 256 * 32 + 2 * 256 * 128 + 5 * 8;
+/// gemm_q4_wgmma: 5 ring slots of (activations 160x128 bytes, codes 256x32, an mbarrier), two
+/// buffers of 8 groups' scales and biases 256x32, two dequantised weight tiles 256x128 bytes.
+const GEMM_WGMMA_SMEM_BYTES: usize = 5 * (160 * 128 + 256 * 32 + 8) + 2 * 256 * 32 + 2 * 256 * 128;
+/// Positions a grouped gemm_q4_wgmma tile may take past its 128: an expert's last rows, when this
+/// few, join its last full tile instead of costing a block of their own.
+const WGMMA_TAIL: usize = 32;
 /// Tile height / 8 of gemm_q4_wgmma (128 positions).
 const WGMMA_MT: usize = 16;
 /// Rows per expert (on average) from which the grouped gate/up GEMM runs gemm_q4_wgmma (at 64 per
@@ -300,6 +301,7 @@ fn wgmma_args(g: GemmArgs, w: &[&DevLinear], positions: usize, grouped: bool) ->
     };
     if g.a_rows == 0 {
         args.x = tensor_map(g.a, bf16, [k, positions], [64, 128], true)?;
+        args.x_tail = tensor_map(g.a, bf16, [k, positions], [64, WGMMA_TAIL as u32], true)?;
     }
     for i in 0..2 {
         let l = w.get(i).copied().unwrap_or(w[0]);
@@ -1034,7 +1036,11 @@ impl CudaDecoder {
             h: h as i32,
             gate_bits: sg.m.bits as i32,
             gate_group: sg.m.group as i32,
-            _pad: 0,
+            tail: if mt_up == WGMMA_MT {
+                WGMMA_TAIL as i32
+            } else {
+                0
+            },
         };
         timed(self, events, "routing (top-k, plan, scatter)", |dd| {
             // SAFETY: `counts` holds num_experts i32 on this stream's device
@@ -1056,6 +1062,11 @@ impl CudaDecoder {
                 tiles: dd.p(&s.tiles[1]),
                 tile_count: dd.p(&s.tile_count[1]),
                 bm: (8 * mt_down) as i32,
+                tail: if mt_down == WGMMA_MT {
+                    WGMMA_TAIL as i32
+                } else {
+                    0
+                },
                 ..ra
             };
             dd.launch(&dd.pk.route_plan, launch_cfg((1, 1), 512), &down_plan)?;
