@@ -35,11 +35,11 @@
 // copies 2,866, with TMA copies 1,825) and bench/kernels/gemm_wgmma.cu (the whole kernel on
 // in_proj's shape: 3,267 clocks per group and block against 2,245 on one long-K wave: each
 // block's epilogue of 128 scattered 4-byte stores per thread, all blocks of a wave at once, cost
-// ~16 us per block; staged, 2,301 clocks, 462 TFLOP/s). Routed gate/up 31.5 -> 20.1 ms over 40
-// layers (tiles as wide as their rows: n32..n128, an expert's tail tile of a few rows no longer
-// costs a full 128-position tile, bench/results/cuda-prefill-tile-width.json); the routed down
-// projection (K = 512, 8 groups a block) moved from mma.sync (16.4 ms) to gemm_q4_wgmma (12.3)
-// once the epilogue was staged.
+// ~16 us per block; staged, 2,301 clocks, 462 TFLOP/s). Routed gate/up 31.5 -> 17.9 ms over 40
+// layers (tiles as wide as their rows: n32..n128, bench/results/cuda-prefill-tile-width.json; an
+// expert's last <= 32 rows joined to its last full tile, 20.0 -> 17.9,
+// cuda-prefill-grouped-tail.json); the routed down projection (K = 512, 8 groups a block) moved
+// from mma.sync (16.4 ms) to gemm_q4_wgmma (12.3, with the tails 11.3) once the epilogue was staged.
 // Dropped: a mma.sync kernel with ldmatrix and shared-memory dequantisation (256 x 128 tiles,
 // 28.1 ms on in_proj); producer/consumer warpgroups over named barriers (15-25%
 // slower, commit 201c26b); the weights as wgmma's A operand from registers (in_proj 26.5 vs 23.9
@@ -345,6 +345,10 @@ GEMM_KERNEL(8, 8, 1)
 // bytes, swizzled by the copy); thread 0 issues them, an mbarrier per ring slot counts their bytes.
 // Grouped launches gather their positions' activations (a_rows), which a tensor map cannot:
 // every thread copies 4 chunks of 16 bytes by cp.async into the same swizzled layout.
+// Grouped tiles hold up to 160 positions: route_plan joins an expert's last <= 32 rows to its last
+// full tile (a 4K prompt routes 128 ± 11 rows per expert: without it about half the experts spent
+// a whole block, dequantisation included, on a few rows); those 32 take a second wgmma (n32) into
+// their own accumulators, their activations a second tensor map of 32-position boxes.
 // Why TMA: per-thread cp.async copies of the same bytes cost ~1,200 of ~2,870 clocks per group
 // (bench/kernels/wgmma_layout.cu: the loop alone, operands in L2: wgmma only 1,137 clocks, with
 // the dequantisation 1,662, with cp.async copies 2,866, with TMA copies 1,825, with TMA for the

@@ -990,8 +990,9 @@ impl CudaDecoder {
                 None,
             )
         })?;
-        // tile heights from the rows per expert: gemm_q4_wgmma's 128 from 48 rows per expert (the
-        // down projection too since its epilogue is staged: 16.4 -> 12.3 ms at 4K over 40 layers);
+        // tile heights from the rows per expert: gemm_q4_wgmma's 128 (+ a tail of up to 32) from 48
+        // rows per expert (the down projection too since its epilogue is staged: 16.4 -> 12.3 ms
+        // at 4K over 40 layers, 11.3 with the tails);
         // below, mma.sync with the down projection (K = I, a short loop) on tiles of at most 32
         // rows (measured at 4K: 20.2 vs 25.8 ms over 40 layers)
         let per_expert = t * k / c.num_experts;
