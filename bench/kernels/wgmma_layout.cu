@@ -8,8 +8,9 @@
 //   tma    — the copies by TMA through 2-D tensor maps, activations in the 128-byte swizzle;
 //   tma-w  — TMA for the weights, cp.async for the activations (a gathered launch);
 // the first four with the activations as gemm_q4_wgmma had them (no swizzle) and swizzled.
-// Ran on the H200 at b3c9dde (bench/results/cuda-prefill-wgmma-loop-probe.json), clocks per
-// group: mma 1,137, +deq 1,662, +copy 2,866, tma 1,825, tma-w 2,106.
+// Ran on the H200 at b3c9dde (bench/results/cuda-prefill-wgmma-loop-probe.json; that version kept
+// the per-thread copies' codes in their own half-major layout), clocks per group: mma 1,137, +deq
+// 1,662, +copy 2,866, tma 1,825, tma-w 2,106.
 // Values are random and the products are not checked: this measures time only.
 // Run on the GPU machine:  nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 \
 //     bench/kernels/wgmma_layout.cu -o /tmp/wgmma_layout && /tmp/wgmma_layout
@@ -19,27 +20,6 @@
 struct Maps {
     TensorMap x, codes, scales;
 };
-
-// the dequantisation as it was with per-thread copies: codes as [slot][2 halves][256 rows] uint4
-__device__ __forceinline__ void dequant_half_major(int G, int slot, const uint4* Cs, const uint4* SBs, unsigned char* Ws, int row) {
-    const uint4* sb = SBs + ((G >> 3) & 1) * 2 * WG_ROWS + row;
-    const uint32_t sw = reinterpret_cast<const uint32_t*>(sb)[(G & 7) >> 1];
-    const uint32_t bw = reinterpret_cast<const uint32_t*>(sb + WG_ROWS)[(G & 7) >> 1];
-    const int hi = (G & 1) * 16;
-    const __nv_bfloat16_raw sr{(unsigned short)(sw >> hi)}, br{(unsigned short)(bw >> hi)};
-    const __nv_bfloat162 s = __bfloat162bfloat162(__nv_bfloat16(sr)), b = __bfloat162bfloat162(__nv_bfloat16(br));
-    unsigned char* dst = Ws + (G & 1) * WG_W_BYTES + row * 16;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const uint4 c = Cs[(slot * 2 + h) * WG_ROWS + row];
-        const uint32_t w[4] = {c.x, c.y, c.z, c.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-            *reinterpret_cast<uint4*>(dst + (4 * h + i) * (WG_ROWS * 16)) =
-                make_uint4(dequant_pair4(w[i], s, b), dequant_pair4(w[i] >> 4, s, b), dequant_pair4(w[i] >> 8, s, b),
-                           dequant_pair4(w[i] >> 12, s, b));
-    }
-}
 
 template <bool SWZ>
 __device__ __forceinline__ void issue_group(float (&d)[2][64], const unsigned char* W, const unsigned char* X, bool first) {
@@ -128,7 +108,7 @@ __global__ void __launch_bounds__(256, 1) loop_probe(const __nv_bfloat16* a, con
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
                 const int r = (tid >> 1) + 128 * i;
-                cp_async16(Cs + (slot * 2 + (tid & 1)) * WG_ROWS + r, crow[i] + Gk * 8, true);
+                cp_async16(Cs + (slot * WG_ROWS + r) * 2 + (tid & 1), crow[i] + Gk * 8, true);
                 if ((G & 7) == 0) cp_async16(SBs + (((G >> 3) & 1) * 2 + (tid & 1)) * WG_ROWS + r, sbrow[i] + (Gk >> 3), true);
             }
         }
@@ -142,8 +122,7 @@ __global__ void __launch_bounds__(256, 1) loop_probe(const __nv_bfloat16* a, con
         mbar_wait(&full[0], 0);
         mbar_wait(&full[1], 0);
     }
-    if (MODE >= 4) wgmma_dequant_row(0, 0, Cs, SBs, Ws, tid, tid);
-    else if (MODE >= 2) dequant_half_major(0, 0, Cs, SBs, Ws, tid);
+    if (MODE >= 2) wgmma_dequant_row(0, 0, Cs, SBs, Ws, tid, tid);
     for (int G = 0; G < groups; ++G) {
         if (MODE >= 4 && G + 1 < groups) mbar_wait(&full[(G + 1) % WG_SLOTS], ((G + 1) / WG_SLOTS) & 1);
         if (MODE >= 1) {
@@ -156,8 +135,7 @@ __global__ void __launch_bounds__(256, 1) loop_probe(const __nv_bfloat16* a, con
         const unsigned char* X = Xs + (G % WG_SLOTS) * WG_X_BYTES;
         issue_group<SWZ>(d, W, X, G == 0);
         wgmma_wait<1>();
-        if (MODE >= 4 && G + 1 < groups) wgmma_dequant_row(G + 1, (G + 1) % WG_SLOTS, Cs, SBs, Ws, tid, tid);
-        else if (MODE >= 2 && G + 1 < groups) dequant_half_major(G + 1, (G + 1) % WG_SLOTS, Cs, SBs, Ws, tid);
+        if (MODE >= 2 && G + 1 < groups) wgmma_dequant_row(G + 1, (G + 1) % WG_SLOTS, Cs, SBs, Ws, tid, tid);
     }
     wgmma_wait<0>();
     fence_accumulators(d[0]);

@@ -476,7 +476,7 @@ template <int N> struct TileWidth { static constexpr int value = N; };
 extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(const __grid_constant__ WgmmaArgs args) {
     extern __shared__ __align__(1024) unsigned char wg_smem[];
     const GemmArgs& p = args.p;
-    unsigned char* Xs = wg_smem;                                                   // [slot][128 pos][128 B], swizzled
+    unsigned char* Xs = wg_smem;                                                   // [slot][160 pos][128 B], swizzled
     uint4* Cs = reinterpret_cast<uint4*>(wg_smem + WG_SLOTS * WG_X_BYTES);         // [slot][256 rows][2 halves]
     uint4* SBs = reinterpret_cast<uint4*>(wg_smem + WG_SLOTS * (WG_X_BYTES + WG_CODE_BYTES));  // [2][scale, bias][256 rows]: 8 groups
     unsigned char* Ws = wg_smem + WG_SLOTS * (WG_X_BYTES + WG_CODE_BYTES) + 2 * WG_SB_BYTES;  // [2][8 kc][256 rows][16 B]
@@ -595,44 +595,35 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(const __grid_
     else k_loop(TileWidth<32>{});
 
     // epilogue through shared memory (the ring is free once every wgmma has retired): the tile as
-    // [128 positions][256 rows + 4] f32 (SwiGLU: 128 outputs, bf16 in perm64 order), then whole
-    // rows to global memory in 16-byte pieces; an added output's loads all issued before its stores
-    // d[m][4j + 2h + e]: block row 128·wg + 64·m + 16·(warp % 4) + g + 8h, position 8j + 2q + e
+    // [positions][256 rows + 4] f32 (SwiGLU: 128 outputs, bf16 in perm64 order), then whole rows
+    // to global memory in 16-byte pieces; an added output's loads all issued before its stores
     __syncthreads();
     float* tile = reinterpret_cast<float*>(wg_smem);
     __nv_bfloat16* tile_h = reinterpret_cast<__nv_bfloat16*>(wg_smem);
+    // accumulators e and e + 2 of block row wrow at position pos: rows wrow and wrow + 8, or
+    // SwiGLU's gate and up of one output
+    auto stage = [&](int pos, int wrow, float a0, float a1) {
+        if (swiglu) {
+            tile_h[pos * WG_OUT_H_STRIDE + perm64(8 * (wrow >> 4) + g)] = __float2bfloat16(siluf(a0) * a1);
+        } else {
+            tile[pos * WG_OUT_STRIDE + wrow] = a0;
+            tile[pos * WG_OUT_STRIDE + wrow + 8] = a1;
+        }
+    };
+    // d[m][4j + 2h + e]: block row 128·wg + 64·m + 16·(warp % 4) + g + 8h, position 8j + 2q + e
+    // (dt: position 128 + 8j + 2q + e)
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
         const int wrow = 128 * wg + 64 * m + 16 * (warp & 3) + g;
 #pragma unroll
         for (int j = 0; j < 16; ++j)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int pos = 8 * j + 2 * q + e;
-                if (swiglu) {
-                    const int n = 8 * (wrow >> 4) + g;  // 0..127
-                    tile_h[pos * WG_OUT_H_STRIDE + perm64(n)] =
-                        __float2bfloat16(siluf(d[m][4 * j + e]) * d[m][4 * j + 2 + e]);
-                    continue;
-                }
-#pragma unroll
-                for (int h = 0; h < 2; ++h) tile[pos * WG_OUT_STRIDE + wrow + 8 * h] = d[m][4 * j + 2 * h + e];
-            }
+            for (int e = 0; e < 2; ++e) stage(8 * j + 2 * q + e, wrow, d[m][4 * j + e], d[m][4 * j + 2 + e]);
         if (!tail) continue;
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int pos = WG_POS + 8 * j + 2 * q + e;
-                if (swiglu) {
-                    const int n = 8 * (wrow >> 4) + g;
-                    tile_h[pos * WG_OUT_H_STRIDE + perm64(n)] =
-                        __float2bfloat16(siluf(dt[m][4 * j + e]) * dt[m][4 * j + 2 + e]);
-                    continue;
-                }
-#pragma unroll
-                for (int h = 0; h < 2; ++h) tile[pos * WG_OUT_STRIDE + wrow + 8 * h] = dt[m][4 * j + 2 * h + e];
-            }
+            for (int e = 0; e < 2; ++e) stage(WG_POS + 8 * j + 2 * q + e, wrow, dt[m][4 * j + e], dt[m][4 * j + 2 + e]);
     }
     __syncthreads();
     if (swiglu) {
