@@ -27,11 +27,11 @@ static void dense(const char* name, int M, int N, int K, int epilogue) {
     CK(cudaMalloc(&g.out, (size_t)M * N * 4));
     CK(cudaMemset(g.out, 0, (size_t)M * N * 4));
     g.M = M; g.N = N; g.K = K; g.group = 64; g.ldo = N; g.epilogue = epilogue; g.k_splits = 1;
-    tensor_map_2d(&args.x, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, g.a, K, M, 2, 64, 128, true);
+    tensor_map(&args.x, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, g.a, {(uint64_t)K, (uint64_t)M}, {64, 128}, 2, true);
     for (int i = 0; i < 2; ++i) {
-        tensor_map_2d(&args.codes[i], CU_TENSOR_MAP_DATA_TYPE_UINT32, w.codes, K / 8, N, 4, 8, 256, false);
-        tensor_map_2d(&args.scales[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, w.scales, K / 64, N, 2, 8, 256, false);
-        tensor_map_2d(&args.biases[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, w.biases, K / 64, N, 2, 8, 256, false);
+        tensor_map(&args.codes[i], CU_TENSOR_MAP_DATA_TYPE_UINT32, w.codes, {(uint64_t)K / 8, (uint64_t)N}, {8, 256}, 4, false);
+        tensor_map(&args.scales[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, w.scales, {(uint64_t)K / 64, (uint64_t)N}, {8, 256}, 2, false);
+        tensor_map(&args.biases[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, w.biases, {(uint64_t)K / 64, (uint64_t)N}, {8, 256}, 2, false);
     }
     const int smem = WG_SMEM_BYTES;
     CK(cudaFuncSetAttribute(gemm_q4_wgmma, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));

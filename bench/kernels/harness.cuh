@@ -159,12 +159,12 @@ static double rel_rms_f(const std::vector<float>& want, const std::vector<float>
     return sqrt(num / den);
 }
 
-// A 2-D TMA tensor map over the row-major [rows, cols] matrix at `base` (elements of elem_bytes),
-// boxes of box_cols x box_rows, optionally with the 128-byte swizzle, written to `out` (the
-// kernels' 128-byte TensorMap). cuTensorMapEncodeTiled through the runtime's driver entry point,
-// so the harnesses need no -lcuda.
-static void tensor_map_2d(void* out, CUtensorMapDataType t, const void* base, uint64_t cols, uint64_t rows, uint32_t elem_bytes,
-                          uint32_t box_cols, uint32_t box_rows, bool swizzle) {
+// A TMA tensor map over the packed tensor at `base` of `dims` elements of elem_bytes (innermost
+// first, e.g. {cols, rows}), boxes of `box` elements, optionally with the 128-byte swizzle, written
+// to `out` (the kernels' 128-byte TensorMap). cuTensorMapEncodeTiled through the runtime's driver
+// entry point, so the harnesses need no -lcuda.
+static void tensor_map(void* out, CUtensorMapDataType t, const void* base, std::vector<uint64_t> dims, std::vector<uint32_t> box,
+                       uint32_t elem_bytes, bool swizzle) {
     using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
                                 const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
@@ -174,10 +174,13 @@ static void tensor_map_2d(void* out, CUtensorMapDataType t, const void* base, ui
         CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q));
         return reinterpret_cast<Encode>(fn);
     }();
+    std::vector<cuuint64_t> gdims(dims.begin(), dims.end()), strides;
+    cuuint64_t stride = elem_bytes;
+    for (size_t i = 0; i + 1 < dims.size(); ++i) strides.push_back(stride *= dims[i]);
+    std::vector<cuuint32_t> boxes(box.begin(), box.end()), element_strides(dims.size(), 1);
     CUtensorMap m;
-    const cuuint64_t dims[2] = {cols, rows}, strides[1] = {cols * elem_bytes};
-    const cuuint32_t box[2] = {box_cols, box_rows}, element_strides[2] = {1, 1};
-    const CUresult r = encode(&m, t, 2, const_cast<void*>(base), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+    const CUresult r = encode(&m, t, (cuuint32_t)dims.size(), const_cast<void*>(base), gdims.data(), strides.data(), boxes.data(),
+                              element_strides.data(), CU_TENSOR_MAP_INTERLEAVE_NONE,
                               swizzle ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS) {

@@ -175,9 +175,9 @@ int main() {
     float* sink;
     CK(cudaMalloc(&sink, 256 * 4));
     Maps maps{};
-    tensor_map_2d(&maps.x, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, a, 2048, 1024, 2, 64, 128, true);
-    tensor_map_2d(&maps.codes, CU_TENSOR_MAP_DATA_TYPE_UINT32, codes, 256, 2048, 4, 8, 256, false);
-    tensor_map_2d(&maps.scales, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, sb, 32, 2048, 2, 8, 256, false);
+    tensor_map(&maps.x, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, a, {2048, 1024}, {64, 128}, 2, true);
+    tensor_map(&maps.codes, CU_TENSOR_MAP_DATA_TYPE_UINT32, codes, {256, 2048}, {8, 256}, 4, false);
+    tensor_map(&maps.scales, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, sb, {32, 2048}, {8, 256}, 2, false);
     probe<false, 0>("mma", a, codes, sb, sink, maps);
     probe<false, 1>("+sync", a, codes, sb, sink, maps);
     probe<false, 2>("+deq", a, codes, sb, sink, maps);

@@ -263,6 +263,10 @@ extern "C" __global__ void __launch_bounds__(AWARPS * 32, 1) attn_prefill(AttnPr
 // warpgroup's diagonal are masked.
 // Shared memory: Q 128 x 256 + 2 x (K 64 x 256 + V 64 x 256) bf16 = 192 KB; K(it) and V(it) in
 // buffer it % 2, K two steps ahead, V one. Registers: O 128, S 32, P 2 x 16 per thread.
+// K comes by TMA (a 3-D tensor map over the cache [positions][KV heads][D], four boxes of 64 dims
+// x 64 keys per tile in the 128-byte swizzle, thread 0 issuing, an mbarrier per buffer); Q and V
+// by cp.async (V's MN-major core matrices, and its rows past the chunk zeroed: a masked key's P is
+// 0, but 0 times a stale NaN would not be).
 #define WG_QT 128
 #define WG_Q_BYTES (WG_QT * D * 2)
 #define WG_KV_BYTES (KT * D * 2)
@@ -272,14 +276,29 @@ extern "C" __global__ void __launch_bounds__(AWARPS * 32, 1) attn_prefill(AttnPr
 #define ATTN_V_LBO WG_V_KEY_BLOCK
 #define ATTN_V_SBO 128
 
-extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma(AttnPrefillArgs a) {
-    extern __shared__ __align__(128) unsigned char smem_wg[];
+// attn_prefill_wgmma's parameters: the attention's, and the tensor map of the K cache viewed as
+// [positions][KV heads][D] (boxes of 64 dims x 1 head x 64 keys, 128-byte swizzle).
+struct WgmmaAttnArgs {
+    AttnPrefillArgs a;
+    TensorMap k;
+};
+
+extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma(const __grid_constant__ WgmmaAttnArgs args) {
+    extern __shared__ __align__(1024) unsigned char smem_wg[];
+    const AttnPrefillArgs& a = args.a;
     unsigned char* Qs = smem_wg;                 // [32 kc][128 queries][16 B]
-    unsigned char* Ks = Qs + WG_Q_BYTES;         // [2][32 kc][64 keys][16 B]
+    unsigned char* Ks = Qs + WG_Q_BYTES;         // [2][4 dim chunks][64 keys][128 B], swizzled
     unsigned char* Vs = Ks + 2 * WG_KV_BYTES;    // [2][8 key blocks][32 dim blocks][8 keys][16 B]
+    uint64_t* k_landed = reinterpret_cast<uint64_t*>(Vs + 2 * WG_KV_BYTES);  // [buffer]
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3, wg = warp >> 2;
     const int m0 = (gridDim.x - 1 - blockIdx.x) * WG_QT, h = blockIdx.y, kvh = h / (a.hq / a.hkv);
     const int n_keys = min(a.start + m0 + WG_QT, a.start + a.T);
+    if (tid == 0) {
+        mbar_init(&k_landed[0], 1);
+        mbar_init(&k_landed[1], 1);
+        mbar_init_fence();
+    }
+    __syncthreads();
 
     // copies: lane pairs read one 32-byte sector (chunks 2i, 2i + 1 of a row), a warp 16 rows, so
     // its shared-memory writes fill four whole 128-byte lines
@@ -288,15 +307,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma(AttnPref
         const bool ok = m0 + r < a.T;
         cp_async16(Qs + kc * (WG_QT * 16) + r * 16, a.q + ((size_t)(ok ? m0 + r : 0) * a.hq + h) * D + kc * 8, ok);
     }
-    // 64 keys from k0 of the KV head into K's layout, or V's (MN-major)
-    auto load_rows = [&](unsigned char* dst, int k0, bool values) {
-        const __nv_bfloat16* src = values ? a.v_cache : a.k_cache;
+    // 64 values from k0 of the KV head into V's layout (MN-major), rows past the chunk zeroed
+    auto load_values = [&](unsigned char* dst, int k0) {
         for (int c = tid; c < KT * D / 8; c += 256) {
             const int pair = c >> 1, r = pair % KT, kc = 2 * (pair / KT) + (c & 1);
             const bool ok = k0 + r < n_keys;
             const size_t at = ((size_t)(ok ? k0 + r : 0) * a.hkv + kvh) * D + kc * 8;
-            const int to = values ? (r >> 3) * WG_V_KEY_BLOCK + kc * 128 + (r & 7) * 16 : kc * (KT * 16) + r * 16;
-            cp_async16(dst + to, src + at, ok);
+            cp_async16(dst + (r >> 3) * WG_V_KEY_BLOCK + kc * 128 + (r & 7) * 16, a.v_cache + at, ok);
         }
     };
     // this thread's query rows (block rows row_a and row_a + 8) and its warpgroup's first position
@@ -309,14 +326,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma(AttnPref
     for (int i = 0; i < 128; ++i) o[i] = 0.f;
     RowPairSoftmax rows;
 
-    // S(it) = Q K(it)ᵀ into s: s[4j + 2h + e] is row row_a + 8h, key 64·it + 8j + 2q + e
+    // S(it) = Q K(it)ᵀ into s: s[4j + 2h + e] is row row_a + 8h, key 64·it + 8j + 2q + e; K(it)
+    // waited for first (its TMA copies land on the buffer's mbarrier)
     auto issue_scores = [&](float (&s)[32], int it) {
         const unsigned char* Kb = Ks + (it & 1) * WG_KV_BYTES;
+        mbar_wait(&k_landed[it & 1], (it >> 1) & 1);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk)
             wgmma_m64n64k16_ss(s, wg_desc(Qs + 2 * kk * (WG_QT * 16) + wg * 64 * 16, WG_QT * 16, 128),
-                               wg_desc(Kb + 2 * kk * (KT * 16), KT * 16, 128), kk > 0);
+                               wg_desc_sw128(Kb + (kk >> 2) * (KT * 128) + (kk & 3) * 32), kk > 0);
         wgmma_commit();
     };
     // O += P(it) V(it)
@@ -358,8 +377,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma(AttnPref
     };
     // K(it) and V(it) go to buffer it % 2: K(it) once S(it - 2) is done, V(it) once P(it - 2) V(it - 2)
     // is, both known at the barrier ending step it - 2 (K) or it - 1 (V)
-    auto load_k = [&](int it) { load_rows(Ks + (it & 1) * WG_KV_BYTES, it * KT, false); };
-    auto load_v = [&](int it) { load_rows(Vs + (it & 1) * WG_KV_BYTES, it * KT, true); };
+    auto load_k = [&](int it) {
+        if (tid != 0) return;
+        unsigned char* dst = Ks + (it & 1) * WG_KV_BYTES;
+        mbar_arrive_expect_bytes(&k_landed[it & 1], WG_KV_BYTES);
+        for (int c = 0; c < D / 64; ++c) tma_load_3d(dst + c * (KT * 128), &args.k, 64 * c, kvh, it * KT, &k_landed[it & 1]);
+    };
+    auto load_v = [&](int it) { load_values(Vs + (it & 1) * WG_KV_BYTES, it * KT); };
     // every thread's copies landed and visible to the tensor cores; every warpgroup's wgmma retired
     auto tile_barrier = [&] {
         cp_async_wait<0>();

@@ -379,11 +379,6 @@ GEMM_KERNEL(8, 8, 1)
 #define WG_OUT_H_STRIDE (128 + 8)    // bf16 per position of the SwiGLU epilogue's tile
 #define WG_SMEM_BYTES (WG_SLOTS * (WG_X_BYTES + WG_CODE_BYTES + 8) + 2 * WG_SB_BYTES + 2 * WG_W_BYTES)
 
-// A TMA tensor map as cuTensorMapEncodeTiled writes it (opaque; 64-byte aligned in parameter space).
-struct __align__(64) TensorMap {
-    unsigned long long opaque[16];
-};
-
 // gemm_q4_wgmma's parameters: the GEMM's, and the tensor maps its copies read through.
 struct WgmmaArgs {
     GemmArgs p;
@@ -393,22 +388,6 @@ struct WgmmaArgs {
     TensorMap scales[2];  // [rows, K / 64] bf16, box 8 x 256 (SwiGLU: 8 x 128)
     TensorMap biases[2];
 };
-
-// 2-D tensor copy global -> shared through `map` at element coordinates (x innermost, y), its bytes
-// counted on `bar`
-__device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap* map, int x, int y, uint64_t* bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
-            smem_addr(dst)),
-        "l"(map), "r"(x), "r"(y), "r"(smem_addr(bar))
-        : "memory");
-}
-
-// wgmma descriptor of a K-major operand in rows of 128 bytes with the 128-byte swizzle: 8-row
-// groups 1,024 bytes apart (the leading byte offset is unused in this mode)
-__device__ __forceinline__ uint64_t wg_desc_sw128(const void* p) {
-    return wg_desc(p, 16, 1024) | ((uint64_t)1 << 62);
-}
 
 // gemm_q4_wgmma's dequantisation: group G of block row `row` into weight buffer G % 2 (K-major
 // core-matrix layout, perm64 order), from the row `src` of the copies: code words in ring slot

@@ -1,7 +1,7 @@
-// Warpgroup MMA (wgmma) for the prefill kernels: shared-memory matrix descriptors without
-// swizzle, the accumulator fence, and the instruction shapes used (bf16 inputs, fp32
-// accumulators; the operand lists are written out because inline PTX needs one operand per
-// register).
+// Warpgroup MMA (wgmma) for the prefill kernels: shared-memory matrix descriptors (without
+// swizzle, and K-major with the 128-byte swizzle), the TMA tensor copies that feed them, the
+// accumulator fence, and the instruction shapes used (bf16 inputs, fp32 accumulators; the operand
+// lists are written out because inline PTX needs one operand per register).
 // Layouts (no swizzle, "core matrices" of 8 rows x 16 bytes, 128 contiguous bytes):
 //   K-major (A or B; 8 consecutive K values per 16 bytes): LBO = bytes between core matrices
 //   along K, SBO = bytes between 8-row groups along M or N.
@@ -11,10 +11,41 @@
 //   and faults with them swapped; bench/kernels/attn_prefill.cu).
 #pragma once
 #include <cstdint>
+#include "common.cuh"
 
 __device__ __forceinline__ uint64_t wg_desc(const void* p, uint32_t lbo, uint32_t sbo) {
     const uint32_t addr = (uint32_t)__cvta_generic_to_shared(p);
     return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32);
+}
+
+// wgmma descriptor of a K-major operand in rows of 128 bytes with the 128-byte swizzle (as TMA
+// writes it: 16-byte chunk c of row r at r · 128 + (c ^ r % 8) · 16, 1,024-byte aligned): 8-row
+// groups 1,024 bytes apart (the leading byte offset is unused in this mode)
+__device__ __forceinline__ uint64_t wg_desc_sw128(const void* p) {
+    return wg_desc(p, 16, 1024) | ((uint64_t)1 << 62);
+}
+
+// ---- TMA tensor copies (cp.async.bulk.tensor) into shared memory behind an mbarrier ----
+// A tensor map as cuTensorMapEncodeTiled writes it (opaque; 64-byte aligned in parameter space).
+struct __align__(64) TensorMap {
+    unsigned long long opaque[16];
+};
+
+// tensor copies global -> shared through `map` at element coordinates (x innermost), their bytes
+// counted on `bar`
+__device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap* map, int x, int y, uint64_t* bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+            smem_addr(dst)),
+        "l"(map), "r"(x), "r"(y), "r"(smem_addr(bar))
+        : "memory");
+}
+__device__ __forceinline__ void tma_load_3d(void* dst, const TensorMap* map, int x, int y, int z, uint64_t* bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(
+            smem_addr(dst)),
+        "l"(map), "r"(x), "r"(y), "r"(z), "r"(smem_addr(bar))
+        : "memory");
 }
 
 // keeps the compiler from moving accumulator registers across the asynchronous wgmma (a copy while

@@ -13,8 +13,9 @@ use crate::args::*;
 
 /// Flash-attention tiles: shared memory Q 128x264 + 2 x (K 64x264 + V 64x264) bf16.
 const ATTN_SMEM_BYTES: usize = (128 + 4 * 64) * 264 * 2;
-/// attn_prefill_wgmma: Q 128x256 + 2 x (K 64x256 + V 64x256) bf16, unpadded core matrices.
-const ATTN_WGMMA_SMEM_BYTES: usize = (128 + 4 * 64) * 256 * 2;
+/// attn_prefill_wgmma: Q 128x256 + 2 x (K 64x256 + V 64x256) bf16, unpadded, and K's two
+/// mbarriers.
+const ATTN_WGMMA_SMEM_BYTES: usize = (128 + 4 * 64) * 256 * 2 + 2 * 8;
 const ATTN_QUERY_TILE: usize = 128;
 /// Tokens per chunk of the chunked GDN form, and its kernels' shared memory (f32; the row strides
 /// 132, 136, 68 and 40 of gdn_prefill.cu).
@@ -234,14 +235,14 @@ struct Grouped {
     plan: usize,
 }
 
-/// A 2-D TMA tensor map over the row-major matrix at `base` of `dims` = [columns, rows] elements
-/// of `dtype` (bf16 or 32-bit words), copied in boxes of `boxes` = [columns, rows]; `swizzle`: the
-/// 128-byte swizzle (rows of 128 bytes, as wgmma reads them).
-fn tensor_map(
+/// A TMA tensor map over the packed tensor at `base` of `dims` elements of `dtype` (bf16 or
+/// 32-bit words; innermost first, e.g. [columns, rows]), copied in boxes of `boxes` elements;
+/// `swizzle`: the 128-byte swizzle (rows of 128 bytes, as wgmma reads them).
+fn tensor_map<const R: usize>(
     base: u64,
     dtype: sys::CUtensorMapDataType,
-    dims: [usize; 2],
-    boxes: [u32; 2],
+    dims: [usize; R],
+    boxes: [u32; R],
     swizzle: bool,
 ) -> Result<TensorMap> {
     use sys::CUtensorMapDataType as T;
@@ -250,9 +251,15 @@ fn tensor_map(
     } else {
         4
     };
-    let global_dims = [dims[0] as u64, dims[1] as u64];
-    let row_bytes = [(dims[0] * elem_bytes) as u64];
-    let element_strides = [1u32, 1];
+    let global_dims = dims.map(|d| d as u64);
+    // bytes between consecutive indices of each outer dimension
+    let mut strides = [0u64; R];
+    let mut stride = elem_bytes as u64;
+    for i in 1..R {
+        stride *= dims[i - 1] as u64;
+        strides[i - 1] = stride;
+    }
+    let element_strides = [1u32; R];
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
     // SAFETY: encoding only writes `map` from the arrays, which outlive the call; the device
     // address is not touched until a kernel copies through the map
@@ -260,10 +267,10 @@ fn tensor_map(
         sys::cuTensorMapEncodeTiled(
             map.as_mut_ptr(),
             dtype,
-            2,
+            R as u32,
             base as *mut std::ffi::c_void,
             global_dims.as_ptr(),
-            row_bytes.as_ptr(),
+            strides.as_ptr(),
             boxes.as_ptr(),
             element_strides.as_ptr(),
             sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
@@ -912,22 +919,33 @@ impl CudaDecoder {
                         hq: hq as i32,
                         hkv: hkv as i32,
                     };
-                    let (attn, attn_smem) = if self.wgmma.attention {
-                        (&self.pk.attn_prefill_wgmma, ATTN_WGMMA_SMEM_BYTES)
-                    } else {
-                        (&self.pk.attn_prefill, ATTN_SMEM_BYTES)
+                    let cfg = LaunchConfig {
+                        grid_dim: (t.div_ceil(ATTN_QUERY_TILE) as u32, hq as u32, 1),
+                        block_dim: (256, 1, 1),
+                        shared_mem_bytes: ATTN_SMEM_BYTES as u32,
                     };
                     timed(self, events, "attn flash prefill + gate", |dd| {
-                        dd.launch(
-                            attn,
-                            LaunchConfig {
-                                grid_dim: (t.div_ceil(ATTN_QUERY_TILE) as u32, hq as u32, 1),
-                                block_dim: (256, 1, 1),
-                                shared_mem_bytes: attn_smem as u32,
-                            },
-                            &fa,
-                        )?;
-                        Ok(())
+                        if dd.wgmma.attention {
+                            // the K cache as [positions][KV heads][D]
+                            let positions = k_cache.len() / (hkv * d);
+                            let args = WgmmaAttnArgs {
+                                a: fa,
+                                k: tensor_map(
+                                    fa.k_cache,
+                                    sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                                    [d, hkv, positions],
+                                    [64, 1, 64],
+                                    true,
+                                )?,
+                            };
+                            let cfg = LaunchConfig {
+                                shared_mem_bytes: ATTN_WGMMA_SMEM_BYTES as u32,
+                                ..cfg
+                            };
+                            dd.launch(&dd.pk.attn_prefill_wgmma, cfg, &args)
+                        } else {
+                            dd.launch(&dd.pk.attn_prefill, cfg, &fa)
+                        }
                     })?;
                     timed(self, events, "gemm attn o_proj + residual", |dd| {
                         dd.norm_to_bf16(dd.p(&s.mixed), 0, hq * d, hq * d, t, act)?;
