@@ -19,7 +19,7 @@ static std::vector<__nv_bfloat16> random_bf16(size_t n, float unit, unsigned see
 
 int main() {
     const int hq = 16, hkv = 2;
-    const size_t smem_mma = (QT + 4 * KT) * QK_STRIDE * 2, smem_wg = WG_Q_BYTES + 4 * WG_KV_BYTES + 16;
+    const size_t smem_mma = (QT + 4 * KT) * QK_STRIDE * 2, smem_wg = WG_Q_BYTES + 4 * WG_KV_BYTES + 32;
     CK(cudaFuncSetAttribute(attn_prefill, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_mma));
     CK(cudaFuncSetAttribute(attn_prefill_wgmma, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_wg));
     struct Case { int T, start; };
@@ -41,9 +41,10 @@ int main() {
         CK(cudaMalloc(&out_mma, out_n * 4));
         CK(cudaMalloc(&out_wg, out_n * 4));
         AttnPrefillArgs a{q, kc, vc, qg, out_mma, 1.4426950408889634f / 16.f, c.T, c.start, hq, hkv};
-        WgmmaAttnArgs b{a, {}};
+        WgmmaAttnArgs b{a, {}, {}};
         b.a.out = out_wg;
         tensor_map(&b.k, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, kc, {D, (uint64_t)hkv, positions}, {64, 1, 64}, 2, true);
+        tensor_map(&b.v, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, vc, {D, (uint64_t)hkv, positions}, {64, 1, 64}, 2, true);
         const dim3 grid((c.T + QT - 1) / QT, hq);
         auto run_mma = [&] { attn_prefill<<<grid, 256, smem_mma>>>(a); };
         auto run_wg = [&] { attn_prefill_wgmma<<<grid, 256, smem_wg>>>(b); };

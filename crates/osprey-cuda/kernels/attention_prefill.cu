@@ -249,13 +249,13 @@ extern "C" __global__ void __launch_bounds__(AWARPS * 32, 1) attn_prefill(AttnPr
 
 // ---- attn_prefill_wgmma: the same attention on warpgroup MMA ------------------------------------
 // Block = 2 warpgroups x 64 queries of one query head (128 queries, like attn_prefill), keys in
-// tiles of 64, double-buffered with cp.async. Per tile and warpgroup: S = Q·Kᵀ as 16 wgmma
-// m64n64k16 with Q and K from shared memory (K-major core matrices: 16-byte column chunk kc of row
-// r at kc·rows·16 + r·16), the online softmax on S in registers (each warp holds its 16 rows in the
-// m16n8 accumulator layout), then O += P·V as 4 wgmma m64n256k16 with P from registers (the
-// accumulator layout is the A-fragment layout of the same rows) and V from shared memory MN-major
-// (8 consecutive head dims of one key per 16 bytes, core matrices of 8 keys x 8 dims, 128 bytes;
-// dim block nb of key block kb at kb·D·16 + nb·128). The mma.sync kernel above reads every K and V
+// tiles of 64, double-buffered. Per tile and warpgroup: S = Q·Kᵀ as 16 wgmma m64n64k16 with Q and
+// K from shared memory (Q in K-major core matrices: 16-byte column chunk kc of row r at
+// kc·rows·16 + r·16; K as four 64-dim chunks of 64 keys x 128 bytes in the 128-byte swizzle), the
+// online softmax on S in registers (each warp holds its 16 rows in the m16n8 accumulator layout),
+// then O += P·V as 4 wgmma m64n256k16 with P from registers (the accumulator layout is the
+// A-fragment layout of the same rows) and V from shared memory MN-major (the same four swizzled
+// 64-dim chunks as K, read transposed). The mma.sync kernel above reads every K and V
 // tile once per warp of 16 queries through ldmatrix; here the tensor cores read them once per
 // warpgroup of 64 queries. Step it issues S(it) and P(it - 1)·V(it - 1) together and computes the
 // softmax of S(it) while the second runs (O is rescaled after it lands; P double-buffered in
@@ -265,24 +265,26 @@ extern "C" __global__ void __launch_bounds__(AWARPS * 32, 1) attn_prefill(AttnPr
 // warpgroup's diagonal are masked.
 // Shared memory: Q 128 x 256 + 2 x (K 64 x 256 + V 64 x 256) bf16 = 192 KB; K(it) and V(it) in
 // buffer it % 2, K two steps ahead, V one. Registers: O 128, S 32, P 2 x 16 per thread.
-// K comes by TMA (a 3-D tensor map over the cache [positions][KV heads][D], four boxes of 64 dims
-// x 64 keys per tile in the 128-byte swizzle, thread 0 issuing, an mbarrier per buffer); Q and V
-// by cp.async (V's MN-major core matrices, and its rows past the chunk zeroed: a masked key's P is
-// 0, but 0 times a stale NaN would not be).
+// K and V come by TMA (3-D tensor maps over the caches [positions][KV heads][D], four boxes of 64
+// dims x 64 keys per tile in the 128-byte swizzle, thread 0 issuing, an mbarrier per buffer; keys
+// past the chunk lie outside the maps and read as zeros: a masked key's P is 0, but 0 times a
+// stale NaN would not be), Q by cp.async.
 #define WG_QT 128
 #define WG_Q_BYTES (WG_QT * D * 2)
 #define WG_KV_BYTES (KT * D * 2)
-#define WG_V_KEY_BLOCK (D * 16)  // bytes between 8-key blocks of V
-// V's descriptor (MN-major): LBO between the two 8-key blocks of a k16 step, SBO between 8-dim
-// blocks (the roles swapped fault on the H200: wgmma.cuh)
-#define ATTN_V_LBO WG_V_KEY_BLOCK
-#define ATTN_V_SBO 128
+// V's descriptor (MN-major, 128-byte swizzle: 64-dim rows of 128 bytes, 8 keys per 1,024-byte
+// atom): LBO between the 64-dim chunks, SBO between 8-key groups
+#ifndef ATTN_V_LBO
+#define ATTN_V_LBO (KT * 128)
+#define ATTN_V_SBO 1024
+#endif
 
-// attn_prefill_wgmma's parameters: the attention's, and the tensor map of the K cache viewed as
-// [positions][KV heads][D] (boxes of 64 dims x 1 head x 64 keys, 128-byte swizzle).
+// attn_prefill_wgmma's parameters: the attention's, and the tensor maps of the K and V caches
+// viewed as [start + T positions][KV heads][D] (boxes of 64 dims x 1 head x 64 keys, 128-byte
+// swizzle; keys past the chunk read as zeros).
 struct WgmmaAttnArgs {
     AttnPrefillArgs a;
-    TensorMap k;
+    TensorMap k, v;
 };
 
 extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma(const __grid_constant__ WgmmaAttnArgs args) {
@@ -290,14 +292,17 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma(const __
     const AttnPrefillArgs& a = args.a;
     unsigned char* Qs = smem_wg;                 // [32 kc][128 queries][16 B]
     unsigned char* Ks = Qs + WG_Q_BYTES;         // [2][4 dim chunks][64 keys][128 B], swizzled
-    unsigned char* Vs = Ks + 2 * WG_KV_BYTES;    // [2][8 key blocks][32 dim blocks][8 keys][16 B]
+    unsigned char* Vs = Ks + 2 * WG_KV_BYTES;    // [2][4 dim chunks][64 keys][128 B], swizzled
     uint64_t* k_landed = reinterpret_cast<uint64_t*>(Vs + 2 * WG_KV_BYTES);  // [buffer]
+    uint64_t* v_landed = k_landed + 2;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3, wg = warp >> 2;
     const int m0 = (gridDim.x - 1 - blockIdx.x) * WG_QT, h = blockIdx.y, kvh = h / (a.hq / a.hkv);
     const int n_keys = min(a.start + m0 + WG_QT, a.start + a.T);
     if (tid == 0) {
-        mbar_init(&k_landed[0], 1);
-        mbar_init(&k_landed[1], 1);
+        for (int i = 0; i < 2; ++i) {
+            mbar_init(&k_landed[i], 1);
+            mbar_init(&v_landed[i], 1);
+        }
         mbar_init_fence();
     }
     __syncthreads();
@@ -309,15 +314,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma(const __
         const bool ok = m0 + r < a.T;
         cp_async16(Qs + kc * (WG_QT * 16) + r * 16, a.q + ((size_t)(ok ? m0 + r : 0) * a.hq + h) * D + kc * 8, ok);
     }
-    // 64 values from k0 of the KV head into V's layout (MN-major), rows past the chunk zeroed
-    auto load_values = [&](unsigned char* dst, int k0) {
-        for (int c = tid; c < KT * D / 8; c += 256) {
-            const int pair = c >> 1, r = pair % KT, kc = 2 * (pair / KT) + (c & 1);
-            const bool ok = k0 + r < n_keys;
-            const size_t at = ((size_t)(ok ? k0 + r : 0) * a.hkv + kvh) * D + kc * 8;
-            cp_async16(dst + (r >> 3) * WG_V_KEY_BLOCK + kc * 128 + (r & 7) * 16, a.v_cache + at, ok);
-        }
-    };
     // this thread's query rows (block rows row_a and row_a + 8) and its warpgroup's first position
     const int row_a = 64 * wg + 16 * (warp & 3) + g;
     const int qpos_a = a.start + m0 + row_a, qpos_b = qpos_a + 8;
@@ -343,10 +339,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma(const __
     // O += P(it) V(it)
     auto issue_values = [&](const uint32_t (&pf)[KT / 16][4], int it) {
         const unsigned char* Vb = Vs + (it & 1) * WG_KV_BYTES;
+        mbar_wait(&v_landed[it & 1], (it >> 1) & 1);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < KT / 16; ++kk)
-            wgmma_m64n256k16_rs_tb(o, pf[kk], wg_desc(Vb + 2 * kk * WG_V_KEY_BLOCK, ATTN_V_LBO, ATTN_V_SBO));
+            wgmma_m64n256k16_rs_tb(o, pf[kk], wg_desc(Vb + kk * 16 * 128, ATTN_V_LBO, ATTN_V_SBO) | ((uint64_t)1 << 62));
         wgmma_commit();
     };
     // the online softmax of S(it): running maxima and sums updated, P(it) as the A fragments of
@@ -379,13 +376,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma(const __
     };
     // K(it) and V(it) go to buffer it % 2: K(it) once S(it - 2) is done, V(it) once P(it - 2) V(it - 2)
     // is, both known at the barrier ending step it - 2 (K) or it - 1 (V)
-    auto load_k = [&](int it) {
+    // 64 keys' K or V rows from key 64·it of the KV head: four boxes of 64 dims into buffer it % 2
+    auto load_tile = [&](unsigned char* buffers, const TensorMap* map, uint64_t* landed, int it) {
         if (tid != 0) return;
-        unsigned char* dst = Ks + (it & 1) * WG_KV_BYTES;
-        mbar_arrive_expect_bytes(&k_landed[it & 1], WG_KV_BYTES);
-        for (int c = 0; c < D / 64; ++c) tma_load_3d(dst + c * (KT * 128), &args.k, 64 * c, kvh, it * KT, &k_landed[it & 1]);
+        unsigned char* dst = buffers + (it & 1) * WG_KV_BYTES;
+        mbar_arrive_expect_bytes(&landed[it & 1], WG_KV_BYTES);
+        for (int c = 0; c < D / 64; ++c) tma_load_3d(dst + c * (KT * 128), map, 64 * c, kvh, it * KT, &landed[it & 1]);
     };
-    auto load_v = [&](int it) { load_values(Vs + (it & 1) * WG_KV_BYTES, it * KT); };
+    auto load_k = [&](int it) { load_tile(Ks, &args.k, k_landed, it); };
+    auto load_v = [&](int it) { load_tile(Vs, &args.v, v_landed, it); };
     // every thread's copies landed and visible to the tensor cores; every warpgroup's wgmma retired
     auto tile_barrier = [&] {
         cp_async_wait<0>();

@@ -427,13 +427,15 @@ pub struct AttnPrefillArgs {
     pub hkv: i32,
 }
 
-/// attention_prefill.cu `WgmmaAttnArgs`: attn_prefill_wgmma's arguments and the tensor map of its
-/// K cache ([positions][KV heads][D], boxes of 64 dims x 1 head x 64 keys, 128-byte swizzle).
+/// attention_prefill.cu `WgmmaAttnArgs`: attn_prefill_wgmma's arguments and the tensor maps of its
+/// K and V caches ([start + T positions][KV heads][D], boxes of 64 dims x 1 head x 64 keys,
+/// 128-byte swizzle).
 #[repr(C)]
 #[derive(Clone, Copy, Default, Debug)]
 pub struct WgmmaAttnArgs {
     pub a: AttnPrefillArgs,
     pub k: TensorMap,
+    pub v: TensorMap,
 }
 
 // SAFETY: plain-old-data with the C layout of the matching kernel structs.
@@ -492,6 +494,6 @@ mod tests {
         assert_eq!(std::mem::size_of::<AttnPrepRowsArgs>(), 8 * 8 + 6 * 4);
         assert_eq!(std::mem::size_of::<GdnChunkArgs>(), 11 * 8 + 5 * 4 + 4);
         assert_eq!(std::mem::size_of::<AttnPrefillArgs>(), 5 * 8 + 5 * 4 + 4);
-        assert_eq!(std::mem::size_of::<WgmmaAttnArgs>(), 64 + 128);
+        assert_eq!(std::mem::size_of::<WgmmaAttnArgs>(), 64 + 2 * 128);
     }
 }

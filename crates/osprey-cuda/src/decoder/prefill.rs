@@ -13,9 +13,9 @@ use crate::args::*;
 
 /// Flash-attention tiles: shared memory Q 128x264 + 2 x (K 64x264 + V 64x264) bf16.
 const ATTN_SMEM_BYTES: usize = (128 + 4 * 64) * 264 * 2;
-/// attn_prefill_wgmma: Q 128x256 + 2 x (K 64x256 + V 64x256) bf16, unpadded, and K's two
-/// mbarriers.
-const ATTN_WGMMA_SMEM_BYTES: usize = (128 + 4 * 64) * 256 * 2 + 2 * 8;
+/// attn_prefill_wgmma: Q 128x256 + 2 x (K 64x256 + V 64x256) bf16, unpadded, and the K and V
+/// buffers' mbarriers.
+const ATTN_WGMMA_SMEM_BYTES: usize = (128 + 4 * 64) * 256 * 2 + 4 * 8;
 const ATTN_QUERY_TILE: usize = 128;
 /// Tokens per chunk of the chunked GDN form, and its kernels' shared memory (f32; the row strides
 /// 132, 136, 68 and 40 of gdn_prefill.cu).
@@ -926,17 +926,21 @@ impl CudaDecoder {
                     };
                     timed(self, events, "attn flash prefill + gate", |dd| {
                         if dd.wgmma.attention {
-                            // the K cache as [positions][KV heads][D]
-                            let positions = k_cache.len() / (hkv * d);
-                            let args = WgmmaAttnArgs {
-                                a: fa,
-                                k: tensor_map(
-                                    fa.k_cache,
+                            // the caches as [positions][KV heads][D], up to the chunk's end (the
+                            // keys past it read as zeros)
+                            let cache_map = |base: u64| {
+                                tensor_map(
+                                    base,
                                     sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                                    [d, hkv, positions],
+                                    [d, hkv, start + t],
                                     [64, 1, 64],
                                     true,
-                                )?,
+                                )
+                            };
+                            let args = WgmmaAttnArgs {
+                                a: fa,
+                                k: cache_map(fa.k_cache)?,
+                                v: cache_map(fa.v_cache)?,
                             };
                             let cfg = LaunchConfig {
                                 shared_mem_bytes: ATTN_WGMMA_SMEM_BYTES as u32,
