@@ -9,6 +9,11 @@
 //   LBO = bytes between core matrices along K, SBO = bytes between 8-column groups along N
 //   (checked on the H200: attn_prefill_wgmma matches attn_prefill bit for bit with these roles,
 //   and faults with them swapped; bench/kernels/attn_prefill.cu).
+// Layouts with the 128-byte swizzle (rows of 128 bytes, 8-row atoms of 1,024 bytes, as TMA writes
+// them): K-major, wg_desc_sw128 below (k16 steps advance the start by 32 bytes); MN-major (V in
+// attn_prefill_wgmma, 64 N values per row, K down the rows): LBO = bytes between 64-wide N
+// chunks, SBO = bytes between 8-row K groups (checked on the H200: bit-identical to attn_prefill;
+// with the roles swapped, wrong).
 #pragma once
 #include <cstdint>
 #include "common.cuh"

@@ -235,7 +235,7 @@ pub struct GemmArgs {
     pub pad: i32,
 }
 
-/// gemm.cu `TensorMap`: a TMA tensor map as `cuTensorMapEncodeTiled` writes it (opaque).
+/// wgmma.cuh `TensorMap`: a TMA tensor map as `cuTensorMapEncodeTiled` writes it (opaque).
 #[repr(C, align(64))]
 #[derive(Clone, Copy, Default, Debug)]
 pub struct TensorMap {
