@@ -37,6 +37,16 @@ const GEMM_WGMMA_SMEM_BYTES: usize = 5 * (160 * 128 + 256 * 32 + 8) + 2 * 256 * 
 const WGMMA_TAIL: usize = 32;
 /// Tile height / 8 of gemm_q4_wgmma (128 positions).
 const WGMMA_MT: usize = 16;
+
+/// route_plan's tail for a plan of tile height `mt` / 8: gemm_q4_wgmma's tiles take an expert's
+/// last few rows, the mma.sync kernels' none.
+fn plan_tail(mt: usize) -> i32 {
+    if mt == WGMMA_MT {
+        WGMMA_TAIL as i32
+    } else {
+        0
+    }
+}
 /// Rows per expert (on average) from which the grouped gate/up GEMM runs gemm_q4_wgmma (at 64 per
 /// expert, a 2K prompt, half its 128-position tiles' rows are empty and it still wins: gate/up
 /// 23.0 -> 19.3 ms over 40 layers; from 16 rows, even with tiles as wide as their rows, a 1K
@@ -291,16 +301,18 @@ fn tensor_map<const R: usize>(
     Ok(TensorMap { opaque: map.opaque })
 }
 
-/// gemm_q4_wgmma's arguments for the launch `g` over the matrices of `w`: the tensor maps of the
-/// activations (unless gathered through `a_rows`) and, per matrix, of its codes, scales and biases
-/// from the launch's first row (a grouped launch: every expert's rows).
+/// gemm_q4_wgmma's arguments for the launch `g` over the matrices of `w`: the tensor maps the
+/// kernel reads, those of the activations (unless gathered through `a_rows`; the 32-position boxes
+/// only for a grouped launch, whose tiles may have a tail) and, per matrix (two for SwiGLU), of
+/// its codes, scales and biases from the launch's first row (a grouped launch: every expert's).
 fn wgmma_args(g: GemmArgs, w: &[&DevLinear], positions: usize, grouped: bool) -> Result<WgmmaArgs> {
     use sys::CUtensorMapDataType as T;
     let (bf16, word) = (
         T::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
         T::CU_TENSOR_MAP_DATA_TYPE_UINT32,
     );
-    let box_rows = if g.epilogue == EPI_SWIGLU { 128 } else { 256 };
+    let swiglu = g.epilogue == EPI_SWIGLU;
+    let box_rows = if swiglu { 128 } else { 256 };
     let k = g.k as usize;
     let mut args = WgmmaArgs {
         p: g,
@@ -308,9 +320,11 @@ fn wgmma_args(g: GemmArgs, w: &[&DevLinear], positions: usize, grouped: bool) ->
     };
     if g.a_rows == 0 {
         args.x = tensor_map(g.a, bf16, [k, positions], [64, 128], true)?;
-        args.x_tail = tensor_map(g.a, bf16, [k, positions], [64, WGMMA_TAIL as u32], true)?;
+        if grouped {
+            args.x_tail = tensor_map(g.a, bf16, [k, positions], [64, WGMMA_TAIL as u32], true)?;
+        }
     }
-    for i in 0..2 {
+    for i in 0..if swiglu { 2 } else { 1 } {
         let l = w.get(i).copied().unwrap_or(w[0]);
         let rows = if grouped { l.m.rows() - l.row0 } else { l.rows };
         args.codes[i] = tensor_map(g.codes[i], word, [k / 8, rows], [8, box_rows], false)?;
@@ -1059,11 +1073,7 @@ impl CudaDecoder {
             h: h as i32,
             gate_bits: sg.m.bits as i32,
             gate_group: sg.m.group as i32,
-            tail: if mt_up == WGMMA_MT {
-                WGMMA_TAIL as i32
-            } else {
-                0
-            },
+            tail: plan_tail(mt_up),
         };
         timed(self, events, "routing (top-k, plan, scatter)", |dd| {
             // SAFETY: `counts` holds num_experts i32 on this stream's device
@@ -1085,11 +1095,7 @@ impl CudaDecoder {
                 tiles: dd.p(&s.tiles[1]),
                 tile_count: dd.p(&s.tile_count[1]),
                 bm: (8 * mt_down) as i32,
-                tail: if mt_down == WGMMA_MT {
-                    WGMMA_TAIL as i32
-                } else {
-                    0
-                },
+                tail: plan_tail(mt_down),
                 ..ra
             };
             dd.launch(&dd.pk.route_plan, launch_cfg((1, 1), 512), &down_plan)?;
