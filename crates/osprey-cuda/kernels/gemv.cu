@@ -34,9 +34,10 @@
 // Measured (H200, full-size model, inside the decode graph: what issuing the family twice adds
 // to a step), commit ca2b34f: GDN in_proj 6.9 us (14.2 MB = 2.1 TB/s; gemv_q_tiles took 12.1),
 // GDN out_proj 6.4 us (gemv_q_pair since: 4.8, commit 3739dce); lm_head by gemv_q_ring 73-78
-// us (286 MB = 3.7-3.9 TB/s; 99-105 by gemv_q_tiles; bench/results/cuda-decode-lm-head-ring*.json). What bounds gemv_q_resident: the
-// wait and its prologue (~1 + ~2 us, chained) and the multiply from shared memory (issue
-// throughput; bench/kernels/gemv_resident.cu, cuda-decode-quad-dot-lean.json).
+// us (286 MB = 3.7-3.9 TB/s; 99-105 by gemv_q_tiles; bench/results/cuda-decode-lm-head-ring*.json).
+// What bounds gemv_q_resident: the wait and its prologue (~1 + ~2 us, chained) and the multiply
+// from shared memory (issue throughput; bench/kernels/gemv_resident.cu,
+// cuda-decode-quad-dot-lean.json).
 #include "tiles.cuh"
 
 #define MAX_SEGS 4

@@ -79,6 +79,12 @@ fn pair_smem(k: usize) -> usize {
     tile_smem(k) + x_bytes_smem(k / 2) + 8 * 16 * 4 + 16 * 4 + 8
 }
 
+/// What a gemv_q_pair block asks for at K = 4096: its need padded to PAIR_MIN_SMEM, within the
+/// device's opt-in limit.
+fn pair_launch_smem(smem_optin: usize) -> usize {
+    pair_smem(PAIR_K).max(PAIR_MIN_SMEM).min(smem_optin)
+}
+
 /// Tiles per stage of gemv_q_ring (gemv.cu RING_TILES) and its warps (8 multiply, 1 produces).
 const RING_TILES: usize = 2;
 const RING_THREADS: u32 = 9 * 32;
@@ -689,7 +695,7 @@ impl CudaDecoder {
         )?;
         f.gemv_pair.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            pair_smem(PAIR_K).max(PAIR_MIN_SMEM).min(smem_optin) as i32,
+            pair_launch_smem(smem_optin) as i32,
         )?;
         // all of the unified memory as shared memory: a resident block takes over half of it and
         // its neighbours' blocks must fit beside it
@@ -847,7 +853,7 @@ impl CudaDecoder {
         let no_full_norm = !matches!(prologue, Prologue::RmsNorm(_));
         let lone = segs.len() == 1 && tileable(&segs[0]);
         if lone && k == PAIR_K && no_full_norm && head_ok && choice == 0 {
-            let smem = pair_smem(k).max(PAIR_MIN_SMEM).min(self.smem_optin);
+            let smem = pair_launch_smem(self.smem_optin);
             return self.launch_staged(&self.f.gemv_pair, a, (2 * tiles, 1, smem), 256);
         }
         if segs.iter().all(tileable) && head_ok && choice == 0 {
