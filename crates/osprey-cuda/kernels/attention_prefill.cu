@@ -384,12 +384,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma(const __
     };
     auto load_k = [&](int it) { load_tile(Ks, &args.k, k_landed, it); };
     auto load_v = [&](int it) { load_tile(Vs, &args.v, v_landed, it); };
-    // every thread's copies landed and visible to the tensor cores; every warpgroup's wgmma retired
-    auto tile_barrier = [&] {
-        cp_async_wait<0>();
-        fence_proxy_async();
-        __syncthreads();
-    };
     // Step it (>= 1): S(it) and P(it - 1) V(it - 1) issued together; the softmax of S(it) runs
     // while the second is still on the tensor cores; O is rescaled once it has landed. Then K(it + 2)
     // and V(it + 1) are copied in, a whole step ahead of their use.
@@ -408,17 +402,19 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma(const __
 #pragma unroll
             for (int i = 0; i < 128; ++i) o[i] *= (i & 2) ? corr_b : corr_a;
         }
-        tile_barrier();
+        __syncthreads();  // every warpgroup's wgmma of the buffers about to be refilled retired
         if (it + 2 < tiles) load_k(it + 2);
         if (it + 1 < tiles) load_v(it + 1);
-        cp_async_commit();
     };
 
     load_k(0);
     load_v(0);
     if (tiles > 1) load_k(1);
+    // Q's copies (the only ones by cp.async) landed and visible to the tensor cores
     cp_async_commit();
-    tile_barrier();
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
     uint32_t pf0[KT / 16][4], pf1[KT / 16][4];
     {
         float s[32];
@@ -427,10 +423,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill_wgmma(const __
         fence_accumulators(s);
         float corr_a, corr_b;  // O is still zero
         softmax(s, pf0, 0, corr_a, corr_b);
-        tile_barrier();
+        __syncthreads();
         if (tiles > 2) load_k(2);
         if (tiles > 1) load_v(1);
-        cp_async_commit();
     }
     int it = 1;
     for (; it + 1 < tiles; it += 2) {

@@ -630,6 +630,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemm_q4_wgmma(const __grid_
             for (int b = 0; b < BATCH; ++b)
 #pragma unroll
                 for (int c = 0; c < 2; ++c)
+                    o[b][c] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int b = 0; b < BATCH; ++b)
+#pragma unroll
+                for (int c = 0; c < 2; ++c)
                     if (r0 + b < rows_out)
                         o[b][c] = *reinterpret_cast<const float4*>(p.out + (size_t)(m0 + r0 + b) * p.ldo + n0 + (lane + 32 * c) * 4);
 #pragma unroll

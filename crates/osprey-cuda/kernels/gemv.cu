@@ -128,6 +128,7 @@ struct GemvArgs {
     int prefetch;  // 1: ask L2 for this block's share of the weights before waiting on the predecessor
     int stages;    // gemv_q_resident: tiles a block holds in shared memory (at least its share)
     TokenChoice* choice;  // the lm_head launch (gemv_q_ring, gemv_q_tiles, gemv_q): greedy token choice
+    float* normed;        // gemv_q, gemv_q_tiles: block 0 writes the normalised input here (moe_experts reads it)
 };
 
 __device__ __forceinline__ QRows rows_of(const Segment& s) { return QRows{s.codes, s.scales, s.biases, s.rows}; }
@@ -340,6 +341,8 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
     TileBatch cur, nxt;
     if (TILES && tile < total_tiles) tile_load(rows_of(a.seg[si]), a.K, row0, g0, g1, cur);
     load_input(a, xs, chunk_sum, scratch);
+    if (a.normed && blockIdx.x == 0)
+        for (int i = threadIdx.x; i < a.K; i += blockDim.x) a.normed[i] = xs[pad_idx(i)];
 
     if (TILES) {
         build_x_s8(xs, a.K, xb8, gx);

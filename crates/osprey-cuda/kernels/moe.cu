@@ -53,19 +53,26 @@ struct GateUpArgs {
 // as order-preserving integer keys; k rounds each take the largest remaining logit (ties: the
 // lower index) with two single-instruction warp reductions (redux.sync max of the key, then
 // min of the index among the lanes holding it) instead of shuffle trees.
-// Leaves the k expert ids and weights in ids/wts (visible after the caller's next barrier).
+// Leaves the k expert ids and weights in ids/wts (visible after the caller's next barrier), and
+// in `out` when given.
 #define MAX_E_PER_LANE (MAX_E / 32)
 __device__ __forceinline__ float key_value(uint32_t k) {
     return __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
 }
 
-__device__ __forceinline__ void select_experts(const GateUpArgs& a, int* ids, float* wts) {
+// Routing of one token: the router's logits over `experts`, top `k`, renormalised or not.
+struct Routing {
+    const float* logits;
+    int experts, k, renorm;
+};
+
+__device__ __forceinline__ void select_experts(const Routing& a, int* ids, float* wts, TopK* out) {
     const int lane = threadIdx.x & 31, E = a.experts;
     float lv[MAX_E_PER_LANE];
     uint32_t key[MAX_E_PER_LANE];  // 0: not a candidate (no finite logit has key 0)
 #pragma unroll
     for (int i = 0; i < MAX_E_PER_LANE; ++i) {
-        lv[i] = lane + 32 * i < E ? a.router_logits[lane + 32 * i] : -INFINITY;
+        lv[i] = lane + 32 * i < E ? a.logits[lane + 32 * i] : -INFINITY;
         key[i] = lane + 32 * i < E ? order_key(lv[i]) : 0u;
     }
     float mx = 0.f, chosen = 0.f, my_p = 0.f;
@@ -105,9 +112,9 @@ __device__ __forceinline__ void select_experts(const GateUpArgs& a, int* ids, fl
         const float w = my_p / (a.renorm ? chosen : all);
         ids[lane] = my_id;
         wts[lane] = w;
-        if (blockIdx.x == 0) {
-            a.topk->ids[lane] = my_id;
-            a.topk->w[lane] = w;
+        if (out) {
+            out->ids[lane] = my_id;
+            out->w[lane] = w;
         }
     }
 }
@@ -142,7 +149,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(GateUpArgs a) {
         a.h[a.k * a.I + gi] = sigmoidf(a.shared_gate_logit[0]) * siluf(a.shared_gate_proj[gi]) * a.shared_up_proj[gi];
     const int fblocks = a.I / 16, u = blockIdx.x, slot = u / fblocks, f0 = (u % fblocks) * 16;
     if (threadIdx.x < 32) {
-        select_experts(a, ids, wts);
+        select_experts(Routing{a.router_logits, a.experts, a.k, a.renorm}, ids, wts, blockIdx.x == 0 ? a.topk : nullptr);
         __syncwarp();
         if (threadIdx.x == 0) {
             const size_t row0 = (size_t)ids[slot] * a.I + f0;
@@ -247,5 +254,218 @@ extern "C" __global__ void __launch_bounds__(32 * (MAX_TOPK + 1)) moe_down(DownA
         float y = 0.f;
         for (int s = 0; s < segs; ++s) y += part[s][threadIdx.x];
         a.x[row0 + threadIdx.x] += y;
+    }
+}
+
+// ---- moe_experts: the routed and shared experts in one launch -----------------------------------
+// The down projection split over the experts' intermediate rows instead of its output rows: the
+// block that finishes 16 rows of h (one slot's gate/up tile pair, as moe_gate_up) multiplies
+// them straight into the 16 matching columns of its expert's down matrix and adds its H partial
+// sums into the residual (float4 atomics), so no launch waits for all of h. Blocks past the
+// routed ones take 16 intermediate rows of the shared expert (its gate and up projections come
+// from the router launch); their down columns are requested before the dependency wait.
+// The residual is written while blocks still run, so the normalised input comes from the router
+// launch (its block 0 writes it: GemvArgs.normed), not from x.
+// Down columns on the integer tensor cores: 16 output rows x 16 columns per m16n8k32 (k 16-31
+// zero), h as two signed bytes per element with one scale for the 16 (hi bytes in mma columns
+// 0-3, lo bytes in 4-7, as tiles.cuh's quads); a warp walks H/128 row tiles, every tile's code
+// words requested together once the expert is known.
+struct ExpertsArgs {
+    ExpertStack gate, up;       // routed [E*I, H]
+    ExpertStack down;           // routed [E*H, I]
+    ExpertStack shared_down;    // [H, I]
+    const float* xn;            // RMS-normalised input (the router launch's block 0)
+    float* x;                   // residual stream, += routed and shared experts
+    const float* router_logits; // [E]
+    const float* shared_gate_proj;   // [I] (pre-activation)
+    const float* shared_up_proj;     // [I]
+    const float* shared_gate_logit;  // [1]
+    int experts, renorm, H, I, k;
+};
+
+#define DOWN_COLS 16
+// row tiles per warp at most: H / 16 / 8 warps (H <= 2048)
+#define DOWN_TILES_PER_WARP 16
+// runs of 4 output rows per thread at most in the scaling pass: H / 4 / 256
+#define DOWN_QUADS_PER_THREAD 2
+
+// A warp's code words of the down tiles it owns: lane (g, q) of tile j gets row g's (q == 0) or
+// row g + 8's (q == 1) 8 code bytes of the block's 16 columns; lanes q >= 2 none.
+__device__ __forceinline__ void down_codes_load(const ExpertStack& m, size_t row_base, int I, int f0, int tiles, uint2* w) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int j = 0; j < DOWN_TILES_PER_WARP; ++j) {
+        if (j >= tiles) break;
+        const size_t row = row_base + (size_t)(warp * tiles + j) * 16 + g + 8 * q;
+        w[j] = q < 2 ? __ldcs(reinterpret_cast<const uint2*>(m.codes + row * (I / 8) + f0 / 8)) : make_uint2(0u, 0u);
+    }
+}
+
+// The scale and bias of the block's group for this thread's output rows: runs of 4 rows
+// 4(t + 256 i) .. + 3 (i < DOWN_QUADS_PER_THREAD, while inside H).
+__device__ __forceinline__ void down_affine_load(const ExpertStack& m, size_t row_base, int H, int I, int f0,
+                                                 __nv_bfloat16* sc, __nv_bfloat16* bi) {
+    const int gps = I / 64;
+#pragma unroll
+    for (int i = 0; i < DOWN_QUADS_PER_THREAD; ++i) {
+        const int r = 4 * (threadIdx.x + i * blockDim.x);
+        if (r >= H) break;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const size_t row = row_base + r + j;
+            sc[4 * i + j] = m.scales[row * gps + f0 / 64];
+            bi[4 * i + j] = m.biases[row * gps + f0 / 64];
+        }
+    }
+}
+
+// The block's 16 values of h (hv, set by threads 0-15) as two signed bytes each: hb[0..16) the
+// high bytes, hb[16..32) the low ones, hs = (scale, Σh). Called by warp 0 only.
+__device__ __forceinline__ void h_bytes(const float* hv, int8_t* hb, float2* hs) {
+    const int lane = threadIdx.x & 31;
+    const float v = lane < DOWN_COLS ? hv[lane] : 0.f;
+    float mx = fabsf(v), sum = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
+        sum += __shfl_xor_sync(FULL_MASK, sum, o);
+    }
+    const float s = mx / 127.f, inv = mx > 0.f ? 127.f / mx : 0.f;
+    const int hi = __float2int_rn(v * inv);
+    const int lo = max(-127, min(127, __float2int_rn((v - (float)hi * s) * inv * 254.f)));
+    if (lane < DOWN_COLS) {
+        hb[lane] = (int8_t)hi;
+        hb[DOWN_COLS + lane] = (int8_t)lo;
+    }
+    if (lane == 0) *hs = make_float2(s, sum);
+}
+
+// The down tiles' products with h's bytes into dot[row] (h's scale applied, the rows' own scale
+// and bias not yet): code word q of a row holds columns 8q..8q+7, its even nibbles k 4q..4q+3 and
+// its odd ones k 16+4q.. of the mma; lane (g, q)'s B holds the same columns of h, high bytes for
+// g < 4 and low ones for g >= 4.
+__device__ __forceinline__ void down_tiles(const uint2* w, int tiles, const int8_t* hb, float2 hs, float* dot) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+    uint32_t b0 = 0u, b1 = 0u;
+    if (q < 2) {
+        const int8_t* src = hb + (g < 4 ? 0 : DOWN_COLS) + 8 * q;
+        b0 = (uint32_t)(uint8_t)src[0] | ((uint32_t)(uint8_t)src[2] << 8) | ((uint32_t)(uint8_t)src[4] << 16) | ((uint32_t)(uint8_t)src[6] << 24);
+        b1 = (uint32_t)(uint8_t)src[1] | ((uint32_t)(uint8_t)src[3] << 8) | ((uint32_t)(uint8_t)src[5] << 16) | ((uint32_t)(uint8_t)src[7] << 24);
+    }
+#pragma unroll
+    for (int j = 0; j < DOWN_TILES_PER_WARP; ++j) {
+        if (j >= tiles) break;
+        // lane q = 0 holds row g's words, q = 1 row g + 8's: trade word 1 of row g for word 0 of row g + 8
+        const uint32_t got = __shfl_xor_sync(FULL_MASK, q == 0 ? w[j].y : w[j].x, 1);
+        const uint32_t wA = q == 0 ? w[j].x : (q == 1 ? got : 0u), wB = q == 0 ? got : (q == 1 ? w[j].y : 0u);
+        int d[4] = {0, 0, 0, 0};
+        mma_s8(d, wA & 0x0F0F0F0Fu, wB & 0x0F0F0F0Fu, (wA >> 4) & 0x0F0F0F0Fu, (wB >> 4) & 0x0F0F0F0Fu, b0, b1);
+        // lane (g, 0): high-byte sums of rows g and g + 8; lane (g, 2): the low-byte ones
+        const int lo_a = __shfl_xor_sync(FULL_MASK, d[0], 2), lo_b = __shfl_xor_sync(FULL_MASK, d[2], 2);
+        if (q == 0) {
+            const int row = (warp * tiles + j) * 16 + g;
+            dot[row] = hs.x * fmaf((float)lo_a, 1.f / 254.f, (float)d[0]);
+            dot[row + 8] = hs.x * fmaf((float)lo_b, 1.f / 254.f, (float)d[2]);
+        }
+    }
+}
+
+// Shared memory (dynamic, experts_smem in decoder.rs): the gate/up tile pair, x's bytes and the
+// quads' partial sums as moe_gate_up (the tile's codes reused for dot[H] once multiplied), then
+// h's 16 values, bytes and (scale, sum), scratch, the selection and the barrier.
+extern "C" __global__ void __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) {
+    extern __shared__ __align__(128) char smem[];
+    const int H = a.H, gpr = H / 64, quads = gpr / 4, units = 2 * quads;
+    char* codes = smem;  // [gate, up][16 rows][H/2]
+    __nv_bfloat16* scales = reinterpret_cast<__nv_bfloat16*>(codes + 2 * 16 * (H / 2));
+    __nv_bfloat16* biases = scales + 2 * 16 * gpr;
+    uint4* xb8 = reinterpret_cast<uint4*>(biases + 2 * 16 * gpr);
+    float2* gx = reinterpret_cast<float2*>(xb8 + gpr * 8);
+    float* part = reinterpret_cast<float*>(gx + gpr);  // [unit][16]
+    float* hv = part + units * 16;                     // [16]
+    float2* hs = reinterpret_cast<float2*>(hv + DOWN_COLS);
+    int8_t* hb = reinterpret_cast<int8_t*>(hs + 1);    // [32]
+    float* scratch = reinterpret_cast<float*>(hb + 2 * DOWN_COLS);
+    float* wts = scratch + 32;
+    int* ids = reinterpret_cast<int*>(wts + MAX_TOPK);
+    uint64_t* full = reinterpret_cast<uint64_t*>(ids + MAX_TOPK);
+    float* dot = reinterpret_cast<float*>(codes);  // [H], once the tiles are multiplied
+    const int fblocks = a.I / DOWN_COLS, routed = a.k * fblocks;
+    const bool shared = (int)blockIdx.x >= routed;
+    const int slot = blockIdx.x / fblocks, f0 = (shared ? blockIdx.x - routed : blockIdx.x % fblocks) * DOWN_COLS;
+    const int tiles = H / 16 / 8;
+    uint2 w[DOWN_TILES_PER_WARP];
+    __nv_bfloat16 sc[4 * DOWN_QUADS_PER_THREAD], bi[4 * DOWN_QUADS_PER_THREAD];
+    step_overlap_begin();
+    if (shared) {
+        // weights no kernel writes: requested before the wait
+        down_codes_load(a.shared_down, 0, a.I, f0, tiles, w);
+        down_affine_load(a.shared_down, 0, H, a.I, f0, sc, bi);
+    }
+    step_inputs_ready();
+    if (shared) {
+        if (threadIdx.x < DOWN_COLS) {
+            const int f = f0 + threadIdx.x;
+            hv[threadIdx.x] = sigmoidf(a.shared_gate_logit[0]) * siluf(a.shared_gate_proj[f]) * a.shared_up_proj[f];
+        }
+    } else {
+        if (threadIdx.x < 32) {
+            select_experts(Routing{a.router_logits, a.experts, a.k, a.renorm}, ids, wts, nullptr);
+            __syncwarp();
+            if (threadIdx.x == 0) {
+                const size_t row0 = (size_t)ids[slot] * a.I + f0;
+                mbar_init(full, 1);
+                mbar_init_fence();
+                mbar_arrive_expect_bytes(full, 2 * q4_rows_bytes(16, H));
+#pragma unroll
+                for (int t = 0; t < 2; ++t) {
+                    const ExpertStack& m = t ? a.up : a.gate;
+                    copy_q4_rows(codes, scales, biases, t, m.codes, m.scales, m.biases, row0, 16, H, full);
+                }
+            }
+        }
+        resident_input(XInput{a.xn, nullptr, nullptr, nullptr, 0.f, H, 0}, xb8, gx, scratch);
+        __syncthreads();  // x's bytes, the selection and the barrier's initialisation
+        // the expert is known: its down columns go out while the gate/up tiles arrive
+        const size_t down_row0 = (size_t)ids[slot] * H;
+        down_codes_load(a.down, down_row0, a.I, f0, tiles, w);
+        down_affine_load(a.down, down_row0, H, a.I, f0, sc, bi);
+        const int warp = threadIdx.x >> 5;
+        mbar_wait(full, 0);
+        QuadX X;
+        for (int un = warp; un < units; un += 8) {
+            const int t = un / quads, gq = (un % quads) * 4;
+            load_quad_x(xb8, gx, gq, X);
+            float yA = 0.f, yB = 0.f;
+            quad_dot(codes + t * 16 * (H / 2), scales + t * 16 * gpr, biases + t * 16 * gpr, H, gq, X, yA, yB);
+            store_quad_sums(part + un * 16, yA, yB);
+        }
+        __syncthreads();
+        if (threadIdx.x < DOWN_COLS) {
+            const int r = threadIdx.x;
+            float g = 0.f, uv = 0.f;
+            for (int q = 0; q < quads; ++q) {
+                g += part[q * 16 + r];
+                uv += part[(quads + q) * 16 + r];
+            }
+            hv[r] = wts[slot] * (siluf(g) * uv);
+        }
+    }
+    __syncthreads();  // hv; the gate/up tiles are no longer read (dot reuses them)
+    if (threadIdx.x < 32) h_bytes(hv, hb, hs);
+    __syncthreads();
+    down_tiles(w, tiles, hb, *hs, dot);
+    __syncthreads();
+    // this thread's runs of 4 rows: their scale and bias, then into the residual
+    const float hsum = hs->y;
+#pragma unroll
+    for (int i = 0; i < DOWN_QUADS_PER_THREAD; ++i) {
+        const int r = 4 * (threadIdx.x + i * blockDim.x);
+        if (r >= H) break;
+        float y[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            y[j] = fmaf(__bfloat162float(sc[4 * i + j]), dot[r + j], __bfloat162float(bi[4 * i + j]) * hsum);
+        atomicAdd(reinterpret_cast<float4*>(a.x + r), make_float4(y[0], y[1], y[2], y[3]));
     }
 }

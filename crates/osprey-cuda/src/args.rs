@@ -38,6 +38,9 @@ pub struct GemvArgs {
     pub stages: i32,
     /// The lm_head launch: its `TokenChoice` (device address), 0 elsewhere.
     pub choice: u64,
+    /// gemv_q, gemv_q_tiles: block 0 writes the normalised input here (the MoE router launch,
+    /// for moe_experts); 0 elsewhere.
+    pub normed: u64,
 }
 
 /// gemv.cu `TokenChoice`: the greedy token choice fused into the lm_head launch (one per
@@ -79,6 +82,27 @@ pub struct GateUpArgs {
     pub shared_up_proj: u64,
     pub shared_gate_logit: u64,
     pub h: u64,
+    pub hidden: i32,
+    pub inter: i32,
+    pub k: i32,
+}
+
+/// moe.cu `ExpertsArgs`: the routed and shared experts of one MoE block in one launch.
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct ExpertsArgs {
+    pub gate: ExpertStack,
+    pub up: ExpertStack,
+    pub down: ExpertStack,
+    pub shared_down: ExpertStack,
+    pub xn: u64,
+    pub x: u64,
+    pub router_logits: u64,
+    pub shared_gate_proj: u64,
+    pub shared_up_proj: u64,
+    pub shared_gate_logit: u64,
+    pub experts: i32,
+    pub renorm: i32,
     pub hidden: i32,
     pub inter: i32,
     pub k: i32,
@@ -442,6 +466,7 @@ pub struct WgmmaAttnArgs {
 unsafe impl DeviceRepr for GemvArgs {}
 unsafe impl DeviceRepr for GateUpArgs {}
 unsafe impl DeviceRepr for DownArgs {}
+unsafe impl DeviceRepr for ExpertsArgs {}
 unsafe impl DeviceRepr for GdnArgs {}
 unsafe impl DeviceRepr for PrepArgs {}
 unsafe impl DeviceRepr for DecodeArgs {}
@@ -471,13 +496,20 @@ mod tests {
     fn layouts_match_the_kernel_structs() {
         // sizes computed from the C declarations in kernels/*.cu (x86-64 / CUDA ABI)
         assert_eq!(std::mem::size_of::<Segment>(), 48);
-        assert_eq!(std::mem::size_of::<GemvArgs>(), 4 * 48 + 4 * 8 + 8 * 4 + 8);
+        assert_eq!(
+            std::mem::size_of::<GemvArgs>(),
+            4 * 48 + 4 * 8 + 8 * 4 + 2 * 8
+        );
         assert_eq!(std::mem::size_of::<TokenChoice>(), 8 + 4 + 4 + 5 * 8);
         assert_eq!(
             std::mem::size_of::<GateUpArgs>(),
             2 * 24 + 3 * 8 + 8 + 8 + 2 * 4 + 4 * 8 + 4 * 4
         );
         assert_eq!(std::mem::size_of::<DownArgs>(), 2 * 24 + 3 * 8 + 3 * 4 + 4);
+        assert_eq!(
+            std::mem::size_of::<ExpertsArgs>(),
+            4 * 24 + 6 * 8 + 5 * 4 + 4
+        );
         assert_eq!(std::mem::size_of::<GdnArgs>(), 11 * 8 + 16);
         assert_eq!(std::mem::size_of::<PrepArgs>(), 9 * 8 + 20 + 4);
         assert_eq!(std::mem::size_of::<SampleParams>(), 8 * 4 + 8);

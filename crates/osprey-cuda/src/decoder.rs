@@ -1,7 +1,8 @@
 //! The batch-1 decode step on the GPU. Per Gated DeltaNet layer: 3 kernels for the mixer (fused
 //! input projections with the RMSNorm prologue, the fused recurrent step, out_proj with the
-//! residual add) and 3 for the MoE (router + shared-expert projections, routed gate/up/SwiGLU,
-//! one down-projection pass over 8 experts + shared expert with the residual add). Attention
+//! residual add) and 2 for the MoE (router + shared-expert projections, then the routed and
+//! shared experts in one launch: selection, gate/up/SwiGLU and each block's down columns added
+//! into the residual; `OSPREY_DECODE_MOE=pair` splits the last into gate/up and down). Attention
 //! layers use 5 for the mixer. The step ends with the lm_head GEMV, whose last block writes the
 //! greedy choice into the input slot and advances the position, so replaying the captured graph
 //! generates with no host round trip.
@@ -119,6 +120,18 @@ fn gate_up_smem(hidden: usize) -> usize {
     let quads = hidden / 256;
     2 * tile_smem(hidden) + x_bytes_smem(hidden) + 2 * quads * 16 * 4 + 2 * 16 * 4 + 8
 }
+
+/// Dynamic shared memory of a moe_experts block (moe.cu): moe_gate_up's, then h's 16 values,
+/// their (scale, sum) and 32 bytes.
+fn experts_smem(hidden: usize) -> usize {
+    gate_up_smem(hidden) + 16 * 4 + 8 + 32
+}
+
+/// `OSPREY_DECODE_MOE=pair` runs the decode step's experts as two launches (moe_gate_up, then
+/// moe_down once all of h is written) instead of moe_experts, for ablation.
+const MOE_ENV: &str = "OSPREY_DECODE_MOE";
+/// moe_experts holds a warp's down tiles in registers: H / 128 of them, at most 16.
+const EXPERTS_MAX_HIDDEN: usize = 2048;
 
 /// Largest GEMV whose weights are prefetched into L2 (60 MB) while its predecessor drains.
 const PREFETCH_MAX_BYTES: usize = 32 << 20;
@@ -318,6 +331,8 @@ struct Scratch {
     shared_u: CudaSlice<f32>,
     h: CudaSlice<f32>,
     topk: CudaSlice<i32>,
+    /// The MoE block's normalised input (the router launch writes it for moe_experts).
+    xn: CudaSlice<f32>,
     logits: CudaSlice<f32>,
     token: CudaSlice<i32>,
     pos: CudaSlice<i32>,
@@ -341,6 +356,7 @@ struct Functions {
     gemv_ring: CudaFunction,
     gemv_pair: CudaFunction,
     gate_up: CudaFunction,
+    experts: CudaFunction,
     down: CudaFunction,
     gdn: CudaFunction,
     prep: CudaFunction,
@@ -390,6 +406,8 @@ pub struct CudaDecoder {
     wgmma: prefill::Wgmma,
     /// Programmatic dependent launch and prefetches in the decode step (see `launch_step`).
     overlap: StepOverlap,
+    /// The MoE block's experts in one launch (moe_experts), or as the gate/up and down pair.
+    fused_experts: bool,
 }
 
 fn upload_f32(stream: &Arc<CudaStream>, v: &[f32]) -> Result<CudaSlice<f32>> {
@@ -457,6 +475,12 @@ enum Prologue {
     None,
     /// RMSNorm over the whole input with this weight.
     RmsNorm(u64),
+    /// The same, block 0 also writing the normalised input to `out` (gemv_q, gemv_q_tiles: the
+    /// MoE router launch, whose input moe_experts reads while it adds into x).
+    RmsNormPublished {
+        weight: u64,
+        out: u64,
+    },
     /// The GDN output norm: per-head RMSNorm with `weight`, times silu(z).
     GatedHeadNorm {
         weight: u64,
@@ -506,6 +530,7 @@ impl CudaDecoder {
             gemv_ring: func("gemv", "gemv_q_ring")?,
             gemv_pair: func("gemv", "gemv_q_pair")?,
             gate_up: func("moe", "moe_gate_up")?,
+            experts: func("moe", "moe_experts")?,
             down: func("moe", "moe_down")?,
             gdn: func("gdn", "gdn_step")?,
             prep: func("attention", "attn_prep")?,
@@ -633,6 +658,7 @@ impl CudaDecoder {
             // routed slots, then the shared expert (moe_down reads it as one more segment)
             h: stream.alloc_zeros((c.num_experts_per_tok + 1) * c.moe_intermediate_size)?,
             topk: stream.alloc_zeros(32)?,
+            xn: stream.alloc_zeros(c.hidden_size)?,
             logits: stream.alloc_zeros(c.vocab_size)?,
             token: stream.alloc_zeros(1)?,
             pos: stream.alloc_zeros(1)?,
@@ -658,7 +684,7 @@ impl CudaDecoder {
         };
         stream.memcpy_htod(&[choice], &mut s.choice)?;
         let scratch_bytes = 4
-            * (c.hidden_size * 2
+            * (c.hidden_size * 3
                 + c.conv_dim()
                 + 2 * c.linear_value_dim()
                 + 4 * hq * d
@@ -693,6 +719,10 @@ impl CudaDecoder {
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             gate_up_smem(c.hidden_size) as i32,
         )?;
+        f.experts.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            experts_smem(c.hidden_size) as i32,
+        )?;
         f.gemv_pair.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             pair_launch_smem(smem_optin) as i32,
@@ -709,6 +739,8 @@ impl CudaDecoder {
             ("recurrent + conv state", state_bytes),
             ("scratch", scratch_bytes),
         ];
+        let fused_experts =
+            c.hidden_size <= EXPERTS_MAX_HIDDEN && std::env::var(MOE_ENV).as_deref() != Ok("pair");
         Ok(CudaDecoder {
             ctx,
             stream,
@@ -732,6 +764,7 @@ impl CudaDecoder {
             gdn_prefill: GdnPrefill::Auto,
             wgmma: prefill::Wgmma::from_env(),
             overlap: StepOverlap::from_env(),
+            fused_experts,
         })
     }
 
@@ -814,6 +847,10 @@ impl CudaDecoder {
         match prologue {
             Prologue::None => {}
             Prologue::RmsNorm(w) => a.norm_weight = w,
+            Prologue::RmsNormPublished { weight, out } => {
+                a.norm_weight = weight;
+                a.normed = out;
+            }
             Prologue::GatedHeadNorm {
                 weight,
                 z,
@@ -850,18 +887,23 @@ impl CudaDecoder {
             _ => true,
         };
         // a lone K = 4096 projection without a full-width norm: each tile over a cluster pair
-        let no_full_norm = !matches!(prologue, Prologue::RmsNorm(_));
+        let no_full_norm = !matches!(
+            prologue,
+            Prologue::RmsNorm(_) | Prologue::RmsNormPublished { .. }
+        );
         let lone = segs.len() == 1 && tileable(&segs[0]);
         if lone && k == PAIR_K && no_full_norm && head_ok && choice == 0 {
             let smem = pair_launch_smem(self.smem_optin);
             return self.launch_staged(&self.f.gemv_pair, a, (2 * tiles, 1, smem), 256);
         }
-        if segs.iter().all(tileable) && head_ok && choice == 0 {
+        // (only gemv_q and gemv_q_tiles publish their normalised input)
+        let staged_ok = head_ok && a.normed == 0;
+        if segs.iter().all(tileable) && staged_ok && choice == 0 {
             if let Some(launch) = resident_launch(tiles, k, self.sms, self.smem_optin) {
                 return self.launch_staged(&self.f.gemv_resident, a, launch, 256);
             }
         }
-        if segs.len() == 1 && segs.iter().all(tileable) && head_ok {
+        if segs.len() == 1 && segs.iter().all(tileable) && staged_ok {
             let smem = self.smem_optin - RING_STATIC_SMEM;
             if let Some(launch) = ring_launch(tiles, k, self.sms, smem) {
                 return self.launch_staged(&self.f.gemv_ring, a, launch, RING_THREADS);
@@ -1223,69 +1265,105 @@ impl CudaDecoder {
                 m.shared_gate.segment(self.p(&s.shared_g), false, st),
                 m.shared_up.segment(self.p(&s.shared_u), false, st),
             ];
+            let router_norm = if self.fused_experts {
+                Prologue::RmsNormPublished {
+                    weight: self.p(&l.post_norm),
+                    out: self.p(&s.xn),
+                }
+            } else {
+                Prologue::RmsNorm(self.p(&l.post_norm))
+            };
             timed!(
                 "moe router + shared gate/up",
-                self.gemv(
-                    &segs,
+                self.gemv(&segs, x, router_norm, h, m.router.m.group)?
+            );
+            if self.fused_experts {
+                let ea = ExpertsArgs {
+                    gate: m.gate.at(0, st),
+                    up: m.up.at(0, st),
+                    down: m.down.at(0, st),
+                    shared_down: m.shared_down.m.at(m.shared_down.row0, st),
+                    xn: self.p(&s.xn),
                     x,
-                    Prologue::RmsNorm(self.p(&l.post_norm)),
-                    h,
-                    m.router.m.group
-                )?
-            );
-            let gu = GateUpArgs {
-                gate: m.gate.at(0, st),
-                up: m.up.at(0, st),
-                topk: self.p(&s.topk),
-                x,
-                norm_weight: self.p(&l.post_norm),
-                eps,
-                router_logits: self.p(&s.router),
-                experts: c.num_experts as i32,
-                renorm: i32::from(c.norm_topk_prob),
-                shared_gate_proj: self.p(&s.shared_g),
-                shared_up_proj: self.p(&s.shared_u),
-                shared_gate_logit: self.p(&s.shared_gate_logit),
-                h: self.p(&s.h),
-                hidden: h as i32,
-                inter: c.moe_intermediate_size as i32,
-                k: c.num_experts_per_tok as i32,
-            };
-            // one block per 16-row tile pair
-            let cfg = LaunchConfig {
-                grid_dim: (
-                    (c.num_experts_per_tok * c.moe_intermediate_size / 16) as u32,
-                    1,
-                    1,
-                ),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: gate_up_smem(h) as u32,
-            };
-            timed!(
-                "moe top-k + expert gate/up + swiglu",
-                self.launch_step(&self.f.gate_up, cfg, &gu)?
-            );
-            let da = DownArgs {
-                down: m.down.at(0, st),
-                shared_down: m.shared_down.m.at(m.shared_down.row0, st),
-                h: self.p(&s.h),
-                topk: self.p(&s.topk),
-                x,
-                hidden: h as i32,
-                inter: c.moe_intermediate_size as i32,
-                k: c.num_experts_per_tok as i32,
-            };
-            timed!(
-                "moe down (8 experts + shared) + residual",
-                self.launch_step(
-                    &self.f.down,
-                    launch_cfg(
-                        (h.div_ceil(16) as u32, 1),
-                        32 * (c.num_experts_per_tok as u32 + 1)
+                    router_logits: self.p(&s.router),
+                    shared_gate_proj: self.p(&s.shared_g),
+                    shared_up_proj: self.p(&s.shared_u),
+                    shared_gate_logit: self.p(&s.shared_gate_logit),
+                    experts: c.num_experts as i32,
+                    renorm: i32::from(c.norm_topk_prob),
+                    hidden: h as i32,
+                    inter: c.moe_intermediate_size as i32,
+                    k: c.num_experts_per_tok as i32,
+                };
+                // a block per 16 intermediate rows of each routed slot, then of the shared expert
+                let cfg = LaunchConfig {
+                    grid_dim: (
+                        ((c.num_experts_per_tok + 1) * c.moe_intermediate_size / 16) as u32,
+                        1,
+                        1,
                     ),
-                    &da
-                )?
-            );
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: experts_smem(h) as u32,
+                };
+                timed!(
+                    "moe experts (top-k, gate/up, swiglu, down) + residual",
+                    self.launch_step(&self.f.experts, cfg, &ea)?
+                );
+            } else {
+                let gu = GateUpArgs {
+                    gate: m.gate.at(0, st),
+                    up: m.up.at(0, st),
+                    topk: self.p(&s.topk),
+                    x,
+                    norm_weight: self.p(&l.post_norm),
+                    eps,
+                    router_logits: self.p(&s.router),
+                    experts: c.num_experts as i32,
+                    renorm: i32::from(c.norm_topk_prob),
+                    shared_gate_proj: self.p(&s.shared_g),
+                    shared_up_proj: self.p(&s.shared_u),
+                    shared_gate_logit: self.p(&s.shared_gate_logit),
+                    h: self.p(&s.h),
+                    hidden: h as i32,
+                    inter: c.moe_intermediate_size as i32,
+                    k: c.num_experts_per_tok as i32,
+                };
+                // one block per 16-row tile pair
+                let cfg = LaunchConfig {
+                    grid_dim: (
+                        (c.num_experts_per_tok * c.moe_intermediate_size / 16) as u32,
+                        1,
+                        1,
+                    ),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: gate_up_smem(h) as u32,
+                };
+                timed!(
+                    "moe top-k + expert gate/up + swiglu",
+                    self.launch_step(&self.f.gate_up, cfg, &gu)?
+                );
+                let da = DownArgs {
+                    down: m.down.at(0, st),
+                    shared_down: m.shared_down.m.at(m.shared_down.row0, st),
+                    h: self.p(&s.h),
+                    topk: self.p(&s.topk),
+                    x,
+                    hidden: h as i32,
+                    inter: c.moe_intermediate_size as i32,
+                    k: c.num_experts_per_tok as i32,
+                };
+                timed!(
+                    "moe down (8 experts + shared) + residual",
+                    self.launch_step(
+                        &self.f.down,
+                        launch_cfg(
+                            (h.div_ceil(16) as u32, 1),
+                            32 * (c.num_experts_per_tok as u32 + 1)
+                        ),
+                        &da
+                    )?
+                );
+            }
         }
         // the greedy choice rides on the lm_head launch (its repeat, when profiling, leaves it out)
         timed!("lm_head (final norm + gemv + argmax)", repeat => {
@@ -1747,6 +1825,17 @@ mod tests {
         assert_eq!(ring_launch(15_520, 1024, sms, smem), None);
         assert_eq!(ring_launch(15 * sms, 2048, sms, smem), None);
         assert_eq!(ring_launch(15_520, 2048, sms, 40_000), None);
+    }
+
+    #[test]
+    fn moe_experts_blocks_fit_two_per_sm_beside_an_early_resident_gemv_block() {
+        for hidden in [512, 1024, 2048] {
+            assert!(
+                2 * (experts_smem(hidden) + 1024) + RESIDENT_MIN_SMEM + 1024 <= 233_472,
+                "{hidden}"
+            );
+        }
+        assert_eq!(experts_smem(2048), gate_up_smem(2048) + 104);
     }
 
     #[test]

@@ -215,7 +215,8 @@ pub(super) struct PrefillScratch {
     counts: CudaSlice<i32>,
     fill: CudaSlice<i32>,
     offsets: CudaSlice<i32>,
-    /// Two GEMM tile plans over the same grouping: for the gate/up and the down projection.
+    /// Two GEMM tile plans over the same grouping: for the gate/up projection, and for the down
+    /// projection when its tile height differs (otherwise it reuses the first).
     tiles: [CudaSlice<i32>; 2],
     tile_count: [CudaSlice<i32>; 2],
     a_rows: CudaSlice<i32>,
@@ -1075,6 +1076,8 @@ impl CudaDecoder {
             gate_group: sg.m.group as i32,
             tail: plan_tail(mt_up),
         };
+        // the down projection's tiles are gate/up's unless its tile height differs
+        let down_plan = usize::from(mt_down != mt_up);
         timed(self, events, "routing (top-k, plan, scatter)", |dd| {
             // SAFETY: `counts` holds num_experts i32 on this stream's device
             unsafe {
@@ -1091,14 +1094,16 @@ impl CudaDecoder {
                 &ra,
             )?;
             dd.launch(&dd.pk.route_plan, launch_cfg((1, 1), 512), &ra)?;
-            let down_plan = RouteArgs {
-                tiles: dd.p(&s.tiles[1]),
-                tile_count: dd.p(&s.tile_count[1]),
-                bm: (8 * mt_down) as i32,
-                tail: plan_tail(mt_down),
-                ..ra
-            };
-            dd.launch(&dd.pk.route_plan, launch_cfg((1, 1), 512), &down_plan)?;
+            if down_plan == 1 {
+                let plan = RouteArgs {
+                    tiles: dd.p(&s.tiles[1]),
+                    tile_count: dd.p(&s.tile_count[1]),
+                    bm: (8 * mt_down) as i32,
+                    tail: plan_tail(mt_down),
+                    ..ra
+                };
+                dd.launch(&dd.pk.route_plan, launch_cfg((1, 1), 512), &plan)?;
+            }
             dd.launch(
                 &dd.pk.route_scatter,
                 launch_cfg(((t * k).div_ceil(256) as u32, 1), 256),
@@ -1152,7 +1157,7 @@ impl CudaDecoder {
                     expert_rows: h,
                     a_rows: 0,
                     row_scale: dd.p(&s.row_weight),
-                    plan: 1,
+                    plan: down_plan,
                 }),
             )
         })?;
