@@ -259,17 +259,19 @@ extern "C" __global__ void __launch_bounds__(32 * (MAX_TOPK + 1)) moe_down(DownA
 
 // ---- moe_experts: the routed and shared experts in one launch -----------------------------------
 // The down projection split over the experts' intermediate rows instead of its output rows: the
-// block that finishes 16 rows of h (one slot's gate/up tile pair, as moe_gate_up) multiplies
-// them straight into the 16 matching columns of its expert's down matrix and adds its H partial
-// sums into the residual (float4 atomics), so no launch waits for all of h. Blocks past the
-// routed ones take 16 intermediate rows of the shared expert (its gate and up projections come
-// from the router launch); their down columns are requested before the dependency wait.
+// blocks that finish h's rows (a slot's 16-row gate/up tile pair each, as moe_gate_up) multiply
+// them straight into the matching columns of their expert's down matrix and add the partial sums
+// into the residual (float4 atomics), so no launch waits for all of h. A cluster of 4 blocks
+// holds one 64-row group of h: each block sends its 16 values to all four through distributed
+// shared memory, then multiplies the whole group (32 contiguous code bytes a row) for a quarter
+// of the output rows. Blocks past the routed ones take the shared expert (its gate and up
+// projections come from the router launch); their down rows are requested before the wait.
 // The residual is written while blocks still run, so the normalised input comes from the router
 // launch (its block 0 writes it: GemvArgs.normed), not from x.
-// Down columns on the integer tensor cores: 16 output rows x 16 columns per m16n8k32 (k 16-31
-// zero), h as two signed bytes per element with one scale for the 16 (hi bytes in mma columns
-// 0-3, lo bytes in 4-7, as tiles.cuh's quads); a warp walks H/128 row tiles, every tile's code
-// words requested together once the expert is known.
+// Down rows on the integer tensor cores as tiles.cuh's 16-row tiles (h as two signed bytes per
+// element, one scale for the group); a warp's tiles' code words are requested together once the
+// expert is known. 16-column slices per block instead (no cluster) read 4x the L2 sectors
+// (8 useful bytes of each row's 32) and cost 22.9 us per layer against 14.8 for the pair.
 struct ExpertsArgs {
     ExpertStack gate, up;       // routed [E*I, H]
     ExpertStack down;           // routed [E*H, I]
@@ -283,97 +285,68 @@ struct ExpertsArgs {
     int experts, renorm, H, I, k;
 };
 
-#define DOWN_COLS 16
-// row tiles per warp at most: H / 16 / 8 warps (H <= 2048)
-#define DOWN_TILES_PER_WARP 16
-// runs of 4 output rows per thread at most in the scaling pass: H / 4 / 256
-#define DOWN_QUADS_PER_THREAD 2
+#define EXPERT_CLUSTER 4
+// down row tiles per warp at most: H / EXPERT_CLUSTER / 16 / 8 warps (H <= 2048)
+#define DOWN_TILES_PER_WARP 4
 
-// A warp's code words of the down tiles it owns: lane (g, q) of tile j gets row g's (q == 0) or
-// row g + 8's (q == 1) 8 code bytes of the block's 16 columns; lanes q >= 2 none.
-__device__ __forceinline__ void down_codes_load(const ExpertStack& m, size_t row_base, int I, int f0, int tiles, uint2* w) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+// A warp's down tiles of one 64-column group G: lane (g, q) holds code words 2q, 2q + 1 of the
+// group for rows g (wa) and g + 8 (wb), and lanes q == 0 the rows' scale and bias.
+struct DownTiles {
+    uint2 wa[DOWN_TILES_PER_WARP], wb[DOWN_TILES_PER_WARP];
+    __nv_bfloat16 sa[DOWN_TILES_PER_WARP], ba[DOWN_TILES_PER_WARP], sb[DOWN_TILES_PER_WARP], bb[DOWN_TILES_PER_WARP];
+};
+
+// Requests the warp's tiles: rows row0 + 16·(warp·tiles + j) .. of the stack (row0: the expert's
+// first row plus the block's quarter).
+__device__ __forceinline__ void down_tiles_load(const ExpertStack& m, size_t row0, int I, int G, int tiles, DownTiles& d) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3, gps = I / 64;
 #pragma unroll
     for (int j = 0; j < DOWN_TILES_PER_WARP; ++j) {
         if (j >= tiles) break;
-        const size_t row = row_base + (size_t)(warp * tiles + j) * 16 + g + 8 * q;
-        w[j] = q < 2 ? __ldcs(reinterpret_cast<const uint2*>(m.codes + row * (I / 8) + f0 / 8)) : make_uint2(0u, 0u);
-    }
-}
-
-// The scale and bias of the block's group for this thread's output rows: runs of 4 rows
-// 4(t + 256 i) .. + 3 (i < DOWN_QUADS_PER_THREAD, while inside H).
-__device__ __forceinline__ void down_affine_load(const ExpertStack& m, size_t row_base, int H, int I, int f0,
-                                                 __nv_bfloat16* sc, __nv_bfloat16* bi) {
-    const int gps = I / 64;
-#pragma unroll
-    for (int i = 0; i < DOWN_QUADS_PER_THREAD; ++i) {
-        const int r = 4 * (threadIdx.x + i * blockDim.x);
-        if (r >= H) break;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const size_t row = row_base + r + j;
-            sc[4 * i + j] = m.scales[row * gps + f0 / 64];
-            bi[4 * i + j] = m.biases[row * gps + f0 / 64];
+        const size_t ra = row0 + (size_t)(warp * tiles + j) * 16 + g, rb = ra + 8;
+        d.wa[j] = __ldcs(reinterpret_cast<const uint2*>(m.codes + ra * (I / 8)) + 4 * G + q);
+        d.wb[j] = __ldcs(reinterpret_cast<const uint2*>(m.codes + rb * (I / 8)) + 4 * G + q);
+        if (q == 0) {
+            d.sa[j] = m.scales[ra * gps + G];
+            d.ba[j] = m.biases[ra * gps + G];
+            d.sb[j] = m.scales[rb * gps + G];
+            d.bb[j] = m.biases[rb * gps + G];
         }
     }
 }
 
-// The block's 16 values of h (hv, set by threads 0-15) as two signed bytes each: hb[0..16) the
-// high bytes, hb[16..32) the low ones, hs = (scale, Σh). Called by warp 0 only.
-__device__ __forceinline__ void h_bytes(const float* hv, int8_t* hb, float2* hs) {
-    const int lane = threadIdx.x & 31;
-    const float v = lane < DOWN_COLS ? hv[lane] : 0.f;
-    float mx = fabsf(v), sum = v;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
-        sum += __shfl_xor_sync(FULL_MASK, sum, o);
-    }
-    const float s = mx / 127.f, inv = mx > 0.f ? 127.f / mx : 0.f;
-    const int hi = __float2int_rn(v * inv);
-    const int lo = max(-127, min(127, __float2int_rn((v - (float)hi * s) * inv * 254.f)));
-    if (lane < DOWN_COLS) {
-        hb[lane] = (int8_t)hi;
-        hb[DOWN_COLS + lane] = (int8_t)lo;
-    }
-    if (lane == 0) *hs = make_float2(s, sum);
-}
-
-// The down tiles' products with h's bytes into dot[row] (h's scale applied, the rows' own scale
-// and bias not yet): code word q of a row holds columns 8q..8q+7, its even nibbles k 4q..4q+3 and
-// its odd ones k 16+4q.. of the mma; lane (g, q)'s B holds the same columns of h, high bytes for
-// g < 4 and low ones for g >= 4.
-__device__ __forceinline__ void down_tiles(const uint2* w, int tiles, const int8_t* hb, float2 hs, float* dot) {
+// The warp's tiles times h's group (hx8, hg: build_x_s8's form of 64 values), each row's
+// scale and bias applied, into ys[row - the block's first row] (lanes q == 0).
+__device__ __forceinline__ void down_tiles_multiply(const DownTiles& d, int tiles, const uint4* hx8, float2 hg, float* ys) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
-    uint32_t b0 = 0u, b1 = 0u;
-    if (q < 2) {
-        const int8_t* src = hb + (g < 4 ? 0 : DOWN_COLS) + 8 * q;
-        b0 = (uint32_t)(uint8_t)src[0] | ((uint32_t)(uint8_t)src[2] << 8) | ((uint32_t)(uint8_t)src[4] << 16) | ((uint32_t)(uint8_t)src[6] << 24);
-        b1 = (uint32_t)(uint8_t)src[1] | ((uint32_t)(uint8_t)src[3] << 8) | ((uint32_t)(uint8_t)src[5] << 16) | ((uint32_t)(uint8_t)src[7] << 24);
-    }
 #pragma unroll
     for (int j = 0; j < DOWN_TILES_PER_WARP; ++j) {
         if (j >= tiles) break;
-        // lane q = 0 holds row g's words, q = 1 row g + 8's: trade word 1 of row g for word 0 of row g + 8
-        const uint32_t got = __shfl_xor_sync(FULL_MASK, q == 0 ? w[j].y : w[j].x, 1);
-        const uint32_t wA = q == 0 ? w[j].x : (q == 1 ? got : 0u), wB = q == 0 ? got : (q == 1 ? w[j].y : 0u);
-        int d[4] = {0, 0, 0, 0};
-        mma_s8(d, wA & 0x0F0F0F0Fu, wB & 0x0F0F0F0Fu, (wA >> 4) & 0x0F0F0F0Fu, (wB >> 4) & 0x0F0F0F0Fu, b0, b1);
-        // lane (g, 0): high-byte sums of rows g and g + 8; lane (g, 2): the low-byte ones
-        const int lo_a = __shfl_xor_sync(FULL_MASK, d[0], 2), lo_b = __shfl_xor_sync(FULL_MASK, d[2], 2);
+        int dh[4] = {0, 0, 0, 0}, dl[4] = {0, 0, 0, 0};
+#pragma unroll
+        for (int T = 0; T < 2; ++T) {
+            const uint32_t wA = T ? d.wa[j].y : d.wa[j].x, wB = T ? d.wb[j].y : d.wb[j].x;
+            const uint32_t a0 = wA & 0x0F0F0F0Fu, a2 = (wA >> 4) & 0x0F0F0F0Fu;
+            const uint32_t a1 = wB & 0x0F0F0F0Fu, a3 = (wB >> 4) & 0x0F0F0F0Fu;
+            const uint4 xf = hx8[T * 4 + q];
+            mma_s8(dh, a0, a1, a2, a3, xf.x, xf.y);
+            mma_s8(dl, a0, a1, a2, a3, xf.z, xf.w);
+        }
         if (q == 0) {
-            const int row = (warp * tiles + j) * 16 + g;
-            dot[row] = hs.x * fmaf((float)lo_a, 1.f / 254.f, (float)d[0]);
-            dot[row + 8] = hs.x * fmaf((float)lo_b, 1.f / 254.f, (float)d[2]);
+            const int r = (warp * tiles + j) * 16 + g;
+            const float da = hg.x * fmaf((float)dl[0], 1.f / 254.f, (float)dh[0]);
+            const float db = hg.x * fmaf((float)dl[2], 1.f / 254.f, (float)dh[2]);
+            ys[r] = fmaf(__bfloat162float(d.sa[j]), da, __bfloat162float(d.ba[j]) * hg.y);
+            ys[r + 8] = fmaf(__bfloat162float(d.sb[j]), db, __bfloat162float(d.bb[j]) * hg.y);
         }
     }
 }
 
 // Shared memory (dynamic, experts_smem in decoder.rs): the gate/up tile pair, x's bytes and the
-// quads' partial sums as moe_gate_up (the tile's codes reused for dot[H] once multiplied), then
-// h's 16 values, bytes and (scale, sum), scratch, the selection and the barrier.
-extern "C" __global__ void __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) {
+// quads' partial sums as moe_gate_up (the tile's codes reused for the block's output rows once
+// multiplied), then the cluster's 64 h values (padded), their two-byte form and (scale, sum),
+// scratch, the selection and the barrier.
+extern "C" __global__ void __cluster_dims__(EXPERT_CLUSTER, 1, 1) __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) {
     extern __shared__ __align__(128) char smem[];
     const int H = a.H, gpr = H / 64, quads = gpr / 4, units = 2 * quads;
     char* codes = smem;  // [gate, up][16 rows][H/2]
@@ -381,32 +354,32 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) 
     __nv_bfloat16* biases = scales + 2 * 16 * gpr;
     uint4* xb8 = reinterpret_cast<uint4*>(biases + 2 * 16 * gpr);
     float2* gx = reinterpret_cast<float2*>(xb8 + gpr * 8);
-    float* part = reinterpret_cast<float*>(gx + gpr);  // [unit][16]
-    float* hv = part + units * 16;                     // [16]
-    float2* hs = reinterpret_cast<float2*>(hv + DOWN_COLS);
-    int8_t* hb = reinterpret_cast<int8_t*>(hs + 1);    // [32]
-    float* scratch = reinterpret_cast<float*>(hb + 2 * DOWN_COLS);
+    float* part = reinterpret_cast<float*>(gx + gpr);   // [unit][16]
+    uint4* hx8 = reinterpret_cast<uint4*>(part + units * 16);  // [8]
+    float2* hg = reinterpret_cast<float2*>(hx8 + 8);
+    float* hall = reinterpret_cast<float*>(hg + 1);     // [pad_idx(64)]
+    float* scratch = hall + 72;
     float* wts = scratch + 32;
     int* ids = reinterpret_cast<int*>(wts + MAX_TOPK);
     uint64_t* full = reinterpret_cast<uint64_t*>(ids + MAX_TOPK);
-    float* dot = reinterpret_cast<float*>(codes);  // [H], once the tiles are multiplied
-    const int fblocks = a.I / DOWN_COLS, routed = a.k * fblocks;
+    float* ys = reinterpret_cast<float*>(codes);  // [H / EXPERT_CLUSTER], once the tiles are multiplied
+    const unsigned rank = cluster_rank();
+    const int fblocks = a.I / 16, routed = a.k * fblocks;
     const bool shared = (int)blockIdx.x >= routed;
-    const int slot = blockIdx.x / fblocks, f0 = (shared ? blockIdx.x - routed : blockIdx.x % fblocks) * DOWN_COLS;
-    const int tiles = H / 16 / 8;
-    uint2 w[DOWN_TILES_PER_WARP];
-    __nv_bfloat16 sc[4 * DOWN_QUADS_PER_THREAD], bi[4 * DOWN_QUADS_PER_THREAD];
+    const int slot = blockIdx.x / fblocks, f0 = (shared ? blockIdx.x - routed : blockIdx.x % fblocks) * 16, G = f0 / 64;
+    // this block's output rows: the rank-th quarter
+    const int rows = H / EXPERT_CLUSTER, tiles = rows / 16 / 8;
+    const size_t quarter = (size_t)rank * rows;
+    DownTiles d;
     step_overlap_begin();
-    if (shared) {
-        // weights no kernel writes: requested before the wait
-        down_codes_load(a.shared_down, 0, a.I, f0, tiles, w);
-        down_affine_load(a.shared_down, 0, H, a.I, f0, sc, bi);
-    }
+    // weights no kernel writes: requested before the wait
+    if (shared) down_tiles_load(a.shared_down, quarter, a.I, G, tiles, d);
     step_inputs_ready();
+    float hv = 0.f;  // threads 0-15: row f0 + t of h
     if (shared) {
-        if (threadIdx.x < DOWN_COLS) {
+        if (threadIdx.x < 16) {
             const int f = f0 + threadIdx.x;
-            hv[threadIdx.x] = sigmoidf(a.shared_gate_logit[0]) * siluf(a.shared_gate_proj[f]) * a.shared_up_proj[f];
+            hv = sigmoidf(a.shared_gate_logit[0]) * siluf(a.shared_gate_proj[f]) * a.shared_up_proj[f];
         }
     } else {
         if (threadIdx.x < 32) {
@@ -426,10 +399,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) 
         }
         resident_input(XInput{a.xn, nullptr, nullptr, nullptr, 0.f, H, 0}, xb8, gx, scratch);
         __syncthreads();  // x's bytes, the selection and the barrier's initialisation
-        // the expert is known: its down columns go out while the gate/up tiles arrive
-        const size_t down_row0 = (size_t)ids[slot] * H;
-        down_codes_load(a.down, down_row0, a.I, f0, tiles, w);
-        down_affine_load(a.down, down_row0, H, a.I, f0, sc, bi);
+        // the expert is known: its down rows go out while the gate/up tiles arrive
+        down_tiles_load(a.down, (size_t)ids[slot] * H + quarter, a.I, G, tiles, d);
         const int warp = threadIdx.x >> 5;
         mbar_wait(full, 0);
         QuadX X;
@@ -441,31 +412,26 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) 
             store_quad_sums(part + un * 16, yA, yB);
         }
         __syncthreads();
-        if (threadIdx.x < DOWN_COLS) {
+        if (threadIdx.x < 16) {
             const int r = threadIdx.x;
             float g = 0.f, uv = 0.f;
             for (int q = 0; q < quads; ++q) {
                 g += part[q * 16 + r];
                 uv += part[(quads + q) * 16 + r];
             }
-            hv[r] = wts[slot] * (siluf(g) * uv);
+            hv = wts[slot] * (siluf(g) * uv);
         }
     }
-    __syncthreads();  // hv; the gate/up tiles are no longer read (dot reuses them)
-    if (threadIdx.x < 32) h_bytes(hv, hb, hs);
+    // the group's 64 values of h in every block of the cluster
+    if (threadIdx.x < 16)
+        for (unsigned r = 0; r < EXPERT_CLUSTER; ++r) store_to_peer(hall + pad_idx(16 * rank + threadIdx.x), r, hv);
+    cluster_sync();
+    build_x_s8(hall, 64, hx8, hg);
     __syncthreads();
-    down_tiles(w, tiles, hb, *hs, dot);
+    down_tiles_multiply(d, tiles, hx8, *hg, ys);
     __syncthreads();
-    // this thread's runs of 4 rows: their scale and bias, then into the residual
-    const float hsum = hs->y;
-#pragma unroll
-    for (int i = 0; i < DOWN_QUADS_PER_THREAD; ++i) {
-        const int r = 4 * (threadIdx.x + i * blockDim.x);
-        if (r >= H) break;
-        float y[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-            y[j] = fmaf(__bfloat162float(sc[4 * i + j]), dot[r + j], __bfloat162float(bi[4 * i + j]) * hsum);
-        atomicAdd(reinterpret_cast<float4*>(a.x + r), make_float4(y[0], y[1], y[2], y[3]));
+    for (int i = threadIdx.x; i < rows / 4; i += blockDim.x) {
+        const float4 y = reinterpret_cast<const float4*>(ys)[i];
+        atomicAdd(reinterpret_cast<float4*>(a.x + quarter) + i, y);
     }
 }

@@ -121,16 +121,16 @@ fn gate_up_smem(hidden: usize) -> usize {
     2 * tile_smem(hidden) + x_bytes_smem(hidden) + 2 * quads * 16 * 4 + 2 * 16 * 4 + 8
 }
 
-/// Dynamic shared memory of a moe_experts block (moe.cu): moe_gate_up's, then h's 16 values,
-/// their (scale, sum) and 32 bytes.
+/// Dynamic shared memory of a moe_experts block (moe.cu): moe_gate_up's, then h's group in its
+/// two-byte form and (scale, sum), and its 64 values (padded).
 fn experts_smem(hidden: usize) -> usize {
-    gate_up_smem(hidden) + 16 * 4 + 8 + 32
+    gate_up_smem(hidden) + 8 * 16 + 8 + 72 * 4
 }
 
 /// `OSPREY_DECODE_MOE=pair` runs the decode step's experts as two launches (moe_gate_up, then
 /// moe_down once all of h is written) instead of moe_experts, for ablation.
 const MOE_ENV: &str = "OSPREY_DECODE_MOE";
-/// moe_experts holds a warp's down tiles in registers: H / 128 of them, at most 16.
+/// moe_experts holds a warp's down tiles in registers: H / 512 of them, at most 4.
 const EXPERTS_MAX_HIDDEN: usize = 2048;
 
 /// Largest GEMV whose weights are prefetched into L2 (60 MB) while its predecessor drains.
@@ -1835,7 +1835,7 @@ mod tests {
                 "{hidden}"
             );
         }
-        assert_eq!(experts_smem(2048), gate_up_smem(2048) + 104);
+        assert_eq!(experts_smem(2048), gate_up_smem(2048) + 424);
     }
 
     #[test]
