@@ -264,8 +264,11 @@ extern "C" __global__ void __launch_bounds__(32 * (MAX_TOPK + 1)) moe_down(DownA
 // into the residual (float4 atomics), so no launch waits for all of h. A cluster of 4 blocks
 // holds one 64-row group of h: each block sends its 16 values to all four through distributed
 // shared memory, then multiplies the whole group (32 contiguous code bytes a row) for a quarter
-// of the output rows. Blocks past the routed ones take the shared expert (its gate and up
-// projections come from the router launch); their down rows are requested before the wait.
+// of the output rows. Each block also takes H / 4k rows of one group of the shared expert's down
+// matrix (its gate and up projections come from the router launch; the block computes the
+// group's 64 values of h itself), requested before the wait; so the grid is k·I/16 blocks, two
+// per SM in one wave. (32 more blocks for the shared expert made a second wave: 18.0 us per
+// layer.)
 // The residual is written while blocks still run, so the normalised input comes from the router
 // launch (its block 0 writes it: GemvArgs.normed), not from x.
 // Down rows on the integer tensor cores as tiles.cuh's 16-row tiles (h as two signed bytes per
@@ -358,69 +361,72 @@ extern "C" __global__ void __cluster_dims__(EXPERT_CLUSTER, 1, 1) __launch_bound
     uint4* hx8 = reinterpret_cast<uint4*>(part + units * 16);  // [8]
     float2* hg = reinterpret_cast<float2*>(hx8 + 8);
     float* hall = reinterpret_cast<float*>(hg + 1);     // [pad_idx(64)]
-    float* scratch = hall + 72;
+    uint4* sx8 = reinterpret_cast<uint4*>(hall + 72);   // [8]: the shared expert's group
+    float2* sg = reinterpret_cast<float2*>(sx8 + 8);
+    float* sall = reinterpret_cast<float*>(sg + 1);     // [pad_idx(64)]
+    float* scratch = sall + 72;
     float* wts = scratch + 32;
     int* ids = reinterpret_cast<int*>(wts + MAX_TOPK);
     uint64_t* full = reinterpret_cast<uint64_t*>(ids + MAX_TOPK);
     float* ys = reinterpret_cast<float*>(codes);  // [H / EXPERT_CLUSTER], once the tiles are multiplied
     const unsigned rank = cluster_rank();
-    const int fblocks = a.I / 16, routed = a.k * fblocks;
-    const bool shared = (int)blockIdx.x >= routed;
-    const int slot = blockIdx.x / fblocks, f0 = (shared ? blockIdx.x - routed : blockIdx.x % fblocks) * 16, G = f0 / 64;
+    const int fblocks = a.I / 16, gps = a.I / 64, cluster = blockIdx.x / EXPERT_CLUSTER;
+    const int slot = blockIdx.x / fblocks, f0 = (blockIdx.x % fblocks) * 16, G = f0 / 64;
     // this block's output rows: the rank-th quarter
     const int rows = H / EXPERT_CLUSTER, tiles = rows / 16 / 8;
     const size_t quarter = (size_t)rank * rows;
-    DownTiles d;
+    // and of the shared expert: group cluster % gps, rows srow0 .. + srows (a 16-row tile per warp)
+    const int sgroup = cluster % gps, srows = H / (EXPERT_CLUSTER * a.k), warp = threadIdx.x >> 5;
+    const size_t srow0 = (size_t)(cluster / gps) * (H / a.k) + rank * srows;
+    float* sys = ys + rows;  // [srows]
+    DownTiles d, sd;
     step_overlap_begin();
     // weights no kernel writes: requested before the wait
-    if (shared) down_tiles_load(a.shared_down, quarter, a.I, G, tiles, d);
+    if (warp < srows / 16) down_tiles_load(a.shared_down, srow0, a.I, sgroup, 1, sd);
     step_inputs_ready();
-    float hv = 0.f;  // threads 0-15: row f0 + t of h
-    if (shared) {
-        if (threadIdx.x < 16) {
-            const int f = f0 + threadIdx.x;
-            hv = sigmoidf(a.shared_gate_logit[0]) * siluf(a.shared_gate_proj[f]) * a.shared_up_proj[f];
-        }
-    } else {
-        if (threadIdx.x < 32) {
-            select_experts(Routing{a.router_logits, a.experts, a.k, a.renorm}, ids, wts, nullptr);
-            __syncwarp();
-            if (threadIdx.x == 0) {
-                const size_t row0 = (size_t)ids[slot] * a.I + f0;
-                mbar_init(full, 1);
-                mbar_init_fence();
-                mbar_arrive_expect_bytes(full, 2 * q4_rows_bytes(16, H));
+    if (threadIdx.x < 64) {
+        const int f = sgroup * 64 + threadIdx.x;
+        sall[pad_idx(threadIdx.x)] = sigmoidf(a.shared_gate_logit[0]) * siluf(a.shared_gate_proj[f]) * a.shared_up_proj[f];
+    }
+    if (threadIdx.x < 32) {
+        select_experts(Routing{a.router_logits, a.experts, a.k, a.renorm}, ids, wts, nullptr);
+        __syncwarp();
+        if (threadIdx.x == 0) {
+            const size_t row0 = (size_t)ids[slot] * a.I + f0;
+            mbar_init(full, 1);
+            mbar_init_fence();
+            mbar_arrive_expect_bytes(full, 2 * q4_rows_bytes(16, H));
 #pragma unroll
-                for (int t = 0; t < 2; ++t) {
-                    const ExpertStack& m = t ? a.up : a.gate;
-                    copy_q4_rows(codes, scales, biases, t, m.codes, m.scales, m.biases, row0, 16, H, full);
-                }
+            for (int t = 0; t < 2; ++t) {
+                const ExpertStack& m = t ? a.up : a.gate;
+                copy_q4_rows(codes, scales, biases, t, m.codes, m.scales, m.biases, row0, 16, H, full);
             }
         }
-        resident_input(XInput{a.xn, nullptr, nullptr, nullptr, 0.f, H, 0}, xb8, gx, scratch);
-        __syncthreads();  // x's bytes, the selection and the barrier's initialisation
-        // the expert is known: its down rows go out while the gate/up tiles arrive
-        down_tiles_load(a.down, (size_t)ids[slot] * H + quarter, a.I, G, tiles, d);
-        const int warp = threadIdx.x >> 5;
-        mbar_wait(full, 0);
-        QuadX X;
-        for (int un = warp; un < units; un += 8) {
-            const int t = un / quads, gq = (un % quads) * 4;
-            load_quad_x(xb8, gx, gq, X);
-            float yA = 0.f, yB = 0.f;
-            quad_dot(codes + t * 16 * (H / 2), scales + t * 16 * gpr, biases + t * 16 * gpr, H, gq, X, yA, yB);
-            store_quad_sums(part + un * 16, yA, yB);
+    }
+    resident_input(XInput{a.xn, nullptr, nullptr, nullptr, 0.f, H, 0}, xb8, gx, scratch);
+    __syncthreads();  // x's bytes, the selection, the barrier's initialisation, the shared group's h
+    // the expert is known: its down rows go out while the gate/up tiles arrive
+    down_tiles_load(a.down, (size_t)ids[slot] * H + quarter, a.I, G, tiles, d);
+    build_x_s8(sall, 64, sx8, sg);
+    mbar_wait(full, 0);
+    QuadX X;
+    for (int un = warp; un < units; un += 8) {
+        const int t = un / quads, gq = (un % quads) * 4;
+        load_quad_x(xb8, gx, gq, X);
+        float yA = 0.f, yB = 0.f;
+        quad_dot(codes + t * 16 * (H / 2), scales + t * 16 * gpr, biases + t * 16 * gpr, H, gq, X, yA, yB);
+        store_quad_sums(part + un * 16, yA, yB);
+    }
+    __syncthreads();
+    float hv = 0.f;  // threads 0-15: row f0 + t of h
+    if (threadIdx.x < 16) {
+        const int r = threadIdx.x;
+        float g = 0.f, uv = 0.f;
+        for (int q = 0; q < quads; ++q) {
+            g += part[q * 16 + r];
+            uv += part[(quads + q) * 16 + r];
         }
-        __syncthreads();
-        if (threadIdx.x < 16) {
-            const int r = threadIdx.x;
-            float g = 0.f, uv = 0.f;
-            for (int q = 0; q < quads; ++q) {
-                g += part[q * 16 + r];
-                uv += part[(quads + q) * 16 + r];
-            }
-            hv = wts[slot] * (siluf(g) * uv);
-        }
+        hv = wts[slot] * (siluf(g) * uv);
     }
     // the group's 64 values of h in every block of the cluster
     if (threadIdx.x < 16)
@@ -429,9 +435,14 @@ extern "C" __global__ void __cluster_dims__(EXPERT_CLUSTER, 1, 1) __launch_bound
     build_x_s8(hall, 64, hx8, hg);
     __syncthreads();
     down_tiles_multiply(d, tiles, hx8, *hg, ys);
+    if (warp < srows / 16) down_tiles_multiply(sd, 1, sx8, *sg, sys);
     __syncthreads();
     for (int i = threadIdx.x; i < rows / 4; i += blockDim.x) {
         const float4 y = reinterpret_cast<const float4*>(ys)[i];
         atomicAdd(reinterpret_cast<float4*>(a.x + quarter) + i, y);
+    }
+    for (int i = threadIdx.x; i < srows / 4; i += blockDim.x) {
+        const float4 y = reinterpret_cast<const float4*>(sys)[i];
+        atomicAdd(reinterpret_cast<float4*>(a.x + srow0) + i, y);
     }
 }

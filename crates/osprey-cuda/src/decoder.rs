@@ -121,17 +121,23 @@ fn gate_up_smem(hidden: usize) -> usize {
     2 * tile_smem(hidden) + x_bytes_smem(hidden) + 2 * quads * 16 * 4 + 2 * 16 * 4 + 8
 }
 
-/// Dynamic shared memory of a moe_experts block (moe.cu): moe_gate_up's, then h's group in its
-/// two-byte form and (scale, sum), and its 64 values (padded).
+/// Dynamic shared memory of a moe_experts block (moe.cu): moe_gate_up's, then for the routed
+/// cluster's group of h and the shared expert's: its two-byte form, (scale, sum) and its 64
+/// values (padded).
 fn experts_smem(hidden: usize) -> usize {
-    gate_up_smem(hidden) + 8 * 16 + 8 + 72 * 4
+    gate_up_smem(hidden) + 2 * (8 * 16 + 8 + 72 * 4)
+}
+
+/// Whether moe_experts takes this shape (moe.cu): a warp holds H / 512 routed down tiles (at
+/// most 4) and each block one 16-row tile per warp of the shared expert's H / 4k rows.
+fn experts_fit(c: &ModelConfig) -> bool {
+    let (h, k) = (c.hidden_size, c.num_experts_per_tok);
+    h <= 2048 && h.is_multiple_of(512) && h.is_multiple_of(64 * k) && h <= 512 * k
 }
 
 /// `OSPREY_DECODE_MOE=pair` runs the decode step's experts as two launches (moe_gate_up, then
 /// moe_down once all of h is written) instead of moe_experts, for ablation.
 const MOE_ENV: &str = "OSPREY_DECODE_MOE";
-/// moe_experts holds a warp's down tiles in registers: H / 512 of them, at most 4.
-const EXPERTS_MAX_HIDDEN: usize = 2048;
 
 /// Largest GEMV whose weights are prefetched into L2 (60 MB) while its predecessor drains.
 const PREFETCH_MAX_BYTES: usize = 32 << 20;
@@ -739,8 +745,7 @@ impl CudaDecoder {
             ("recurrent + conv state", state_bytes),
             ("scratch", scratch_bytes),
         ];
-        let fused_experts =
-            c.hidden_size <= EXPERTS_MAX_HIDDEN && std::env::var(MOE_ENV).as_deref() != Ok("pair");
+        let fused_experts = experts_fit(&c) && std::env::var(MOE_ENV).as_deref() != Ok("pair");
         Ok(CudaDecoder {
             ctx,
             stream,
@@ -1295,10 +1300,10 @@ impl CudaDecoder {
                     inter: c.moe_intermediate_size as i32,
                     k: c.num_experts_per_tok as i32,
                 };
-                // a block per 16 intermediate rows of each routed slot, then of the shared expert
+                // a block per 16 intermediate rows of each routed slot (clusters of 4)
                 let cfg = LaunchConfig {
                     grid_dim: (
-                        ((c.num_experts_per_tok + 1) * c.moe_intermediate_size / 16) as u32,
+                        (c.num_experts_per_tok * c.moe_intermediate_size / 16) as u32,
                         1,
                         1,
                     ),
@@ -1835,7 +1840,22 @@ mod tests {
                 "{hidden}"
             );
         }
-        assert_eq!(experts_smem(2048), gate_up_smem(2048) + 424);
+        assert_eq!(experts_smem(2048), gate_up_smem(2048) + 848);
+    }
+
+    #[test]
+    fn moe_experts_takes_the_real_and_tiny_shapes() {
+        let mut c = qwen36();
+        assert!(experts_fit(&c));
+        c.num_experts_per_tok = 4;
+        c.hidden_size = 512;
+        assert!(experts_fit(&c));
+        c.hidden_size = 4096;
+        assert!(!experts_fit(&c));
+        // the shared expert's rows per block would not be whole 16-row tiles
+        c.hidden_size = 2048;
+        c.num_experts_per_tok = 10;
+        assert!(!experts_fit(&c));
     }
 
     #[test]
