@@ -358,12 +358,13 @@ extern "C" __global__ void __cluster_dims__(EXPERT_CLUSTER, 1, 1) __launch_bound
     uint4* xb8 = reinterpret_cast<uint4*>(biases + 2 * 16 * gpr);
     float2* gx = reinterpret_cast<float2*>(xb8 + gpr * 8);
     float* part = reinterpret_cast<float*>(gx + gpr);   // [unit][16]
+    // the cluster's group of h (hx8, hg, hall) and the shared expert's (sx8, sg, sall)
     uint4* hx8 = reinterpret_cast<uint4*>(part + units * 16);  // [8]
-    float2* hg = reinterpret_cast<float2*>(hx8 + 8);
-    float* hall = reinterpret_cast<float*>(hg + 1);     // [pad_idx(64)]
-    uint4* sx8 = reinterpret_cast<uint4*>(hall + 72);   // [8]: the shared expert's group
-    float2* sg = reinterpret_cast<float2*>(sx8 + 8);
-    float* sall = reinterpret_cast<float*>(sg + 1);     // [pad_idx(64)]
+    uint4* sx8 = hx8 + 8;                                      // [8]
+    float2* hg = reinterpret_cast<float2*>(sx8 + 8);
+    float2* sg = hg + 1;
+    float* hall = reinterpret_cast<float*>(sg + 1);  // [pad_idx(64)]
+    float* sall = hall + 72;                         // [pad_idx(64)]
     float* scratch = sall + 72;
     float* wts = scratch + 32;
     int* ids = reinterpret_cast<int*>(wts + MAX_TOPK);
