@@ -349,7 +349,7 @@ __device__ __forceinline__ void down_tiles_multiply(const DownTiles& d, int tile
 // quads' partial sums as moe_gate_up (the tile's codes reused for the block's output rows once
 // multiplied), then the cluster's 64 h values (padded), their two-byte form and (scale, sum),
 // scratch, the selection and the barrier.
-extern "C" __global__ void __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) {
+extern "C" __global__ void __cluster_dims__(EXPERT_CLUSTER, 1, 1) __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) {
     extern __shared__ __align__(128) char smem[];
     const int H = a.H, gpr = H / 64, quads = gpr / 4, units = 2 * quads;
     char* codes = smem;  // [gate, up][16 rows][H/2]

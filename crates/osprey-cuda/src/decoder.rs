@@ -978,41 +978,6 @@ impl CudaDecoder {
         )
     }
 
-    fn launch_cluster<A>(&self, f: &CudaFunction, cfg: LaunchConfig, args: &A, cx: u32) -> Result<()> {
-        self.ctx.bind_to_thread()?;
-        let mut attr = sys::CUlaunchAttribute {
-            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-            pad: [0; 4],
-            value: unsafe { std::mem::zeroed() },
-        };
-        attr.value.clusterDim.x = cx;
-        attr.value.clusterDim.y = 1;
-        attr.value.clusterDim.z = 1;
-        let config = sys::CUlaunchConfig {
-            gridDimX: cfg.grid_dim.0,
-            gridDimY: cfg.grid_dim.1,
-            gridDimZ: cfg.grid_dim.2,
-            blockDimX: cfg.block_dim.0,
-            blockDimY: cfg.block_dim.1,
-            blockDimZ: cfg.block_dim.2,
-            sharedMemBytes: cfg.shared_mem_bytes,
-            hStream: self.stream.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: 1,
-        };
-        let mut params = [args as *const A as *mut c_void];
-        unsafe {
-            sys::cuLaunchKernelEx(
-                &config,
-                f.cu_function(),
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        }
-        .result()?;
-        Ok(())
-    }
-
     /// Launches a kernel that takes one parameter block, the ordinary way (prefill, and kernels
     /// run outside the decode step).
     fn launch<A>(&self, f: &CudaFunction, cfg: LaunchConfig, args: &A) -> Result<()> {
@@ -1351,12 +1316,7 @@ impl CudaDecoder {
                 };
                 timed!(
                     "moe experts (top-k, gate/up, swiglu, down) + residual",
-                    self.launch_cluster(
-                        &self.f.experts,
-                        cfg,
-                        &ea,
-                        if std::env::var("OSPREY_EXPERTS_NOCLUSTER").is_ok() { 1 } else { 4 }
-                    )?
+                    self.launch_step(&self.f.experts, cfg, &ea)?
                 );
             } else {
                 let gu = GateUpArgs {
