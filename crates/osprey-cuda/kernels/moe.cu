@@ -381,7 +381,7 @@ extern "C" __global__ void __cluster_dims__(EXPERT_CLUSTER, 1, 1) __launch_bound
     const size_t srow0 = (size_t)(cluster / gps) * (H / a.k) + rank * srows;
     float* sys = ys + rows;  // [srows]
     DownTiles d, sd;
-    if (!(a.probe & 112)) step_overlap_begin();
+    step_overlap_begin();
     // weights no kernel writes: requested before the wait
     if (!(a.probe & 10) && warp < srows / 16) down_tiles_load(a.shared_down, srow0, a.I, sgroup, 1, sd);
     step_inputs_ready();
@@ -410,7 +410,6 @@ extern "C" __global__ void __cluster_dims__(EXPERT_CLUSTER, 1, 1) __launch_bound
     if (!(a.probe & 2)) down_tiles_load(a.down, (size_t)ids[slot] * H + quarter, a.I, G, tiles, d);
     build_x_s8(sall, 64, sx8, sg);
     mbar_wait(full, 0);
-    if (a.probe & 16) step_overlap_begin();
     QuadX X;
     for (int un = warp; un < units; un += 8) {
         const int t = un / quads, gq = (un % quads) * 4;
@@ -436,7 +435,6 @@ extern "C" __global__ void __cluster_dims__(EXPERT_CLUSTER, 1, 1) __launch_bound
         for (unsigned r = 0; r < EXPERT_CLUSTER; ++r) store_to_peer(hall + pad_idx(16 * rank + threadIdx.x), r, hv);
     cluster_sync();
     }
-    if (a.probe & 32) step_overlap_begin();
     build_x_s8(hall, 64, hx8, hg);
     __syncthreads();
     if (!(a.probe & 2)) down_tiles_multiply(d, tiles, hx8, *hg, ys);
