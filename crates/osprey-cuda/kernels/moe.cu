@@ -285,7 +285,7 @@ struct ExpertsArgs {
     const float* shared_gate_proj;   // [I] (pre-activation)
     const float* shared_up_proj;     // [I]
     const float* shared_gate_logit;  // [1]
-    int experts, renorm, H, I, k, probe;
+    int experts, renorm, H, I, k;
 };
 
 #define EXPERT_CLUSTER 4
@@ -383,7 +383,7 @@ extern "C" __global__ void __cluster_dims__(EXPERT_CLUSTER, 1, 1) __launch_bound
     DownTiles d, sd;
     step_overlap_begin();
     // weights no kernel writes: requested before the wait
-    if (!(a.probe & 10) && warp < srows / 16) down_tiles_load(a.shared_down, srow0, a.I, sgroup, 1, sd);
+    if (warp < srows / 16) down_tiles_load(a.shared_down, srow0, a.I, sgroup, 1, sd);
     step_inputs_ready();
     if (threadIdx.x < 64) {
         const int f = sgroup * 64 + threadIdx.x;
@@ -407,7 +407,7 @@ extern "C" __global__ void __cluster_dims__(EXPERT_CLUSTER, 1, 1) __launch_bound
     resident_input(XInput{a.xn, nullptr, nullptr, nullptr, 0.f, H, 0}, xb8, gx, scratch);
     __syncthreads();  // x's bytes, the selection, the barrier's initialisation, the shared group's h
     // the expert is known: its down rows go out while the gate/up tiles arrive
-    if (!(a.probe & 2)) down_tiles_load(a.down, (size_t)ids[slot] * H + quarter, a.I, G, tiles, d);
+    down_tiles_load(a.down, (size_t)ids[slot] * H + quarter, a.I, G, tiles, d);
     build_x_s8(sall, 64, sx8, sg);
     mbar_wait(full, 0);
     QuadX X;
@@ -430,22 +430,19 @@ extern "C" __global__ void __cluster_dims__(EXPERT_CLUSTER, 1, 1) __launch_bound
         hv = wts[slot] * (siluf(g) * uv);
     }
     // the group's 64 values of h in every block of the cluster
-    if (!(a.probe & 4)) {
     if (threadIdx.x < 16)
         for (unsigned r = 0; r < EXPERT_CLUSTER; ++r) store_to_peer(hall + pad_idx(16 * rank + threadIdx.x), r, hv);
     cluster_sync();
-    }
     build_x_s8(hall, 64, hx8, hg);
     __syncthreads();
-    if (!(a.probe & 2)) down_tiles_multiply(d, tiles, hx8, *hg, ys);
-    if (!(a.probe & 10) && warp < srows / 16) down_tiles_multiply(sd, 1, sx8, *sg, sys);
+    down_tiles_multiply(d, tiles, hx8, *hg, ys);
+    if (warp < srows / 16) down_tiles_multiply(sd, 1, sx8, *sg, sys);
     __syncthreads();
-    if (a.probe & 1) return;
     for (int i = threadIdx.x; i < rows / 4; i += blockDim.x) {
         const float4 y = reinterpret_cast<const float4*>(ys)[i];
         atomicAdd(reinterpret_cast<float4*>(a.x + quarter) + i, y);
     }
-    if (!(a.probe & 8)) for (int i = threadIdx.x; i < srows / 4; i += blockDim.x) {
+    for (int i = threadIdx.x; i < srows / 4; i += blockDim.x) {
         const float4 y = reinterpret_cast<const float4*>(sys)[i];
         atomicAdd(reinterpret_cast<float4*>(a.x + srow0) + i, y);
     }

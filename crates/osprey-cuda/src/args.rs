@@ -106,7 +106,6 @@ pub struct ExpertsArgs {
     pub hidden: i32,
     pub inter: i32,
     pub k: i32,
-    pub probe: i32,
 }
 
 #[repr(C)]

@@ -1299,10 +1299,6 @@ impl CudaDecoder {
                     hidden: h as i32,
                     inter: c.moe_intermediate_size as i32,
                     k: c.num_experts_per_tok as i32,
-                    probe: std::env::var("OSPREY_EXPERTS_PROBE")
-                        .ok()
-                        .and_then(|v| v.parse().ok())
-                        .unwrap_or(0),
                 };
                 // a block per 16 intermediate rows of each routed slot (clusters of 4)
                 let cfg = LaunchConfig {
