@@ -603,6 +603,23 @@ extern "C" __global__ void __launch_bounds__((RING_CONSUMERS + 1) * 32, 1) gemv_
     if (a.choice) choose_token(a.choice, best, scratch);
 }
 
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// *p (a shared-memory address of this block) in the peer block `rank` of the cluster
+__device__ __forceinline__ void store_to_peer(float* p, unsigned rank, float v) {
+    unsigned local = (unsigned)__cvta_generic_to_shared(p), remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
+}
+
 // gemv_q_pair: one segment of 4-bit group-64 rows at K 4096 (the GDN out_proj and the attention
 // o_proj), prologue none or the per-head gated norm. Each 16-row tile is split over a cluster of
 // two blocks, block rank r taking K-half r: both bulk-copy the whole tile (one request per array;

@@ -261,20 +261,25 @@ extern "C" __global__ void __launch_bounds__(32 * (MAX_TOPK + 1)) moe_down(DownA
 // The down projection split over the experts' intermediate rows instead of its output rows: the
 // blocks that finish h's rows (a slot's 16-row gate/up tile pair each, as moe_gate_up) multiply
 // them straight into the matching columns of their expert's down matrix and add the partial sums
-// into the residual (float4 atomics), so no launch waits for all of h. A cluster of 4 blocks
-// holds one 64-row group of h: each block sends its 16 values to all four through distributed
-// shared memory, then multiplies the whole group (32 contiguous code bytes a row) for a quarter
-// of the output rows. Each block also takes H / 4k rows of one group of the shared expert's down
-// matrix (its gate and up projections come from the router launch; the block computes the
-// group's 64 values of h itself), requested before the wait; so the grid is k·I/16 blocks, two
-// per SM in one wave. (32 more blocks for the shared expert made a second wave: 18.0 us per
-// layer.)
+// into the residual (float4 atomics), so no launch waits for all of h. Four consecutive blocks
+// hold one 64-row group of h: each writes its 16 values to global memory and counts itself in
+// (a fence, then an atomic), waits for the other three, and multiplies the whole group (32
+// contiguous code bytes a row) for a quarter of the output rows. Every block is resident at once
+// (the host checks the occupancy, else it runs the pair), so the wait cannot starve. Each block
+// also takes H / 4k rows of one group of the shared expert's down matrix (its gate and up
+// projections come from the router launch; the block computes the group's 64 values of h
+// itself), requested before the wait; the grid is k·I/16 blocks, two per SM in one wave.
 // The residual is written while blocks still run, so the normalised input comes from the router
 // launch (its block 0 writes it: GemvArgs.normed), not from x.
 // Down rows on the integer tensor cores as tiles.cuh's 16-row tiles (h as two signed bytes per
 // element, one scale for the group); a warp's tiles' code words are requested together once the
-// expert is known. 16-column slices per block instead (no cluster) read 4x the L2 sectors
-// (8 useful bytes of each row's 32) and cost 22.9 us per layer against 14.8 for the pair.
+// expert is known.
+// Measured (H200, 4K context, inside the decode graph, per layer; the pair: gate/up 8.4 us +
+// down 6.6): 16-column slices per block and 32 blocks for the shared expert 22.9 us (4x the L2
+// sectors: 8 useful bytes of each row's 32; and a second wave); the group shared through a
+// thread-block cluster of 4 instead of global memory 18.0-20.4 us, because the cluster launch
+// itself costs ~6 us (the kernel stripped to its gate/up part: 15.9 us with the cluster, 9.8
+// without; bench/results/cuda-decode-moe-experts-probes.json).
 struct ExpertsArgs {
     ExpertStack gate, up;       // routed [E*I, H]
     ExpertStack down;           // routed [E*H, I]
@@ -285,11 +290,20 @@ struct ExpertsArgs {
     const float* shared_gate_proj;   // [I] (pre-activation)
     const float* shared_up_proj;     // [I]
     const float* shared_gate_logit;  // [1]
+    float* h;                   // [k, I]: each block's 16 values of h, for the other three of its group
+    int* meet;                  // [2, k·I/64]: blocks of each group arrived, and left (zero between launches)
     int experts, renorm, H, I, k;
 };
 
-#define EXPERT_CLUSTER 4
-// down row tiles per warp at most: H / EXPERT_CLUSTER / 16 / 8 warps (H <= 2048)
+#define EXPERT_GROUP 4
+
+__device__ __forceinline__ int load_acquire(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// down row tiles per warp at most: H / EXPERT_GROUP / 16 / 8 warps (H <= 2048)
 #define DOWN_TILES_PER_WARP 4
 
 // A warp's down tiles of one 64-column group G: lane (g, q) holds code words 2q, 2q + 1 of the
@@ -347,9 +361,9 @@ __device__ __forceinline__ void down_tiles_multiply(const DownTiles& d, int tile
 
 // Shared memory (dynamic, experts_smem in decoder.rs): the gate/up tile pair, x's bytes and the
 // quads' partial sums as moe_gate_up (the tile's codes reused for the block's output rows once
-// multiplied), then the cluster's 64 h values (padded), their two-byte form and (scale, sum),
+// multiplied), then the group's 64 h values (padded), their two-byte form and (scale, sum),
 // scratch, the selection and the barrier.
-extern "C" __global__ void __cluster_dims__(EXPERT_CLUSTER, 1, 1) __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) {
+extern "C" __global__ void __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) {
     extern __shared__ __align__(128) char smem[];
     const int H = a.H, gpr = H / 64, quads = gpr / 4, units = 2 * quads;
     char* codes = smem;  // [gate, up][16 rows][H/2]
@@ -358,7 +372,7 @@ extern "C" __global__ void __cluster_dims__(EXPERT_CLUSTER, 1, 1) __launch_bound
     uint4* xb8 = reinterpret_cast<uint4*>(biases + 2 * 16 * gpr);
     float2* gx = reinterpret_cast<float2*>(xb8 + gpr * 8);
     float* part = reinterpret_cast<float*>(gx + gpr);   // [unit][16]
-    // the cluster's group of h (hx8, hg, hall) and the shared expert's (sx8, sg, sall)
+    // this block group's 64 values of h (hx8, hg, hall) and the shared expert's (sx8, sg, sall)
     uint4* hx8 = reinterpret_cast<uint4*>(part + units * 16);  // [8]
     uint4* sx8 = hx8 + 8;                                      // [8]
     float2* hg = reinterpret_cast<float2*>(sx8 + 8);
@@ -369,16 +383,16 @@ extern "C" __global__ void __cluster_dims__(EXPERT_CLUSTER, 1, 1) __launch_bound
     float* wts = scratch + 32;
     int* ids = reinterpret_cast<int*>(wts + MAX_TOPK);
     uint64_t* full = reinterpret_cast<uint64_t*>(ids + MAX_TOPK);
-    float* ys = reinterpret_cast<float*>(codes);  // [H / EXPERT_CLUSTER], once the tiles are multiplied
-    const unsigned rank = cluster_rank();
-    const int fblocks = a.I / 16, gps = a.I / 64, cluster = blockIdx.x / EXPERT_CLUSTER;
+    float* ys = reinterpret_cast<float*>(codes);  // [H / EXPERT_GROUP], once the tiles are multiplied
+    const int rank = blockIdx.x % EXPERT_GROUP, group = blockIdx.x / EXPERT_GROUP;  // 4 blocks, one group of h
+    const int fblocks = a.I / 16, gps = a.I / 64, groups = gridDim.x / EXPERT_GROUP;
     const int slot = blockIdx.x / fblocks, f0 = (blockIdx.x % fblocks) * 16, G = f0 / 64;
     // this block's output rows: the rank-th quarter
-    const int rows = H / EXPERT_CLUSTER, tiles = rows / 16 / 8;
+    const int rows = H / EXPERT_GROUP, tiles = rows / 16 / 8;
     const size_t quarter = (size_t)rank * rows;
-    // and of the shared expert: group cluster % gps, rows srow0 .. + srows (a 16-row tile per warp)
-    const int sgroup = cluster % gps, srows = H / (EXPERT_CLUSTER * a.k), warp = threadIdx.x >> 5;
-    const size_t srow0 = (size_t)(cluster / gps) * (H / a.k) + rank * srows;
+    // and of the shared expert: group (block / 4) % gps, rows srow0 .. + srows (a 16-row tile per warp)
+    const int sgroup = group % gps, srows = H / (EXPERT_GROUP * a.k), warp = threadIdx.x >> 5;
+    const size_t srow0 = (size_t)(group / gps) * (H / a.k) + rank * srows;
     float* sys = ys + rows;  // [srows]
     DownTiles d, sd;
     step_overlap_begin();
@@ -429,10 +443,23 @@ extern "C" __global__ void __cluster_dims__(EXPERT_CLUSTER, 1, 1) __launch_bound
         }
         hv = wts[slot] * (siluf(g) * uv);
     }
-    // the group's 64 values of h in every block of the cluster
-    if (threadIdx.x < 16)
-        for (unsigned r = 0; r < EXPERT_CLUSTER; ++r) store_to_peer(hall + pad_idx(16 * rank + threadIdx.x), r, hv);
-    cluster_sync();
+    // the group's 64 values of h in every block of the group, through global memory
+    if (threadIdx.x < 16) a.h[slot * a.I + f0 + threadIdx.x] = hv;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(&a.meet[group], 1);
+        while (load_acquire(&a.meet[group]) < EXPERT_GROUP) {
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < 64) hall[pad_idx(threadIdx.x)] = __ldcg(&a.h[slot * a.I + G * 64 + threadIdx.x]);
+    __syncthreads();
+    // the last of the group to leave resets its counters for the next launch
+    if (threadIdx.x == 0 && atomicAdd(&a.meet[groups + group], 1) == EXPERT_GROUP - 1) {
+        a.meet[group] = 0;
+        a.meet[groups + group] = 0;
+    }
     build_x_s8(hall, 64, hx8, hg);
     __syncthreads();
     down_tiles_multiply(d, tiles, hx8, *hg, ys);

@@ -101,6 +101,8 @@ pub struct ExpertsArgs {
     pub shared_gate_proj: u64,
     pub shared_up_proj: u64,
     pub shared_gate_logit: u64,
+    pub h: u64,
+    pub meet: u64,
     pub experts: i32,
     pub renorm: i32,
     pub hidden: i32,
@@ -508,7 +510,7 @@ mod tests {
         assert_eq!(std::mem::size_of::<DownArgs>(), 2 * 24 + 3 * 8 + 3 * 4 + 4);
         assert_eq!(
             std::mem::size_of::<ExpertsArgs>(),
-            4 * 24 + 6 * 8 + 5 * 4 + 4
+            4 * 24 + 8 * 8 + 5 * 4 + 4
         );
         assert_eq!(std::mem::size_of::<GdnArgs>(), 11 * 8 + 16);
         assert_eq!(std::mem::size_of::<PrepArgs>(), 9 * 8 + 20 + 4);

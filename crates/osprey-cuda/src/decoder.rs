@@ -122,10 +122,15 @@ fn gate_up_smem(hidden: usize) -> usize {
 }
 
 /// Dynamic shared memory of a moe_experts block (moe.cu): moe_gate_up's, then for the routed
-/// cluster's group of h and the shared expert's: its two-byte form, (scale, sum) and its 64
+/// group of 4 blocks' 64 values of h and the shared expert's: its two-byte form, (scale, sum) and its 64
 /// values (padded).
 fn experts_smem(hidden: usize) -> usize {
     gate_up_smem(hidden) + 2 * (8 * 16 + 8 + 72 * 4)
+}
+
+/// moe_experts' grid: a block per 16 intermediate rows of each routed slot.
+fn experts_blocks(c: &ModelConfig) -> usize {
+    c.num_experts_per_tok * c.moe_intermediate_size / 16
 }
 
 /// Whether moe_experts takes this shape (moe.cu): a warp holds H / 512 routed down tiles (at
@@ -339,6 +344,8 @@ struct Scratch {
     topk: CudaSlice<i32>,
     /// The MoE block's normalised input (the router launch writes it for moe_experts).
     xn: CudaSlice<f32>,
+    /// moe_experts' meeting counters: blocks arrived and left, per group of 4 blocks.
+    meet: CudaSlice<i32>,
     logits: CudaSlice<f32>,
     token: CudaSlice<i32>,
     pos: CudaSlice<i32>,
@@ -665,6 +672,7 @@ impl CudaDecoder {
             h: stream.alloc_zeros((c.num_experts_per_tok + 1) * c.moe_intermediate_size)?,
             topk: stream.alloc_zeros(32)?,
             xn: stream.alloc_zeros(c.hidden_size)?,
+            meet: stream.alloc_zeros(2 * experts_blocks(&c) / 4)?,
             logits: stream.alloc_zeros(c.vocab_size)?,
             token: stream.alloc_zeros(1)?,
             pos: stream.alloc_zeros(1)?,
@@ -745,7 +753,16 @@ impl CudaDecoder {
             ("recurrent + conv state", state_bytes),
             ("scratch", scratch_bytes),
         ];
-        let fused_experts = experts_fit(&c) && std::env::var(MOE_ENV).as_deref() != Ok("pair");
+        // its blocks wait for each other in groups of 4, so all of them must be resident at once
+        let resident_experts = f.experts.occupancy_max_active_blocks_per_multiprocessor(
+            256,
+            experts_smem(c.hidden_size),
+            None,
+        )? as usize
+            * sms;
+        let fused_experts = experts_fit(&c)
+            && resident_experts >= experts_blocks(&c)
+            && std::env::var(MOE_ENV).as_deref() != Ok("pair");
         Ok(CudaDecoder {
             ctx,
             stream,
@@ -1294,19 +1311,16 @@ impl CudaDecoder {
                     shared_gate_proj: self.p(&s.shared_g),
                     shared_up_proj: self.p(&s.shared_u),
                     shared_gate_logit: self.p(&s.shared_gate_logit),
+                    h: self.p(&s.h),
+                    meet: self.p(&s.meet),
                     experts: c.num_experts as i32,
                     renorm: i32::from(c.norm_topk_prob),
                     hidden: h as i32,
                     inter: c.moe_intermediate_size as i32,
                     k: c.num_experts_per_tok as i32,
                 };
-                // a block per 16 intermediate rows of each routed slot (clusters of 4)
                 let cfg = LaunchConfig {
-                    grid_dim: (
-                        (c.num_experts_per_tok * c.moe_intermediate_size / 16) as u32,
-                        1,
-                        1,
-                    ),
+                    grid_dim: (experts_blocks(c) as u32, 1, 1),
                     block_dim: (256, 1, 1),
                     shared_mem_bytes: experts_smem(h) as u32,
                 };
