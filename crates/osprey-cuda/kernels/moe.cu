@@ -1,6 +1,9 @@
-// Sparse MoE decode: routed experts' gate+up+SwiGLU for the top-k slots, then one "virtual" GEMV
-// for the down projections of all k experts plus the shared expert, with the routing weights and
-// the shared expert's sigmoid gate folded into the activations, and the residual add fused.
+// Sparse MoE decode. The step runs moe_experts (bottom of the file): selection, gate/up + SwiGLU
+// and the down projections of the routed and shared experts in one launch. The two-launch form
+// stays for ablation (OSPREY_DECODE_MOE=pair) and for shapes moe_experts does not take: routed
+// experts' gate+up+SwiGLU for the top-k slots, then one "virtual" GEMV for the down projections of
+// all k experts plus the shared expert, with the routing weights and the shared expert's sigmoid
+// gate folded into the activations, and the residual add fused.
 //
 // Shapes: hidden H (2048), expert intermediate I (512), E experts (256), top-k (8), 4-bit g64.
 // The experts are selected (softmax, top-k, renormalise) by warp 0 of every moe_gate_up block
@@ -279,7 +282,9 @@ extern "C" __global__ void __launch_bounds__(32 * (MAX_TOPK + 1)) moe_down(DownA
 // sectors: 8 useful bytes of each row's 32; and a second wave); the group shared through a
 // thread-block cluster of 4 instead of global memory 18.0-20.4 us, because the cluster launch
 // itself costs ~6 us (the kernel stripped to its gate/up part: 15.9 us with the cluster, 9.8
-// without; bench/results/cuda-decode-moe-experts-probes.json).
+// without; bench/results/cuda-decode-moe-experts-probes.json). This form: 13.7 us per layer
+// (commit 28258e0; of it, down loads + multiply ~1.8 us and the atomics ~1.6 over the gate/up
+// part), the step at 4K 534.5 -> 550.2 tok/s (bench/results/cuda-decode-moe-experts.json).
 struct ExpertsArgs {
     ExpertStack gate, up;       // routed [E*I, H]
     ExpertStack down;           // routed [E*H, I]
