@@ -366,3 +366,63 @@ __device__ __forceinline__ void resident_input(const XInput& a, uint4* xb8, floa
         write_slot(v[r], idx, idx < items, xb8, gx);
     }
 }
+
+// ---- 16-row tiles of one 64-column group (moe_experts, gdn_step_out) ----
+// A block multiplying one group of its input (h's 64 values in build_x_s8's form) into a run of
+// rows of a matrix: the split-K pieces of a projection whose input arrives a group at a time.
+// row tiles per warp at most: a quarter of 2048 rows over 8 warps
+#define GROUP_TILES_PER_WARP 4
+
+// A warp's tiles of one 64-column group G: lane (g, q) holds code words 2q, 2q + 1 of the
+// group for rows g (wa) and g + 8 (wb), and lanes q == 0 the rows' scale and bias.
+struct GroupTiles {
+    uint2 wa[GROUP_TILES_PER_WARP], wb[GROUP_TILES_PER_WARP];
+    __nv_bfloat16 sa[GROUP_TILES_PER_WARP], ba[GROUP_TILES_PER_WARP], sb[GROUP_TILES_PER_WARP], bb[GROUP_TILES_PER_WARP];
+};
+
+// Requests the warp's tiles: rows row0 + 16·(warp·tiles + j) .. of the matrix, K columns wide.
+__device__ __forceinline__ void group_tiles_load(const ExpertStack& m, size_t row0, int K, int G, int tiles, GroupTiles& d) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3, gps = K / 64;
+#pragma unroll
+    for (int j = 0; j < GROUP_TILES_PER_WARP; ++j) {
+        if (j >= tiles) break;
+        const size_t ra = row0 + (size_t)(warp * tiles + j) * 16 + g, rb = ra + 8;
+        d.wa[j] = __ldcs(reinterpret_cast<const uint2*>(m.codes + ra * (K / 8)) + 4 * G + q);
+        d.wb[j] = __ldcs(reinterpret_cast<const uint2*>(m.codes + rb * (K / 8)) + 4 * G + q);
+        if (q == 0) {
+            d.sa[j] = m.scales[ra * gps + G];
+            d.ba[j] = m.biases[ra * gps + G];
+            d.sb[j] = m.scales[rb * gps + G];
+            d.bb[j] = m.biases[rb * gps + G];
+        }
+    }
+}
+
+// The warp's tiles times the group (hx8, hg: build_x_s8's form of its 64 values), each row's
+// scale and bias applied, into ys[row - the block's first row] (lanes q == 0), or added to it.
+__device__ __forceinline__ void group_tiles_multiply(const GroupTiles& d, int tiles, const uint4* hx8, float2 hg, float* ys, bool add) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int j = 0; j < GROUP_TILES_PER_WARP; ++j) {
+        if (j >= tiles) break;
+        int dh[4] = {0, 0, 0, 0}, dl[4] = {0, 0, 0, 0};
+#pragma unroll
+        for (int T = 0; T < 2; ++T) {
+            const uint32_t wA = T ? d.wa[j].y : d.wa[j].x, wB = T ? d.wb[j].y : d.wb[j].x;
+            const uint32_t a0 = wA & 0x0F0F0F0Fu, a2 = (wA >> 4) & 0x0F0F0F0Fu;
+            const uint32_t a1 = wB & 0x0F0F0F0Fu, a3 = (wB >> 4) & 0x0F0F0F0Fu;
+            const uint4 xf = hx8[T * 4 + q];
+            mma_s8(dh, a0, a1, a2, a3, xf.x, xf.y);
+            mma_s8(dl, a0, a1, a2, a3, xf.z, xf.w);
+        }
+        if (q == 0) {
+            const int r = (warp * tiles + j) * 16 + g;
+            const float da = hg.x * fmaf((float)dl[0], 1.f / 254.f, (float)dh[0]);
+            const float db = hg.x * fmaf((float)dl[2], 1.f / 254.f, (float)dh[2]);
+            const float ya = fmaf(__bfloat162float(d.sa[j]), da, __bfloat162float(d.ba[j]) * hg.y);
+            const float yb = fmaf(__bfloat162float(d.sb[j]), db, __bfloat162float(d.bb[j]) * hg.y);
+            ys[r] = add ? ys[r] + ya : ya;
+            ys[r + 8] = add ? ys[r + 8] + yb : yb;
+        }
+    }
+}
