@@ -143,37 +143,6 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 }
 
-// ---- blocks of one launch waiting for each other through global memory ----
-// For launches whose blocks are all resident at once (the host checks), so a wait cannot starve.
-__device__ __forceinline__ int load_acquire(const int* p) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-// Counts this block in at *arrived and returns once n blocks have: what each wrote to global
-// memory before the call is visible to the others after it.
-__device__ __forceinline__ void blocks_meet(int* arrived, int n) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(arrived, 1);
-        while (load_acquire(arrived) < n) {
-        }
-    }
-    __syncthreads();
-}
-
-// After reading what the others wrote: the last of the n to leave resets both counters (zero
-// between launches).
-__device__ __forceinline__ void blocks_leave(int* arrived, int* left, int n) {
-    __syncthreads();
-    if (threadIdx.x == 0 && atomicAdd(left, 1) == n - 1) {
-        *arrived = 0;
-        *left = 0;
-    }
-}
-
 // ---- bulk copies into shared memory (Hopper TMA, no tensor map) behind mbarriers ----
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 

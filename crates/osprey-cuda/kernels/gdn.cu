@@ -13,13 +13,7 @@
 // Bytes: state 64 KB read + 64 KB written per head (4.2 MB per layer), the dominant cost.
 // Measured (H200, commit e06983b, launched alone with events): 10.1 us per layer for 4.2 MB of
 // state traffic = 0.42 TB/s (11% of 3.7 TB/s); latency of its short dependent phases dominates.
-// gdn_step_out (the decode step's default): the same step, then out_proj split over the heads
-// instead of a launch of its own: the 4 blocks of a head meet through global memory (each writes
-// its 32 outputs, counts itself in and waits for the other three), apply the head's gated
-// RMSNorm to all 128 and multiply them (two 64-column groups of out_proj) into a quarter of the
-// output rows, adding the sums into the residual with float4 atomics. The quarter's code words,
-// scales and biases are requested before the dependency wait, with the state.
-#include "tiles.cuh"
+#include "common.cuh"
 
 #define DK 128
 #define DV 128
@@ -58,20 +52,7 @@ __device__ __forceinline__ void shift_conv(const GdnArgs& p, const float* cin, f
     cout[(K - 2) * p.conv_dim + ch] = p.qkv[ch];
 }
 
-// gdn_step_out: the step's arguments, then out_proj's.
-struct GdnOutArgs {
-    GdnArgs p;
-    ExpertStack out;         // out_proj [H, Hv*Dv], 4-bit group 64
-    const float* z;          // [Hv*Dv] output gate (pre-activation)
-    const float* norm;       // [Dv] gated RMSNorm weight
-    float* x;                // residual stream, += out_proj(norm(o) * silu(z))
-    int* meet;               // [2, Hv]: blocks of each head arrived, and left (zero between launches)
-    float eps;
-    int H;
-};
-
-template <bool OUT>
-__device__ __forceinline__ void gdn_body(const GdnArgs& p, const GdnOutArgs* oa) {
+extern "C" __global__ void __launch_bounds__(256) gdn_step(GdnArgs p) {
     __shared__ float q[DK], k[DK], v[COLS], part[ROW_GROUPS][COLS], scratch[32];
     const int h = blockIdx.x, split = blockIdx.y, t = threadIdx.x;
     const int rep = p.hv / p.hk, kh = h / rep, kd = p.hk * DK;
@@ -86,13 +67,6 @@ __device__ __forceinline__ void gdn_body(const GdnArgs& p, const GdnOutArgs* oa)
 #pragma unroll
     for (int r = 0; r < ROWS_PER; ++r) s[r] = S[(i0 + r) * DV + j];
     const float a_log = p.a_log[h], dt_bias = p.dt_bias[h];
-    // out_proj: this block's quarter of the rows, the head's two groups (weights: before the wait)
-    GroupTiles w0, w1;
-    const int rows = OUT ? oa->H / COL_SPLITS : 0, tiles = rows / 16 / 8, K = p.hv * DV;
-    if (OUT) {
-        group_tiles_load(oa->out, (size_t)split * rows, K, 2 * h, tiles, w0);
-        group_tiles_load(oa->out, (size_t)split * rows, K, 2 * h + 1, tiles, w1);
-    }
     step_inputs_ready();
     // the gates' inputs requested with the conv's, not after the norms' barriers: one round trip
     const float b_in = p.b[h], a_in = p.a[h];
@@ -160,29 +134,4 @@ __device__ __forceinline__ void gdn_body(const GdnArgs& p, const GdnOutArgs* oa)
         for (int g = 0; g < ROW_GROUPS; ++g) out += part[g][jl];
         p.o[h * DV + j] = out;
     }
-    if (OUT) {
-        // the head's 128 outputs from its 4 blocks, gated-RMS-normalised, as two groups' bytes
-        __shared__ __align__(16) float y[DV + DV / 8];
-        __shared__ uint4 yb8[2 * 8];
-        __shared__ float2 yg[2];
-        blocks_meet(oa->meet + h, COL_SPLITS);
-        const float o = t < DV ? __ldcg(&p.o[h * DV + t]) : 0.f;
-        blocks_leave(oa->meet + h, oa->meet + p.hv + h, COL_SPLITS);
-        const float inv = rsqrtf(block_sum(o * o, scratch) / DV + oa->eps);
-        if (t < DV) y[pad_idx(t)] = o * inv * oa->norm[t] * siluf(oa->z[h * DV + t]);
-        __syncthreads();
-        build_x_s8(y, DV, yb8, yg);
-        __syncthreads();
-        // the quarter's sums (reusing the step's scratch space is not enough: a row each)
-        __shared__ __align__(16) float ys[2048 / COL_SPLITS];
-        group_tiles_multiply(w0, tiles, yb8, yg[0], ys, false);
-        group_tiles_multiply(w1, tiles, yb8 + 8, yg[1], ys, true);
-        __syncthreads();
-        for (int i = t; i < rows / 4; i += blockDim.x)
-            atomicAdd(reinterpret_cast<float4*>(oa->x + (size_t)split * rows) + i, reinterpret_cast<const float4*>(ys)[i]);
-    }
 }
-
-extern "C" __global__ void __launch_bounds__(256) gdn_step(GdnArgs p) { gdn_body<false>(p, nullptr); }
-
-extern "C" __global__ void __launch_bounds__(256) gdn_step_out(GdnOutArgs a) { gdn_body<true>(a.p, &a); }

@@ -302,7 +302,67 @@ struct ExpertsArgs {
 
 #define EXPERT_GROUP 4
 
+__device__ __forceinline__ int load_acquire(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
 
+// down row tiles per warp at most: H / EXPERT_GROUP / 16 / 8 warps (H <= 2048)
+#define DOWN_TILES_PER_WARP 4
+
+// A warp's down tiles of one 64-column group G: lane (g, q) holds code words 2q, 2q + 1 of the
+// group for rows g (wa) and g + 8 (wb), and lanes q == 0 the rows' scale and bias.
+struct DownTiles {
+    uint2 wa[DOWN_TILES_PER_WARP], wb[DOWN_TILES_PER_WARP];
+    __nv_bfloat16 sa[DOWN_TILES_PER_WARP], ba[DOWN_TILES_PER_WARP], sb[DOWN_TILES_PER_WARP], bb[DOWN_TILES_PER_WARP];
+};
+
+// Requests the warp's tiles: rows row0 + 16·(warp·tiles + j) .. of the stack (row0: the expert's
+// first row plus the block's quarter).
+__device__ __forceinline__ void down_tiles_load(const ExpertStack& m, size_t row0, int I, int G, int tiles, DownTiles& d) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3, gps = I / 64;
+#pragma unroll
+    for (int j = 0; j < DOWN_TILES_PER_WARP; ++j) {
+        if (j >= tiles) break;
+        const size_t ra = row0 + (size_t)(warp * tiles + j) * 16 + g, rb = ra + 8;
+        d.wa[j] = __ldcs(reinterpret_cast<const uint2*>(m.codes + ra * (I / 8)) + 4 * G + q);
+        d.wb[j] = __ldcs(reinterpret_cast<const uint2*>(m.codes + rb * (I / 8)) + 4 * G + q);
+        if (q == 0) {
+            d.sa[j] = m.scales[ra * gps + G];
+            d.ba[j] = m.biases[ra * gps + G];
+            d.sb[j] = m.scales[rb * gps + G];
+            d.bb[j] = m.biases[rb * gps + G];
+        }
+    }
+}
+
+// The warp's tiles times h's group (hx8, hg: build_x_s8's form of 64 values), each row's
+// scale and bias applied, into ys[row - the block's first row] (lanes q == 0).
+__device__ __forceinline__ void down_tiles_multiply(const DownTiles& d, int tiles, const uint4* hx8, float2 hg, float* ys) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int j = 0; j < DOWN_TILES_PER_WARP; ++j) {
+        if (j >= tiles) break;
+        int dh[4] = {0, 0, 0, 0}, dl[4] = {0, 0, 0, 0};
+#pragma unroll
+        for (int T = 0; T < 2; ++T) {
+            const uint32_t wA = T ? d.wa[j].y : d.wa[j].x, wB = T ? d.wb[j].y : d.wb[j].x;
+            const uint32_t a0 = wA & 0x0F0F0F0Fu, a2 = (wA >> 4) & 0x0F0F0F0Fu;
+            const uint32_t a1 = wB & 0x0F0F0F0Fu, a3 = (wB >> 4) & 0x0F0F0F0Fu;
+            const uint4 xf = hx8[T * 4 + q];
+            mma_s8(dh, a0, a1, a2, a3, xf.x, xf.y);
+            mma_s8(dl, a0, a1, a2, a3, xf.z, xf.w);
+        }
+        if (q == 0) {
+            const int r = (warp * tiles + j) * 16 + g;
+            const float da = hg.x * fmaf((float)dl[0], 1.f / 254.f, (float)dh[0]);
+            const float db = hg.x * fmaf((float)dl[2], 1.f / 254.f, (float)dh[2]);
+            ys[r] = fmaf(__bfloat162float(d.sa[j]), da, __bfloat162float(d.ba[j]) * hg.y);
+            ys[r + 8] = fmaf(__bfloat162float(d.sb[j]), db, __bfloat162float(d.bb[j]) * hg.y);
+        }
+    }
+}
 
 // Shared memory (dynamic, experts_smem in decoder.rs): the gate/up tile pair, x's bytes and the
 // quads' partial sums as moe_gate_up (the tile's codes reused for the block's output rows once
@@ -339,10 +399,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) 
     const int sgroup = group % gps, srows = H / (EXPERT_GROUP * a.k), warp = threadIdx.x >> 5;
     const size_t srow0 = (size_t)(group / gps) * (H / a.k) + rank * srows;
     float* sys = ys + rows;  // [srows]
-    GroupTiles d, sd;
+    DownTiles d, sd;
     step_overlap_begin();
     // weights no kernel writes: requested before the wait
-    if (warp < srows / 16) group_tiles_load(a.shared_down, srow0, a.I, sgroup, 1, sd);
+    if (warp < srows / 16) down_tiles_load(a.shared_down, srow0, a.I, sgroup, 1, sd);
     step_inputs_ready();
     if (threadIdx.x < 64) {
         const int f = sgroup * 64 + threadIdx.x;
@@ -366,7 +426,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) 
     resident_input(XInput{a.xn, nullptr, nullptr, nullptr, 0.f, H, 0}, xb8, gx, scratch);
     __syncthreads();  // x's bytes, the selection, the barrier's initialisation, the shared group's h
     // the expert is known: its down rows go out while the gate/up tiles arrive
-    group_tiles_load(a.down, (size_t)ids[slot] * H + quarter, a.I, G, tiles, d);
+    down_tiles_load(a.down, (size_t)ids[slot] * H + quarter, a.I, G, tiles, d);
     build_x_s8(sall, 64, sx8, sg);
     mbar_wait(full, 0);
     QuadX X;
@@ -390,13 +450,25 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) 
     }
     // the group's 64 values of h in every block of the group, through global memory
     if (threadIdx.x < 16) a.h[slot * a.I + f0 + threadIdx.x] = hv;
-    blocks_meet(a.meet + group, EXPERT_GROUP);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(&a.meet[group], 1);
+        while (load_acquire(&a.meet[group]) < EXPERT_GROUP) {
+        }
+    }
+    __syncthreads();
     if (threadIdx.x < 64) hall[pad_idx(threadIdx.x)] = __ldcg(&a.h[slot * a.I + G * 64 + threadIdx.x]);
-    blocks_leave(a.meet + group, a.meet + groups + group, EXPERT_GROUP);
+    __syncthreads();
+    // the last of the group to leave resets its counters for the next launch
+    if (threadIdx.x == 0 && atomicAdd(&a.meet[groups + group], 1) == EXPERT_GROUP - 1) {
+        a.meet[group] = 0;
+        a.meet[groups + group] = 0;
+    }
     build_x_s8(hall, 64, hx8, hg);
     __syncthreads();
-    group_tiles_multiply(d, tiles, hx8, *hg, ys, false);
-    if (warp < srows / 16) group_tiles_multiply(sd, 1, sx8, *sg, sys, false);
+    down_tiles_multiply(d, tiles, hx8, *hg, ys);
+    if (warp < srows / 16) down_tiles_multiply(sd, 1, sx8, *sg, sys);
     __syncthreads();
     for (int i = threadIdx.x; i < rows / 4; i += blockDim.x) {
         const float4 y = reinterpret_cast<const float4*>(ys)[i];

@@ -143,20 +143,6 @@ pub struct GdnArgs {
     pub kernel: i32,
 }
 
-/// gdn.cu `GdnOutArgs`: gdn_step_out's, the step's arguments then out_proj's.
-#[repr(C)]
-#[derive(Clone, Copy, Default, Debug)]
-pub struct GdnOutArgs {
-    pub p: GdnArgs,
-    pub out: ExpertStack,
-    pub z: u64,
-    pub norm: u64,
-    pub x: u64,
-    pub meet: u64,
-    pub eps: f32,
-    pub hidden: i32,
-}
-
 #[repr(C)]
 #[derive(Clone, Copy, Default, Debug)]
 pub struct PrepArgs {
@@ -484,7 +470,6 @@ unsafe impl DeviceRepr for GateUpArgs {}
 unsafe impl DeviceRepr for DownArgs {}
 unsafe impl DeviceRepr for ExpertsArgs {}
 unsafe impl DeviceRepr for GdnArgs {}
-unsafe impl DeviceRepr for GdnOutArgs {}
 unsafe impl DeviceRepr for PrepArgs {}
 unsafe impl DeviceRepr for DecodeArgs {}
 unsafe impl DeviceRepr for CombineArgs {}
@@ -528,10 +513,6 @@ mod tests {
             4 * 24 + 8 * 8 + 5 * 4 + 4
         );
         assert_eq!(std::mem::size_of::<GdnArgs>(), 11 * 8 + 16);
-        assert_eq!(
-            std::mem::size_of::<GdnOutArgs>(),
-            11 * 8 + 16 + 24 + 4 * 8 + 8
-        );
         assert_eq!(std::mem::size_of::<PrepArgs>(), 9 * 8 + 20 + 4);
         assert_eq!(std::mem::size_of::<SampleParams>(), 8 * 4 + 8);
         assert_eq!(std::mem::size_of::<SampleArgs>(), 8 * 8 + 8 + 2 * 8 + 2 * 4);

@@ -1,12 +1,12 @@
-//! The batch-1 decode step on the GPU. Per Gated DeltaNet layer: 2 kernels for the mixer (fused
-//! input projections with the RMSNorm prologue, then the fused recurrent step whose blocks also
-//! apply the gated norm and multiply their head into out_proj, adding into the residual;
-//! `OSPREY_DECODE_GDN=pair` splits off out_proj) and 2 for the MoE (router + shared-expert
-//! projections, then the routed and shared experts in one launch: selection, gate/up/SwiGLU and
-//! each block's down columns added into the residual; `OSPREY_DECODE_MOE=pair` splits the last
-//! into gate/up and down). Attention layers use 5 for the mixer. The step ends with the lm_head
-//! GEMV, whose last block writes the greedy choice into the input slot and advances the
-//! position, so replaying the captured graph generates with no host round trip.
+//! The batch-1 decode step on the GPU. Per Gated DeltaNet layer: 3 kernels for the mixer (fused
+//! input projections with the RMSNorm prologue, the fused recurrent step, out_proj with the
+//! residual add) and 2 for the MoE (router + shared-expert projections, then the routed and
+//! shared experts in one launch: selection, gate/up/SwiGLU and each block's down columns added
+//! into the residual; `OSPREY_DECODE_MOE=pair` splits the last into gate/up and down). Attention
+//! layers use 5 for the mixer. The step ends with the lm_head GEMV, whose last block writes the
+//! greedy choice into the input slot and advances the position, so replaying the captured graph
+//! generates with no host round trip.
+
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -138,17 +138,6 @@ fn experts_blocks(c: &ModelConfig) -> usize {
 fn experts_fit(c: &ModelConfig) -> bool {
     let (h, k) = (c.hidden_size, c.num_experts_per_tok);
     h <= 2048 && h.is_multiple_of(512) && h.is_multiple_of(64 * k) && h <= 512 * k
-}
-
-/// `OSPREY_DECODE_GDN=pair` runs the decode step's GDN recurrent step and out_proj as two launches
-/// (gdn_step, then gemv_q_pair with the gated norm) instead of gdn_step_out, for ablation.
-const GDN_ENV: &str = "OSPREY_DECODE_GDN";
-
-/// Whether gdn_step_out takes this shape (gdn.cu): each of a head's 4 blocks multiplies its 128
-/// values into a quarter of the H output rows, at most 4 tiles per warp.
-fn gdn_out_fits(c: &ModelConfig) -> bool {
-    let h = c.hidden_size;
-    h <= 2048 && h.is_multiple_of(512) && c.linear_value_head_dim == 128
 }
 
 /// `OSPREY_DECODE_MOE=pair` runs the decode step's experts as two launches (moe_gate_up, then
@@ -357,8 +346,6 @@ struct Scratch {
     xn: CudaSlice<f32>,
     /// moe_experts' meeting counters: blocks arrived and left, per group of 4 blocks.
     meet: CudaSlice<i32>,
-    /// gdn_step_out's: blocks arrived and left, per value head.
-    meet_gdn: CudaSlice<i32>,
     logits: CudaSlice<f32>,
     token: CudaSlice<i32>,
     pos: CudaSlice<i32>,
@@ -385,7 +372,6 @@ struct Functions {
     experts: CudaFunction,
     down: CudaFunction,
     gdn: CudaFunction,
-    gdn_out: CudaFunction,
     prep: CudaFunction,
     attn: CudaFunction,
     combine: CudaFunction,
@@ -435,8 +421,6 @@ pub struct CudaDecoder {
     overlap: StepOverlap,
     /// The MoE block's experts in one launch (moe_experts), or as the gate/up and down pair.
     fused_experts: bool,
-    /// The GDN step and out_proj in one launch (gdn_step_out), or as two.
-    fused_gdn_out: bool,
 }
 
 fn upload_f32(stream: &Arc<CudaStream>, v: &[f32]) -> Result<CudaSlice<f32>> {
@@ -562,7 +546,6 @@ impl CudaDecoder {
             experts: func("moe", "moe_experts")?,
             down: func("moe", "moe_down")?,
             gdn: func("gdn", "gdn_step")?,
-            gdn_out: func("gdn", "gdn_step_out")?,
             prep: func("attention", "attn_prep")?,
             attn: func("attention", "attn_decode")?,
             combine: func("attention", "attn_combine")?,
@@ -690,7 +673,6 @@ impl CudaDecoder {
             topk: stream.alloc_zeros(32)?,
             xn: stream.alloc_zeros(c.hidden_size)?,
             meet: stream.alloc_zeros(2 * experts_blocks(&c) / 4)?,
-            meet_gdn: stream.alloc_zeros(2 * c.linear_num_value_heads)?,
             logits: stream.alloc_zeros(c.vocab_size)?,
             token: stream.alloc_zeros(1)?,
             pos: stream.alloc_zeros(1)?,
@@ -781,14 +763,6 @@ impl CudaDecoder {
         let fused_experts = experts_fit(&c)
             && resident_experts >= experts_blocks(&c)
             && std::env::var(MOE_ENV).as_deref() != Ok("pair");
-        // gdn_step_out's 4 blocks per head wait for each other too
-        let resident_gdn =
-            f.gdn_out
-                .occupancy_max_active_blocks_per_multiprocessor(256, 0, None)? as usize
-                * sms;
-        let fused_gdn_out = gdn_out_fits(&c)
-            && resident_gdn >= 4 * c.linear_num_value_heads
-            && std::env::var(GDN_ENV).as_deref() != Ok("pair");
         Ok(CudaDecoder {
             ctx,
             stream,
@@ -813,7 +787,6 @@ impl CudaDecoder {
             wgmma: prefill::Wgmma::from_env(),
             overlap: StepOverlap::from_env(),
             fused_experts,
-            fused_gdn_out,
         })
     }
 
@@ -1180,53 +1153,30 @@ impl CudaDecoder {
                         conv_dim: c.conv_dim() as i32,
                         kernel: c.conv_kernel as i32,
                     };
-                    let fused = self.fused_gdn_out && out.m.bits == 4 && out.m.group == 64;
-                    if fused {
-                        let oa = GdnOutArgs {
-                            p: ga,
-                            out: out.m.at(out.row0, st),
-                            z: self.p(&s.z),
-                            norm: self.p(norm),
-                            x,
-                            meet: self.p(&s.meet_gdn),
-                            eps,
-                            hidden: h as i32,
-                        };
-                        timed!(
-                            "gdn step + gated norm + out_proj + residual",
-                            self.launch_params(
-                                &self.f.gdn_out,
-                                launch_cfg((c.linear_num_value_heads as u32, 4), 256),
-                                &mut [&oa as *const GdnOutArgs as *mut c_void],
-                                self.overlap.early,
-                            )?
-                        );
-                    } else {
-                        timed!(
-                            "gdn step (conv, l2, delta rule)",
-                            self.launch_params(
-                                &self.f.gdn,
-                                launch_cfg((c.linear_num_value_heads as u32, 4), 256),
-                                &mut [&ga as *const GdnArgs as *mut c_void],
-                                self.overlap.early,
-                            )?
-                        );
-                        let gated = Prologue::GatedHeadNorm {
-                            weight: self.p(norm),
-                            z: self.p(&s.z),
-                            head_dim: c.linear_value_head_dim,
-                        };
-                        timed!(
-                            "gdn gated norm + out_proj + residual",
-                            self.gemv(
-                                &[out.segment(x, true, st)],
-                                self.p(&s.y),
-                                gated,
-                                c.linear_value_dim(),
-                                out.m.group
-                            )?
-                        );
-                    }
+                    timed!(
+                        "gdn step (conv, l2, delta rule)",
+                        self.launch_params(
+                            &self.f.gdn,
+                            launch_cfg((c.linear_num_value_heads as u32, 4), 256),
+                            &mut [&ga as *const GdnArgs as *mut c_void],
+                            self.overlap.early,
+                        )?
+                    );
+                    let gated = Prologue::GatedHeadNorm {
+                        weight: self.p(norm),
+                        z: self.p(&s.z),
+                        head_dim: c.linear_value_head_dim,
+                    };
+                    timed!(
+                        "gdn gated norm + out_proj + residual",
+                        self.gemv(
+                            &[out.segment(x, true, st)],
+                            self.p(&s.y),
+                            gated,
+                            c.linear_value_dim(),
+                            out.m.group
+                        )?
+                    );
                 }
                 LayerDev::Attention {
                     q,
@@ -1905,19 +1855,6 @@ mod tests {
             );
         }
         assert_eq!(experts_smem(2048), gate_up_smem(2048) + 848);
-    }
-
-    #[test]
-    fn gdn_step_out_takes_the_real_and_tiny_shapes() {
-        let mut c = qwen36();
-        assert!(gdn_out_fits(&c));
-        c.hidden_size = 512;
-        assert!(gdn_out_fits(&c));
-        c.hidden_size = 4096;
-        assert!(!gdn_out_fits(&c));
-        c.hidden_size = 2048;
-        c.linear_value_head_dim = 64;
-        assert!(!gdn_out_fits(&c));
     }
 
     #[test]
