@@ -261,30 +261,26 @@ extern "C" __global__ void __launch_bounds__(32 * (MAX_TOPK + 1)) moe_down(DownA
 }
 
 // ---- moe_experts: the routed and shared experts in one launch -----------------------------------
-// The down projection split over the experts' intermediate rows instead of its output rows: the
-// blocks that finish h's rows (a slot's 16-row gate/up tile pair each, as moe_gate_up) multiply
-// them straight into the matching columns of their expert's down matrix and add the partial sums
-// into the residual (float4 atomics), so no launch waits for all of h. Four consecutive blocks
-// hold one 64-row group of h: each writes its 16 values to global memory and counts itself in
-// (a fence, then an atomic), waits for the other three, and multiplies the whole group (32
-// contiguous code bytes a row) for a quarter of the output rows. Every block is resident at once
-// (the host checks the occupancy, else it runs the pair), so the wait cannot starve. Each block
-// also takes H / 4k rows of one group of the shared expert's down matrix (its gate and up
-// projections come from the router launch; the block computes the group's 64 values of h
-// itself), requested before the wait; the grid is k·I/16 blocks, two per SM in one wave.
-// The residual is written while blocks still run, so the normalised input comes from the router
-// launch (its block 0 writes it: GemvArgs.normed), not from x.
-// Down rows on the integer tensor cores as tiles.cuh's 16-row tiles (h as two signed bytes per
-// element, one scale for the group); a warp's tiles' code words are requested together once the
-// expert is known.
+// The down projection without waiting for all of h: the 32 blocks of a routed slot (each a
+// 16-row gate/up tile pair of its expert, as moe_gate_up) write their 16 values of h to global
+// memory, count themselves in (a fence, then an atomic) and wait only for each other; then each
+// multiplies the slot's whole h (I = 512, contiguous 256-byte rows) into H/32 rows of its
+// expert's down matrix and adds them into the residual (float4 atomics: 9 adds per element, the
+// 8 slots and the shared expert). Every block is resident at once (the host checks the
+// occupancy, else it runs the pair), so the wait cannot starve. The first H/16 blocks also take
+// a 16-row tile of the shared expert's down matrix (its gate and up projections come from the
+// router launch; such a block computes the shared h itself), requested before the wait. The grid
+// is k·I/16 blocks, two per SM in one wave. The residual is written while blocks still run, so
+// the normalised input comes from the router launch (its block 0 writes it: GemvArgs.normed).
+// Down rows as the GEMV's 16-row tiles (tiles.cuh tile_load / tile_compute_s8: h as two signed
+// bytes per element), a tile's groups split over 2-4 warps, requested once the expert is known.
 // Measured (H200, 4K context, inside the decode graph, per layer; the pair: gate/up 8.4 us +
-// down 6.6): 16-column slices per block and 32 blocks for the shared expert 22.9 us (4x the L2
-// sectors: 8 useful bytes of each row's 32; and a second wave); the group shared through a
-// thread-block cluster of 4 instead of global memory 18.0-20.4 us, because the cluster launch
-// itself costs ~6 us (the kernel stripped to its gate/up part: 15.9 us with the cluster, 9.8
-// without; bench/results/cuda-decode-moe-experts-probes.json). This form: 13.7 us per layer
-// (commit 28258e0; of it, down loads + multiply ~1.8 us and the atomics ~1.6 over the gate/up
-// part), the step at 4K 534.5 -> 550.2 tok/s (bench/results/cuda-decode-moe-experts.json).
+// down 6.6): 16-column slices of the down matrix per block and 32 blocks for the shared expert
+// 22.9 us (4x the L2 sectors: 8 useful bytes of each row's 32; and a second wave); groups of 4
+// blocks sharing a 64-row group of h through a thread-block cluster 18.0-20.4 us (the cluster
+// launch itself costs ~6 us: the kernel stripped to its gate/up part took 15.9 us with the
+// cluster, 9.8 without; bench/results/cuda-decode-moe-experts-probes.json); through global
+// memory 13.7 us (72 atomic adds per residual element, of which the atomics cost ~1.6 us).
 struct ExpertsArgs {
     ExpertStack gate, up;       // routed [E*I, H]
     ExpertStack down;           // routed [E*H, I]
@@ -295,12 +291,13 @@ struct ExpertsArgs {
     const float* shared_gate_proj;   // [I] (pre-activation)
     const float* shared_up_proj;     // [I]
     const float* shared_gate_logit;  // [1]
-    float* h;                   // [k, I]: each block's 16 values of h, for the other three of its group
-    int* meet;                  // [2, k·I/64]: blocks of each group arrived, and left (zero between launches)
+    float* h;                   // [k, I]: each block's 16 values of h, for the rest of its slot
+    int* meet;                  // [2, k]: blocks of each slot arrived, and left (zero between launches)
     int experts, renorm, H, I, k;
 };
 
-#define EXPERT_GROUP 4
+// h of one slot (I <= 512) in shared memory, padded, and as the tiles' two-byte form
+#define EXPERTS_MAX_I 512
 
 __device__ __forceinline__ int load_acquire(const int* p) {
     int v;
@@ -308,111 +305,52 @@ __device__ __forceinline__ int load_acquire(const int* p) {
     return v;
 }
 
-// down row tiles per warp at most: H / EXPERT_GROUP / 16 / 8 warps (H <= 2048)
-#define DOWN_TILES_PER_WARP 4
-
-// A warp's down tiles of one 64-column group G: lane (g, q) holds code words 2q, 2q + 1 of the
-// group for rows g (wa) and g + 8 (wb), and lanes q == 0 the rows' scale and bias.
-struct DownTiles {
-    uint2 wa[DOWN_TILES_PER_WARP], wb[DOWN_TILES_PER_WARP];
-    __nv_bfloat16 sa[DOWN_TILES_PER_WARP], ba[DOWN_TILES_PER_WARP], sb[DOWN_TILES_PER_WARP], bb[DOWN_TILES_PER_WARP];
-};
-
-// Requests the warp's tiles: rows row0 + 16·(warp·tiles + j) .. of the stack (row0: the expert's
-// first row plus the block's quarter).
-__device__ __forceinline__ void down_tiles_load(const ExpertStack& m, size_t row0, int I, int G, int tiles, DownTiles& d) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3, gps = I / 64;
-#pragma unroll
-    for (int j = 0; j < DOWN_TILES_PER_WARP; ++j) {
-        if (j >= tiles) break;
-        const size_t ra = row0 + (size_t)(warp * tiles + j) * 16 + g, rb = ra + 8;
-        d.wa[j] = __ldcs(reinterpret_cast<const uint2*>(m.codes + ra * (I / 8)) + 4 * G + q);
-        d.wb[j] = __ldcs(reinterpret_cast<const uint2*>(m.codes + rb * (I / 8)) + 4 * G + q);
-        if (q == 0) {
-            d.sa[j] = m.scales[ra * gps + G];
-            d.ba[j] = m.biases[ra * gps + G];
-            d.sb[j] = m.scales[rb * gps + G];
-            d.bb[j] = m.biases[rb * gps + G];
-        }
-    }
-}
-
-// The warp's tiles times h's group (hx8, hg: build_x_s8's form of 64 values), each row's
-// scale and bias applied, into ys[row - the block's first row] (lanes q == 0).
-__device__ __forceinline__ void down_tiles_multiply(const DownTiles& d, int tiles, const uint4* hx8, float2 hg, float* ys) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
-#pragma unroll
-    for (int j = 0; j < DOWN_TILES_PER_WARP; ++j) {
-        if (j >= tiles) break;
-        int dh[4] = {0, 0, 0, 0}, dl[4] = {0, 0, 0, 0};
-#pragma unroll
-        for (int T = 0; T < 2; ++T) {
-            const uint32_t wA = T ? d.wa[j].y : d.wa[j].x, wB = T ? d.wb[j].y : d.wb[j].x;
-            const uint32_t a0 = wA & 0x0F0F0F0Fu, a2 = (wA >> 4) & 0x0F0F0F0Fu;
-            const uint32_t a1 = wB & 0x0F0F0F0Fu, a3 = (wB >> 4) & 0x0F0F0F0Fu;
-            const uint4 xf = hx8[T * 4 + q];
-            mma_s8(dh, a0, a1, a2, a3, xf.x, xf.y);
-            mma_s8(dl, a0, a1, a2, a3, xf.z, xf.w);
-        }
-        if (q == 0) {
-            const int r = (warp * tiles + j) * 16 + g;
-            const float da = hg.x * fmaf((float)dl[0], 1.f / 254.f, (float)dh[0]);
-            const float db = hg.x * fmaf((float)dl[2], 1.f / 254.f, (float)dh[2]);
-            ys[r] = fmaf(__bfloat162float(d.sa[j]), da, __bfloat162float(d.ba[j]) * hg.y);
-            ys[r + 8] = fmaf(__bfloat162float(d.sb[j]), db, __bfloat162float(d.bb[j]) * hg.y);
-        }
-    }
-}
-
-// Shared memory (dynamic, experts_smem in decoder.rs): the gate/up tile pair, x's bytes and the
-// quads' partial sums as moe_gate_up (the tile's codes reused for the block's output rows once
-// multiplied), then the group's 64 h values (padded), their two-byte form and (scale, sum),
-// scratch, the selection and the barrier.
+// Dynamic shared memory as moe_gate_up's (gate_up_smem in decoder.rs; the tile pair, x's bytes,
+// the quads' partial sums, scratch, the selection and the barrier); h's forms and the down
+// tiles' partial sums are static.
 extern "C" __global__ void __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) {
     extern __shared__ __align__(128) char smem[];
-    const int H = a.H, gpr = H / 64, quads = gpr / 4, units = 2 * quads;
+    __shared__ __align__(16) float hall[EXPERTS_MAX_I + EXPERTS_MAX_I / 8], sall[EXPERTS_MAX_I + EXPERTS_MAX_I / 8];
+    __shared__ uint4 hx8[EXPERTS_MAX_I / 64 * 8], sx8[EXPERTS_MAX_I / 64 * 8];
+    __shared__ float2 hg[EXPERTS_MAX_I / 64], sg[EXPERTS_MAX_I / 64];
+    __shared__ float wpart[8][16], spart[8][16];
+    const int H = a.H, I = a.I, gpr = H / 64, quads = gpr / 4, units = 2 * quads;
     char* codes = smem;  // [gate, up][16 rows][H/2]
     __nv_bfloat16* scales = reinterpret_cast<__nv_bfloat16*>(codes + 2 * 16 * (H / 2));
     __nv_bfloat16* biases = scales + 2 * 16 * gpr;
     uint4* xb8 = reinterpret_cast<uint4*>(biases + 2 * 16 * gpr);
     float2* gx = reinterpret_cast<float2*>(xb8 + gpr * 8);
-    float* part = reinterpret_cast<float*>(gx + gpr);   // [unit][16]
-    // this block group's 64 values of h (hx8, hg, hall) and the shared expert's (sx8, sg, sall)
-    uint4* hx8 = reinterpret_cast<uint4*>(part + units * 16);  // [8]
-    uint4* sx8 = hx8 + 8;                                      // [8]
-    float2* hg = reinterpret_cast<float2*>(sx8 + 8);
-    float2* sg = hg + 1;
-    float* hall = reinterpret_cast<float*>(sg + 1);  // [pad_idx(64)]
-    float* sall = hall + 72;                         // [pad_idx(64)]
-    float* scratch = sall + 72;
+    float* part = reinterpret_cast<float*>(gx + gpr);  // [unit][16]
+    float* scratch = part + units * 16;
     float* wts = scratch + 32;
     int* ids = reinterpret_cast<int*>(wts + MAX_TOPK);
     uint64_t* full = reinterpret_cast<uint64_t*>(ids + MAX_TOPK);
-    float* ys = reinterpret_cast<float*>(codes);  // [H / EXPERT_GROUP], once the tiles are multiplied
-    const int rank = blockIdx.x % EXPERT_GROUP, group = blockIdx.x / EXPERT_GROUP;  // 4 blocks, one group of h
-    const int fblocks = a.I / 16, gps = a.I / 64, groups = gridDim.x / EXPERT_GROUP;
-    const int slot = blockIdx.x / fblocks, f0 = (blockIdx.x % fblocks) * 16, G = f0 / 64;
-    // this block's output rows: the rank-th quarter
-    const int rows = H / EXPERT_GROUP, tiles = rows / 16 / 8;
-    const size_t quarter = (size_t)rank * rows;
-    // and of the shared expert: group (block / 4) % gps, rows srow0 .. + srows (a 16-row tile per warp)
-    const int sgroup = group % gps, srows = H / (EXPERT_GROUP * a.k), warp = threadIdx.x >> 5;
-    const size_t srow0 = (size_t)(group / gps) * (H / a.k) + rank * srows;
-    float* sys = ys + rows;  // [srows]
-    DownTiles d, sd;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int fblocks = I / 16, gps = I / 64, slot = blockIdx.x / fblocks, fi = blockIdx.x % fblocks, f0 = fi * 16;
+    // this block's rows of its expert's down matrix: `tiles` 16-row tiles from r0, each tile's
+    // groups split over wpt warps (an even number of groups each)
+    const int rpb = H / fblocks, tiles = rpb / 16, wpt = min(8 / tiles, gps / 2), gpw = gps / wpt;
+    const int r0 = fi * rpb, my_tile = warp / wpt, g0 = (warp % wpt) * gpw;
+    const bool routed_warp = my_tile < tiles;
+    // the shared expert's tile (blocks below H/16): warps 0 .. gps/2 - 1, two groups each
+    const bool shared_tile = (int)blockIdx.x < H / 16, shared_warp = shared_tile && warp < gps / 2;
+    TileBatch tb, sb;
     step_overlap_begin();
     // weights no kernel writes: requested before the wait
-    if (warp < srows / 16) down_tiles_load(a.shared_down, srow0, a.I, sgroup, 1, sd);
+    if (shared_warp)
+        tile_load(QRows{a.shared_down.codes, a.shared_down.scales, a.shared_down.biases, H}, I, blockIdx.x * 16, 2 * warp,
+                  2 * warp + 2, sb);
     step_inputs_ready();
-    if (threadIdx.x < 64) {
-        const int f = sgroup * 64 + threadIdx.x;
-        sall[pad_idx(threadIdx.x)] = sigmoidf(a.shared_gate_logit[0]) * siluf(a.shared_gate_proj[f]) * a.shared_up_proj[f];
+    if (shared_tile) {
+        const float gate = sigmoidf(a.shared_gate_logit[0]);
+        for (int i = threadIdx.x; i < I; i += blockDim.x)
+            sall[pad_idx(i)] = gate * siluf(a.shared_gate_proj[i]) * a.shared_up_proj[i];
     }
     if (threadIdx.x < 32) {
         select_experts(Routing{a.router_logits, a.experts, a.k, a.renorm}, ids, wts, nullptr);
         __syncwarp();
         if (threadIdx.x == 0) {
-            const size_t row0 = (size_t)ids[slot] * a.I + f0;
+            const size_t row0 = (size_t)ids[slot] * I + f0;
             mbar_init(full, 1);
             mbar_init_fence();
             mbar_arrive_expect_bytes(full, 2 * q4_rows_bytes(16, H));
@@ -424,10 +362,13 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) 
         }
     }
     resident_input(XInput{a.xn, nullptr, nullptr, nullptr, 0.f, H, 0}, xb8, gx, scratch);
-    __syncthreads();  // x's bytes, the selection, the barrier's initialisation, the shared group's h
+    __syncthreads();  // x's bytes, the selection, the barrier's initialisation, the shared h
     // the expert is known: its down rows go out while the gate/up tiles arrive
-    down_tiles_load(a.down, (size_t)ids[slot] * H + quarter, a.I, G, tiles, d);
-    build_x_s8(sall, 64, sx8, sg);
+    const size_t e0 = (size_t)ids[slot] * H;
+    if (routed_warp)
+        tile_load(QRows{a.down.codes + e0 * (I / 8), a.down.scales + e0 * gps, a.down.biases + e0 * gps, H}, I,
+                  r0 + my_tile * 16, g0, g0 + gpw, tb);
+    if (shared_tile) build_x_s8(sall, I, sx8, sg);
     mbar_wait(full, 0);
     QuadX X;
     for (int un = warp; un < units; un += 8) {
@@ -438,7 +379,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) 
         store_quad_sums(part + un * 16, yA, yB);
     }
     __syncthreads();
-    float hv = 0.f;  // threads 0-15: row f0 + t of h
     if (threadIdx.x < 16) {
         const int r = threadIdx.x;
         float g = 0.f, uv = 0.f;
@@ -446,36 +386,59 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) 
             g += part[q * 16 + r];
             uv += part[(quads + q) * 16 + r];
         }
-        hv = wts[slot] * (siluf(g) * uv);
+        a.h[slot * I + f0 + r] = wts[slot] * (siluf(g) * uv);
     }
-    // the group's 64 values of h in every block of the group, through global memory
-    if (threadIdx.x < 16) a.h[slot * a.I + f0 + threadIdx.x] = hv;
+    // the shared tile meanwhile (its inputs are all here)
+    if (shared_warp) {
+        float yA = 0.f, yB = 0.f;
+        tile_compute_s8(sb, 2 * warp, 2 * warp + 2, sx8 + (lane & 3), sg, yA, yB);
+        if ((lane & 3) == 0) {
+            spart[warp][lane >> 2] = yA;
+            spart[warp][(lane >> 2) + 8] = yB;
+        }
+    }
+    // the slot's whole h, from its fblocks blocks
     __syncthreads();
+    int* arrived = a.meet + slot;
     if (threadIdx.x == 0) {
         __threadfence();
-        atomicAdd(&a.meet[group], 1);
-        while (load_acquire(&a.meet[group]) < EXPERT_GROUP) {
+        atomicAdd(arrived, 1);
+        while (load_acquire(arrived) < fblocks) {
         }
     }
     __syncthreads();
-    if (threadIdx.x < 64) hall[pad_idx(threadIdx.x)] = __ldcg(&a.h[slot * a.I + G * 64 + threadIdx.x]);
+    for (int i = threadIdx.x; i < I; i += blockDim.x) hall[pad_idx(i)] = __ldcg(&a.h[slot * I + i]);
     __syncthreads();
-    // the last of the group to leave resets its counters for the next launch
-    if (threadIdx.x == 0 && atomicAdd(&a.meet[groups + group], 1) == EXPERT_GROUP - 1) {
-        a.meet[group] = 0;
-        a.meet[groups + group] = 0;
+    // the last of the slot to leave resets its counters for the next launch
+    if (threadIdx.x == 0 && atomicAdd(a.meet + a.k + slot, 1) == fblocks - 1) {
+        *arrived = 0;
+        a.meet[a.k + slot] = 0;
     }
-    build_x_s8(hall, 64, hx8, hg);
+    build_x_s8(hall, I, hx8, hg);
     __syncthreads();
-    down_tiles_multiply(d, tiles, hx8, *hg, ys);
-    if (warp < srows / 16) down_tiles_multiply(sd, 1, sx8, *sg, sys);
-    __syncthreads();
-    for (int i = threadIdx.x; i < rows / 4; i += blockDim.x) {
-        const float4 y = reinterpret_cast<const float4*>(ys)[i];
-        atomicAdd(reinterpret_cast<float4*>(a.x + quarter) + i, y);
+    if (routed_warp) {
+        float yA = 0.f, yB = 0.f;
+        tile_compute_s8(tb, g0, g0 + gpw, hx8 + (lane & 3), hg, yA, yB);
+        if ((lane & 3) == 0) {
+            wpart[warp][lane >> 2] = yA;
+            wpart[warp][(lane >> 2) + 8] = yB;
+        }
     }
-    for (int i = threadIdx.x; i < srows / 4; i += blockDim.x) {
-        const float4 y = reinterpret_cast<const float4*>(sys)[i];
-        atomicAdd(reinterpret_cast<float4*>(a.x + srow0) + i, y);
+    __syncthreads();
+    // 4 rows per thread into the residual: the routed rows, then the shared tile's
+    if ((int)threadIdx.x < rpb / 4) {
+        const int r = 4 * threadIdx.x, t = r / 16;
+        float y[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int w = t * wpt; w < (t + 1) * wpt; ++w)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) y[j] += wpart[w][(r + j) % 16];
+        atomicAdd(reinterpret_cast<float4*>(a.x + r0 + r), make_float4(y[0], y[1], y[2], y[3]));
+    } else if (shared_tile && (int)threadIdx.x >= 32 && (int)threadIdx.x < 36) {
+        const int r = 4 * (threadIdx.x - 32);
+        float y[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int w = 0; w < gps / 2; ++w)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) y[j] += spart[w][r + j];
+        atomicAdd(reinterpret_cast<float4*>(a.x + blockIdx.x * 16 + r), make_float4(y[0], y[1], y[2], y[3]));
     }
 }

@@ -1,7 +1,7 @@
 //! The batch-1 decode step on the GPU. Per Gated DeltaNet layer: 3 kernels for the mixer (fused
 //! input projections with the RMSNorm prologue, the fused recurrent step, out_proj with the
 //! residual add) and 2 for the MoE (router + shared-expert projections, then the routed and
-//! shared experts in one launch: selection, gate/up/SwiGLU and each block's down columns added
+//! shared experts in one launch: selection, gate/up/SwiGLU and, once a slot's blocks have met, each block's rows of its down projection added
 //! into the residual; `OSPREY_DECODE_MOE=pair` splits the last into gate/up and down). Attention
 //! layers use 5 for the mixer. The step ends with the lm_head GEMV, whose last block writes the
 //! greedy choice into the input slot and advances the position, so replaying the captured graph
@@ -121,23 +121,32 @@ fn gate_up_smem(hidden: usize) -> usize {
     2 * tile_smem(hidden) + x_bytes_smem(hidden) + 2 * quads * 16 * 4 + 2 * 16 * 4 + 8
 }
 
-/// Dynamic shared memory of a moe_experts block (moe.cu): moe_gate_up's, then for the routed
-/// group of 4 blocks' 64 values of h and the shared expert's: its two-byte form, (scale, sum) and its 64
-/// values (padded).
-fn experts_smem(hidden: usize) -> usize {
-    gate_up_smem(hidden) + 2 * (8 * 16 + 8 + 72 * 4)
-}
-
 /// moe_experts' grid: a block per 16 intermediate rows of each routed slot.
 fn experts_blocks(c: &ModelConfig) -> usize {
     c.num_experts_per_tok * c.moe_intermediate_size / 16
 }
 
-/// Whether moe_experts takes this shape (moe.cu): a warp holds H / 512 routed down tiles (at
-/// most 4) and each block one 16-row tile per warp of the shared expert's H / 4k rows.
+/// Whether moe_experts takes this shape (moe.cu): I at most 512 in an even number of groups;
+/// each block's H/(I/16) rows of the down matrix as 1, 2 or 4 tiles whose groups split evenly
+/// over the warps, at most 4 and an even number per warp; a shared-expert tile for each of the
+/// first H/16 blocks.
 fn experts_fit(c: &ModelConfig) -> bool {
-    let (h, k) = (c.hidden_size, c.num_experts_per_tok);
-    h <= 2048 && h.is_multiple_of(512) && h.is_multiple_of(64 * k) && h <= 512 * k
+    let (h, i, k) = (
+        c.hidden_size,
+        c.moe_intermediate_size,
+        c.num_experts_per_tok,
+    );
+    if i > 512 || !i.is_multiple_of(128) || !h.is_multiple_of(i) {
+        return false;
+    }
+    let (fblocks, gps) = (i / 16, i / 64);
+    let tiles = h / fblocks / 16;
+    if ![1, 2, 4].contains(&tiles) || h != tiles * 16 * fblocks {
+        return false;
+    }
+    let wpt = (8 / tiles).min(gps / 2);
+    let gpw = gps / wpt;
+    gps.is_multiple_of(wpt) && gpw <= 4 && gpw.is_multiple_of(2) && h / 16 <= k * fblocks
 }
 
 /// `OSPREY_DECODE_MOE=pair` runs the decode step's experts as two launches (moe_gate_up, then
@@ -344,7 +353,7 @@ struct Scratch {
     topk: CudaSlice<i32>,
     /// The MoE block's normalised input (the router launch writes it for moe_experts).
     xn: CudaSlice<f32>,
-    /// moe_experts' meeting counters: blocks arrived and left, per group of 4 blocks.
+    /// moe_experts' meeting counters: blocks arrived and left, per routed slot.
     meet: CudaSlice<i32>,
     logits: CudaSlice<f32>,
     token: CudaSlice<i32>,
@@ -672,7 +681,7 @@ impl CudaDecoder {
             h: stream.alloc_zeros((c.num_experts_per_tok + 1) * c.moe_intermediate_size)?,
             topk: stream.alloc_zeros(32)?,
             xn: stream.alloc_zeros(c.hidden_size)?,
-            meet: stream.alloc_zeros(2 * experts_blocks(&c) / 4)?,
+            meet: stream.alloc_zeros(2 * c.num_experts_per_tok)?,
             logits: stream.alloc_zeros(c.vocab_size)?,
             token: stream.alloc_zeros(1)?,
             pos: stream.alloc_zeros(1)?,
@@ -735,7 +744,7 @@ impl CudaDecoder {
         )?;
         f.experts.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            experts_smem(c.hidden_size) as i32,
+            gate_up_smem(c.hidden_size) as i32,
         )?;
         f.gemv_pair.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -756,7 +765,7 @@ impl CudaDecoder {
         // its blocks wait for each other in groups of 4, so all of them must be resident at once
         let resident_experts = f.experts.occupancy_max_active_blocks_per_multiprocessor(
             256,
-            experts_smem(c.hidden_size),
+            gate_up_smem(c.hidden_size),
             None,
         )? as usize
             * sms;
@@ -1322,7 +1331,7 @@ impl CudaDecoder {
                 let cfg = LaunchConfig {
                     grid_dim: (experts_blocks(c) as u32, 1, 1),
                     block_dim: (256, 1, 1),
-                    shared_mem_bytes: experts_smem(h) as u32,
+                    shared_mem_bytes: gate_up_smem(h) as u32,
                 };
                 timed!(
                     "moe experts (top-k, gate/up, swiglu, down) + residual",
@@ -1848,13 +1857,14 @@ mod tests {
 
     #[test]
     fn moe_experts_blocks_fit_two_per_sm_beside_an_early_resident_gemv_block() {
+        // its static shared memory (moe.cu): one slot's h and the shared expert's, padded and in
+        // the two-byte form, and the down tiles' partial sums; the dynamic part is moe_gate_up's
+        const EXPERTS_STATIC_SMEM: usize = 2 * (576 * 4 + 64 * 16 + 8 * 8) + 2 * 8 * 16 * 4;
         for hidden in [512, 1024, 2048] {
-            assert!(
-                2 * (experts_smem(hidden) + 1024) + RESIDENT_MIN_SMEM + 1024 <= 233_472,
-                "{hidden}"
-            );
+            let block = gate_up_smem(hidden) + EXPERTS_STATIC_SMEM + 1024;
+            assert!(2 * block + RESIDENT_MIN_SMEM + 1024 <= 233_472, "{hidden}");
         }
-        assert_eq!(experts_smem(2048), gate_up_smem(2048) + 848);
+        assert_eq!(EXPERTS_STATIC_SMEM, 7808);
     }
 
     #[test]
@@ -1864,11 +1874,11 @@ mod tests {
         c.num_experts_per_tok = 4;
         c.hidden_size = 512;
         assert!(experts_fit(&c));
+        // 8 tiles per block: more than its warps can split
         c.hidden_size = 4096;
         assert!(!experts_fit(&c));
-        // the shared expert's rows per block would not be whole 16-row tiles
         c.hidden_size = 2048;
-        c.num_experts_per_tok = 10;
+        c.moe_intermediate_size = 1024;
         assert!(!experts_fit(&c));
     }
 
