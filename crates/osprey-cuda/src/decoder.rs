@@ -1335,7 +1335,12 @@ impl CudaDecoder {
                 };
                 timed!(
                     "moe experts (top-k, gate/up, swiglu, down) + residual",
-                    self.launch_step(&self.f.experts, cfg, &ea)?
+                    self.launch_params(
+                        &self.f.experts,
+                        cfg,
+                        &mut [&ea as *const ExpertsArgs as *mut c_void],
+                        self.overlap.pdl || std::env::var("OSPREY_EXPERTS_EARLY").is_ok(),
+                    )?
                 );
             } else {
                 let gu = GateUpArgs {
