@@ -1335,12 +1335,7 @@ impl CudaDecoder {
                 };
                 timed!(
                     "moe experts (top-k, gate/up, swiglu, down) + residual",
-                    self.launch_params(
-                        &self.f.experts,
-                        cfg,
-                        &mut [&ea as *const ExpertsArgs as *mut c_void],
-                        self.overlap.pdl || std::env::var("OSPREY_EXPERTS_EARLY").is_ok(),
-                    )?
+                    self.launch_step(&self.f.experts, cfg, &ea)?
                 );
             } else {
                 let gu = GateUpArgs {
