@@ -1,12 +1,12 @@
 //! The batch-1 decode step on the GPU. Per Gated DeltaNet layer: 3 kernels for the mixer (fused
 //! input projections with the RMSNorm prologue, the fused recurrent step, out_proj with the
 //! residual add) and 2 for the MoE (router + shared-expert projections, then the routed and
-//! shared experts in one launch: selection, gate/up/SwiGLU and, once a slot's blocks have met, each block's rows of its down projection added
-//! into the residual; `OSPREY_DECODE_MOE=pair` splits the last into gate/up and down). Attention
-//! layers use 5 for the mixer. The step ends with the lm_head GEMV, whose last block writes the
-//! greedy choice into the input slot and advances the position, so replaying the captured graph
-//! generates with no host round trip.
-
+//! shared experts in one launch: selection, gate/up/SwiGLU and, once a slot's blocks have met,
+//! each block's rows of its expert's down projection added into the residual;
+//! `OSPREY_DECODE_MOE=pair` splits the last into gate/up and down). Attention layers use 5 for
+//! the mixer. The step ends with the lm_head GEMV, whose last block writes the greedy choice into
+//! the input slot and advances the position, so replaying the captured graph generates with no
+//! host round trip.
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
