@@ -122,85 +122,27 @@ __device__ __forceinline__ void select_experts(const Routing& a, int* ids, float
     }
 }
 
-// The dynamic shared memory of a block holding one 16-row gate/up tile pair (moe_gate_up,
-// moe_experts; gate_up_smem in decoder.rs): codes [2][16][H/2], scales and biases [2][16][H/64]
-// each, x [H/64][8] uint4 and [H/64] float2, the quads' partial sums [2·H/256][16], scratch, the
-// selection and the barrier.
-struct GateUpSmem {
-    char* codes;
-    __nv_bfloat16 *scales, *biases;
-    uint4* xb8;
-    float2* gx;
-    float *part, *scratch, *wts;
-    int* ids;
-    uint64_t* full;
-    int H, gpr, quads, units;
-    __device__ __forceinline__ GateUpSmem(char* smem, int H_) : H(H_), gpr(H_ / 64), quads(H_ / 256), units(H_ / 128) {
-        codes = smem;
-        scales = reinterpret_cast<__nv_bfloat16*>(codes + 2 * 16 * (H / 2));
-        biases = scales + 2 * 16 * gpr;
-        xb8 = reinterpret_cast<uint4*>(biases + 2 * 16 * gpr);
-        gx = reinterpret_cast<float2*>(xb8 + gpr * 8);
-        part = reinterpret_cast<float*>(gx + gpr);
-        scratch = part + units * 16;
-        wts = scratch + 32;
-        ids = reinterpret_cast<int*>(wts + MAX_TOPK);
-        full = reinterpret_cast<uint64_t*>(ids + MAX_TOPK);
-    }
-};
-
-// Warp 0 (every block calls it): selects the experts (ids, wts; also into `out` when given) and
-// its first lane asks the copy engine for slot `slot`'s tile pair, rows f0 .. f0 + 15 of its
-// expert's gate and up matrices, at once (bulk copies into shared memory, landing on s.full).
-__device__ __forceinline__ void request_gate_up(const GateUpSmem& s, const Routing& r, TopK* out, const ExpertStack& gate,
-                                                const ExpertStack& up, int slot, int f0, int I) {
-    if (threadIdx.x >= 32) return;
-    select_experts(r, s.ids, s.wts, out);
-    __syncwarp();
-    if (threadIdx.x == 0) {
-        const size_t row0 = (size_t)s.ids[slot] * I + f0;
-        mbar_init(s.full, 1);
-        mbar_init_fence();
-        mbar_arrive_expect_bytes(s.full, 2 * q4_rows_bytes(16, s.H));
-#pragma unroll
-        for (int t = 0; t < 2; ++t) {
-            const ExpertStack& m = t ? up : gate;
-            copy_q4_rows(s.codes, s.scales, s.biases, t, m.codes, m.scales, m.biases, row0, 16, s.H, s.full);
-        }
-    }
-}
-
-// Every warp, once x's bytes and the selection are published (a block barrier): the tile pair,
-// when landed, times x by quads of groups (tiles.cuh quad_dot), warp w taking quads w, w + 8, ...
-// of the gate tile then the up tile; returns w_slot · silu(g)·u of row f0 + t to threads t < 16
-// (0 elsewhere).
-__device__ __forceinline__ float gate_up_rows(const GateUpSmem& s, int slot) {
-    const int warp = threadIdx.x >> 5, H = s.H;
-    mbar_wait(s.full, 0);
-    QuadX X;
-    for (int un = warp; un < s.units; un += 8) {
-        const int t = un / s.quads, gq = (un % s.quads) * 4;
-        load_quad_x(s.xb8, s.gx, gq, X);
-        float yA = 0.f, yB = 0.f;
-        quad_dot(s.codes + t * 16 * (H / 2), s.scales + t * 16 * s.gpr, s.biases + t * 16 * s.gpr, H, gq, X, yA, yB);
-        store_quad_sums(s.part + un * 16, yA, yB);
-    }
-    __syncthreads();
-    if (threadIdx.x >= 16) return 0.f;
-    float g = 0.f, uv = 0.f;
-    for (int q = 0; q < s.quads; ++q) {
-        g += s.part[q * 16 + threadIdx.x];
-        uv += s.part[(s.quads + q) * 16 + threadIdx.x];
-    }
-    return s.wts[slot] * (siluf(g) * uv);
-}
-
 // One block per 16-row tile pair (gate and up rows f0..f0 + 15 of one slot's expert): warp 0
-// selects the experts and requests the pair while every warp builds x's byte form; 16 threads
-// write w_slot · silu(g)·u (request_gate_up, gate_up_rows).
+// selects the experts and its first lane asks the copy engine for the pair's codes, scales and
+// biases at once (bulk copies into shared memory), then every warp builds x's byte form; the
+// multiply reads the tiles from shared memory by quads of groups (tiles.cuh quad_dot), warp w
+// taking quads w, w + 8, ... of the gate tile then the up tile; 16 threads add the quads' partial
+// sums and write w_slot · silu(g)·u. Shared memory (dynamic, gate_up_smem in decoder.rs): codes
+// [2][16][H/2], scales and biases [2][16][H/64] each, x [H/64][8] uint4 and [H/64] float2, the
+// partial sums [2·H/256][16], the selection, scratch and the barrier.
 extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(GateUpArgs a) {
     extern __shared__ __align__(128) char smem[];
-    const GateUpSmem s(smem, a.H);
+    const int H = a.H, gpr = H / 64, quads = gpr / 4, units = 2 * quads;
+    char* codes = smem;  // [gate, up][16 rows][H/2]
+    __nv_bfloat16* scales = reinterpret_cast<__nv_bfloat16*>(codes + 2 * 16 * (H / 2));  // [gate, up][16][gpr]
+    __nv_bfloat16* biases = scales + 2 * 16 * gpr;
+    uint4* xb8 = reinterpret_cast<uint4*>(biases + 2 * 16 * gpr);
+    float2* gx = reinterpret_cast<float2*>(xb8 + gpr * 8);
+    float* part = reinterpret_cast<float*>(gx + gpr);  // [unit][16]
+    float* scratch = part + units * 16;
+    float* wts = scratch + 32;
+    int* ids = reinterpret_cast<int*>(wts + MAX_TOPK);
+    uint64_t* full = reinterpret_cast<uint64_t*>(ids + MAX_TOPK);
     step_overlap_begin();
     // which experts' weights to read is only known from the router's output: nothing to fetch ahead
     step_inputs_ready();
@@ -208,13 +150,44 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(GateUpArgs a) {
     const int gi = blockIdx.x * blockDim.x + threadIdx.x;
     if (gi < a.I)
         a.h[a.k * a.I + gi] = sigmoidf(a.shared_gate_logit[0]) * siluf(a.shared_gate_proj[gi]) * a.shared_up_proj[gi];
-    const int fblocks = a.I / 16, slot = blockIdx.x / fblocks, f0 = (blockIdx.x % fblocks) * 16;
-    request_gate_up(s, Routing{a.router_logits, a.experts, a.k, a.renorm}, blockIdx.x == 0 ? a.topk : nullptr, a.gate, a.up,
-                    slot, f0, a.I);
-    resident_input(XInput{a.x, a.norm_weight, nullptr, nullptr, a.eps, a.H, 0}, s.xb8, s.gx, s.scratch);
+    const int fblocks = a.I / 16, u = blockIdx.x, slot = u / fblocks, f0 = (u % fblocks) * 16;
+    if (threadIdx.x < 32) {
+        select_experts(Routing{a.router_logits, a.experts, a.k, a.renorm}, ids, wts, blockIdx.x == 0 ? a.topk : nullptr);
+        __syncwarp();
+        if (threadIdx.x == 0) {
+            const size_t row0 = (size_t)ids[slot] * a.I + f0;
+            mbar_init(full, 1);
+            mbar_init_fence();
+            mbar_arrive_expect_bytes(full, 2 * q4_rows_bytes(16, H));
+#pragma unroll
+            for (int t = 0; t < 2; ++t) {
+                const ExpertStack& m = t ? a.up : a.gate;
+                copy_q4_rows(codes, scales, biases, t, m.codes, m.scales, m.biases, row0, 16, H, full);
+            }
+        }
+    }
+    resident_input(XInput{a.x, a.norm_weight, nullptr, nullptr, a.eps, H, 0}, xb8, gx, scratch);
     __syncthreads();  // x's bytes, the selection and the barrier's initialisation
-    const float hv = gate_up_rows(s, slot);
-    if (threadIdx.x < 16) a.h[slot * a.I + f0 + threadIdx.x] = hv;
+    const int warp = threadIdx.x >> 5;
+    mbar_wait(full, 0);
+    QuadX X;
+    for (int un = warp; un < units; un += 8) {
+        const int t = un / quads, gq = (un % quads) * 4;
+        load_quad_x(xb8, gx, gq, X);
+        float yA = 0.f, yB = 0.f;
+        quad_dot(codes + t * 16 * (H / 2), scales + t * 16 * gpr, biases + t * 16 * gpr, H, gq, X, yA, yB);
+        store_quad_sums(part + un * 16, yA, yB);
+    }
+    __syncthreads();
+    if (threadIdx.x < 16) {
+        const int r = threadIdx.x;
+        float g = 0.f, uv = 0.f;
+        for (int q = 0; q < quads; ++q) {
+            g += part[q * 16 + r];
+            uv += part[(quads + q) * 16 + r];
+        }
+        a.h[slot * a.I + f0 + r] = wts[slot] * (siluf(g) * uv);
+    }
 }
 
 struct DownArgs {
@@ -334,16 +307,26 @@ __device__ __forceinline__ int load_acquire(const int* p) {
     return v;
 }
 
-// Dynamic shared memory as moe_gate_up's (GateUpSmem); h's forms and the down tiles' partial
-// sums are static.
+// Dynamic shared memory as moe_gate_up's (gate_up_smem in decoder.rs; the tile pair, x's bytes,
+// the quads' partial sums, scratch, the selection and the barrier); h's forms and the down
+// tiles' partial sums are static.
 extern "C" __global__ void __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) {
     extern __shared__ __align__(128) char smem[];
     __shared__ __align__(16) float hall[EXPERTS_MAX_I + EXPERTS_MAX_I / 8], sall[EXPERTS_MAX_I + EXPERTS_MAX_I / 8];
     __shared__ uint4 hx8[EXPERTS_MAX_I / 64 * 8], sx8[EXPERTS_MAX_I / 64 * 8];
     __shared__ float2 hg[EXPERTS_MAX_I / 64], sg[EXPERTS_MAX_I / 64];
     __shared__ float wpart[8][16], spart[8][16];
-    const GateUpSmem s(smem, a.H);
-    const int H = a.H, I = a.I;
+    const int H = a.H, I = a.I, gpr = H / 64, quads = gpr / 4, units = 2 * quads;
+    char* codes = smem;  // [gate, up][16 rows][H/2]
+    __nv_bfloat16* scales = reinterpret_cast<__nv_bfloat16*>(codes + 2 * 16 * (H / 2));
+    __nv_bfloat16* biases = scales + 2 * 16 * gpr;
+    uint4* xb8 = reinterpret_cast<uint4*>(biases + 2 * 16 * gpr);
+    float2* gx = reinterpret_cast<float2*>(xb8 + gpr * 8);
+    float* part = reinterpret_cast<float*>(gx + gpr);  // [unit][16]
+    float* scratch = part + units * 16;
+    float* wts = scratch + 32;
+    int* ids = reinterpret_cast<int*>(wts + MAX_TOPK);
+    uint64_t* full = reinterpret_cast<uint64_t*>(ids + MAX_TOPK);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int fblocks = I / 16, gps = I / 64, slot = blockIdx.x / fblocks, fi = blockIdx.x % fblocks, f0 = fi * 16;
     // this block's rows of its expert's down matrix: `tiles` 16-row tiles from r0, each tile's
@@ -365,17 +348,48 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) 
         for (int i = threadIdx.x; i < I; i += blockDim.x)
             sall[pad_idx(i)] = gate * siluf(a.shared_gate_proj[i]) * a.shared_up_proj[i];
     }
-    request_gate_up(s, Routing{a.router_logits, a.experts, a.k, a.renorm}, nullptr, a.gate, a.up, slot, f0, I);
-    resident_input(XInput{a.xn, nullptr, nullptr, nullptr, 0.f, H, 0}, s.xb8, s.gx, s.scratch);
+    if (threadIdx.x < 32) {
+        select_experts(Routing{a.router_logits, a.experts, a.k, a.renorm}, ids, wts, nullptr);
+        __syncwarp();
+        if (threadIdx.x == 0) {
+            const size_t row0 = (size_t)ids[slot] * I + f0;
+            mbar_init(full, 1);
+            mbar_init_fence();
+            mbar_arrive_expect_bytes(full, 2 * q4_rows_bytes(16, H));
+#pragma unroll
+            for (int t = 0; t < 2; ++t) {
+                const ExpertStack& m = t ? a.up : a.gate;
+                copy_q4_rows(codes, scales, biases, t, m.codes, m.scales, m.biases, row0, 16, H, full);
+            }
+        }
+    }
+    resident_input(XInput{a.xn, nullptr, nullptr, nullptr, 0.f, H, 0}, xb8, gx, scratch);
     __syncthreads();  // x's bytes, the selection, the barrier's initialisation, the shared h
     // the expert is known: its down rows go out while the gate/up tiles arrive
-    const size_t e0 = (size_t)s.ids[slot] * H;
+    const size_t e0 = (size_t)ids[slot] * H;
     if (routed_warp)
         tile_load(QRows{a.down.codes + e0 * (I / 8), a.down.scales + e0 * gps, a.down.biases + e0 * gps, H}, I,
                   r0 + my_tile * 16, g0, g0 + gpw, tb);
     if (shared_tile) build_x_s8(sall, I, sx8, sg);
-    const float hv = gate_up_rows(s, slot);
-    if (threadIdx.x < 16) a.h[slot * I + f0 + threadIdx.x] = hv;
+    mbar_wait(full, 0);
+    QuadX X;
+    for (int un = warp; un < units; un += 8) {
+        const int t = un / quads, gq = (un % quads) * 4;
+        load_quad_x(xb8, gx, gq, X);
+        float yA = 0.f, yB = 0.f;
+        quad_dot(codes + t * 16 * (H / 2), scales + t * 16 * gpr, biases + t * 16 * gpr, H, gq, X, yA, yB);
+        store_quad_sums(part + un * 16, yA, yB);
+    }
+    __syncthreads();
+    if (threadIdx.x < 16) {
+        const int r = threadIdx.x;
+        float g = 0.f, uv = 0.f;
+        for (int q = 0; q < quads; ++q) {
+            g += part[q * 16 + r];
+            uv += part[(quads + q) * 16 + r];
+        }
+        a.h[slot * I + f0 + r] = wts[slot] * (siluf(g) * uv);
+    }
     // the shared tile meanwhile (its inputs are all here)
     if (shared_warp) {
         float yA = 0.f, yB = 0.f;
