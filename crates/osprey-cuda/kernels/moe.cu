@@ -283,6 +283,9 @@ extern "C" __global__ void __launch_bounds__(32 * (MAX_TOPK + 1)) moe_down(DownA
 // memory 13.7 us (72 atomic adds per residual element, of which the atomics cost ~1.6 us).
 // This form: 12.1 us per layer, the step at 4K 533.2 -> 555.6 tok/s against the pair, 128K
 // 402.3 -> 415.2 (commit d64ef9e, bench/results/cuda-decode-moe-experts.json).
+// Its gate/up part repeats moe_gate_up's on purpose: written once as shared helpers, this kernel
+// compiled differently (95 registers instead of 107) and the step lost 2% (555.6 -> 543.5 tok/s
+// at 4K, commit cffab1f).
 struct ExpertsArgs {
     ExpertStack gate, up;       // routed [E*I, H]
     ExpertStack down;           // routed [E*H, I]
