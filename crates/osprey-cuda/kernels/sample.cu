@@ -65,17 +65,22 @@ struct SampleArgs {
     int* history;
     int* step;
     int n;
-    // `parts` blocks of sample_prepass apply the penalties and leave their slice's best
-    // PREPASS_SLOTS candidates here; sample_token selects among those
-    float* cand_v;   // [parts * PREPASS_SLOTS]
+    // `parts` blocks of sample_prepass apply the penalties and leave their slice's best k
+    // candidates here (prepass_stride); sample_token selects among those
+    float* cand_v;   // [parts * MAX_SAMPLE_K] at most
     int* cand_i;
     int parts;
     int _pad;
 };
 
-#define PREPASS_SLOTS 256
 #define PREPASS_THREADS 256
 #define PREPASS_MAX_SLICE 4096
+
+// Candidates each prepass block leaves: top-k's k (at most MAX_SAMPLE_K), or its best one when
+// greedy; sample_token reads parts times as many.
+__device__ __forceinline__ int prepass_stride(const SampleParams& P) {
+    return P.temperature > 0.f && P.top_k > 1 ? min(P.top_k, MAX_SAMPLE_K) : 1;
+}
 
 // Unsigned key with the order of the float.
 __device__ __forceinline__ unsigned orderable(float f) {
@@ -171,7 +176,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_token(Sample
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
     // the values selected from: the prepass's candidates (penalised there) with their token ids
-    const int count = a.parts * PREPASS_SLOTS;
+    const int count = a.parts * prepass_stride(P);
     // the greedy choice
     float best = -INFINITY;
     int bi = 0x7fffffff;
@@ -208,11 +213,13 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_token(Sample
         const int m = min(ncand, MAX_CAND);
         if (tid >= m) { cv[tid] = -INFINITY; ci[tid] = 0x7fffffff; }
         __syncthreads();
-        // bitonic sort of the 1024 slots, best first
-        for (int size = 2; size <= MAX_CAND; size <<= 1) {
+        // bitonic sort of the first power of two slots holding them, best first
+        int slots = 2;
+        while (slots < m) slots <<= 1;
+        for (int size = 2; size <= slots; size <<= 1) {
             for (int stride = size >> 1; stride > 0; stride >>= 1) {
                 const int j = tid ^ stride;
-                if (j > tid) {
+                if (tid < slots && j > tid) {
                     const bool first_half = (tid & size) == 0;
                     const bool swap = first_half ? before(cv[j], ci[j], cv[tid], ci[tid]) : before(cv[tid], ci[tid], cv[j], ci[j]);
                     if (swap) {
@@ -269,13 +276,13 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_token(Sample
 }
 
 // The sampler's first pass spread over `parts` blocks: block b applies the penalties to its slice
-// of the vocabulary (in place) and keeps, in cand_v/cand_i[b * PREPASS_SLOTS ...], every logit at
-// or above the slice's k-th largest (an exact radix select in shared memory; k = top-k <= 256, so
-// the global top-k is among the union) or,
-// when greedy, the slice's best; unused slots hold -inf. sample_token then reads parts · 256
-// candidates instead of the whole vocabulary (one 1024-thread block over ~1 MB four times was
-// ~0.3 ms of a step). A slice with more than 256 logits tied at its k-th largest keeps 256 of
-// them in arrival order (exact ties of float logits at that boundary).
+// of the vocabulary (in place) and keeps, in cand_v/cand_i[b * k ...], every logit at or above
+// the slice's k-th largest (an exact radix select in shared memory; k = top-k <= 256, so the
+// global top-k is among the union) or, when greedy (k = 1), the slice's best; unused slots hold
+// -inf. sample_token then reads parts · k candidates instead of the whole vocabulary (one
+// 1024-thread block over ~1 MB four times was ~0.3 ms of a step; over parts · 256 slots whatever
+// k, 88 us of a sampled step with top-k 20). A slice with more than k logits tied at its k-th
+// largest keeps k of them in arrival order (exact ties of float logits at that boundary).
 extern "C" __global__ void __launch_bounds__(PREPASS_THREADS) sample_prepass(SampleArgs a) {
     step_overlap_begin();
     step_inputs_ready();
@@ -290,8 +297,9 @@ extern "C" __global__ void __launch_bounds__(PREPASS_THREADS) sample_prepass(Sam
     const int b = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int slice = (a.n + gridDim.x - 1) / gridDim.x;
     const int lo = b * slice, len = max(0, min(a.n, lo + slice) - lo);
-    float* out_v = a.cand_v + (size_t)b * PREPASS_SLOTS;
-    int* out_i = a.cand_i + (size_t)b * PREPASS_SLOTS;
+    const int stride = prepass_stride(P);
+    float* out_v = a.cand_v + (size_t)b * stride;
+    int* out_i = a.cand_i + (size_t)b * stride;
     float best = -INFINITY;
     int bi = 0x7fffffff;
     for (int j = tid; j < len; j += PREPASS_THREADS) {
@@ -312,17 +320,16 @@ extern "C" __global__ void __launch_bounds__(PREPASS_THREADS) sample_prepass(Sam
             out_v[0] = red_v[0];
             out_i[0] = red_i[0];
         }
-        for (int r = 1 + tid; r < PREPASS_SLOTS; r += PREPASS_THREADS) { out_v[r] = -INFINITY; out_i[r] = 0x7fffffff; }
         return;
     }
-    const unsigned prefix = kth_largest_key(len, min(min(P.top_k, MAX_SAMPLE_K), max(len, 1)),
+    const unsigned prefix = kth_largest_key(len, min(stride, max(len, 1)),
                                             [&](int j) { return orderable(sl[j]); }, hist, &s_prefix, &s_k);
     for (int j = tid; j < len; j += PREPASS_THREADS) {
         if (orderable(sl[j]) >= prefix) {
             const int slot = atomicAdd(&ncand, 1);
-            if (slot < PREPASS_SLOTS) { out_v[slot] = sl[j]; out_i[slot] = lo + j; }
+            if (slot < stride) { out_v[slot] = sl[j]; out_i[slot] = lo + j; }
         }
     }
     __syncthreads();
-    for (int r = min(ncand, PREPASS_SLOTS) + tid; r < PREPASS_SLOTS; r += PREPASS_THREADS) { out_v[r] = -INFINITY; out_i[r] = 0x7fffffff; }
+    for (int r = min(ncand, stride) + tid; r < stride; r += PREPASS_THREADS) { out_v[r] = -INFINITY; out_i[r] = 0x7fffffff; }
 }
