@@ -18,7 +18,9 @@
 // kernel pair 24 us over the 1 MB of logits launched alone (fused into the lm_head since: no
 // measurable change to the step, bench/results/cuda-decode-lm-head-argmax-fused.json). Sampling (top-k 20, top-p 0.95), launched alone with events:
 // 410 us when sample_token read the whole vocabulary in one block, 90 us with the prepass
-// (4K-context decode with sampling 330 -> 370 tok/s, commit 14b6745).
+// (4K-context decode with sampling 330 -> 370 tok/s, commit 14b6745), 62 us with k candidates
+// per prepass block instead of 256 slots (529.8 -> 540.2 tok/s, commit d237fc7,
+// bench/results/cuda-decode-sampler-candidates.json).
 #include "common.cuh"
 
 struct EmbedArgs {

@@ -217,8 +217,8 @@ impl StepOverlap {
     }
 }
 
-/// Blocks of the sampler's prepass, the most candidates each keeps (sample.cu MAX_SAMPLE_K: top-k's k) and the
-/// largest vocabulary slice a block holds in shared memory (PREPASS_MAX_SLICE).
+/// Blocks of the sampler's prepass, the most candidates each keeps (sample.cu MAX_SAMPLE_K, top-k's
+/// k) and the largest vocabulary slice a block holds in shared memory (PREPASS_MAX_SLICE).
 const SAMPLE_PARTS: usize = 128;
 const SAMPLE_SLOTS: usize = 256;
 const SAMPLE_MAX_SLICE: usize = 4096;
