@@ -12,8 +12,8 @@
 //                  kernel), online softmax in fp32; the warps merge through shared memory in a
 //                  fixed order.
 //   attn_combine — merges the splits in one pass (warps over splits with their own running maximum,
-//                  lanes over dims, several splits' loads in flight), applies the sigmoid output
-//                  gate. Grid Hq.
+//                  lanes over dims, 16 splits' loads in flight), applies the sigmoid output gate.
+//                  Grid (Hq, 4): a quarter of a head's dims per block.
 // Shapes: head_dim D = 256, Hq = 16, Hkv = 2 (up to 8 query heads per KV head).
 // Bytes: 2 KiB of K/V per position (bf16), e.g. 8 MB at 4K context, 268 MB at 128K.
 // Measured (H200, full-size model, inside the decode graph): commit 1c5da43 (a warp per query
@@ -301,41 +301,64 @@ struct CombineArgs {
     int splits;        // the most splits (the partial results' stride)
 };
 
-// One block per query head: warp w merges splits w, w + 8, ... in one pass (its own running
-// maximum, partials and weights requested together, 4 splits' loads in flight; lanes over dims),
-// then the 8 warps' results meet in shared memory. The position (which sets the splits in use)
-// moves only between steps, so it is read before the dependency wait.
+// One block per query head and quarter of its dims (grid (Hq, COMBINE_PARTS)): warp w merges
+// splits w, w + 8, ... in one pass (its own running maximum; lanes over the quarter's 64 dims, two
+// each, so 16 splits' loads fit in flight at once), then the 8 warps' results meet in shared
+// memory. The position (which sets the splits in use) moves only between steps, so it is read
+// before the dependency wait. (A block per head, 8 dims a lane, could keep only 4 splits' loads
+// in flight.)
+#define COMBINE_PARTS 4
+#define COMBINE_DIMS (D / COMBINE_PARTS)
 extern "C" __global__ void __launch_bounds__(256) attn_combine(CombineArgs a) {
-    __shared__ __align__(16) float sums[8][D];
+    __shared__ __align__(16) float sums[8][COMBINE_DIMS];
     __shared__ float warp_ml[8][2];
     step_overlap_begin();
-    const int h = blockIdx.x, used = splits_in_use(*a.pos + 1, a.splits);
+    const int h = blockIdx.x, d0 = blockIdx.y * COMBINE_DIMS, used = splits_in_use(*a.pos + 1, a.splits);
     step_inputs_ready();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const float gate = sigmoidf(a.qg[h * 2 * D + D + threadIdx.x]);
-    float M = -INFINITY, L = 0.f, o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
-    for (int s = warp; s < used; s += 8) {
-        const size_t at = (size_t)h * a.splits + s;
-        const float2 ml = __ldcg(reinterpret_cast<const float2*>(a.part_ml + at * 2));
-        const float4* src = reinterpret_cast<const float4*>(a.part_acc + at * D + lane * 8);
-        const float4 u0 = __ldcg(src), u1 = __ldcg(src + 1);
-        // an empty split has maximum -inf and weighs nothing
-        const float m_new = fmaxf(M, ml.x);
-        const float c = M == -INFINITY ? 0.f : __expf(M - m_new);
-        const float w = ml.x == -INFINITY ? 0.f : __expf(ml.x - m_new);
-        L = fmaf(L, c, ml.y * w);
-        o[0] = fmaf(o[0], c, w * u0.x); o[1] = fmaf(o[1], c, w * u0.y); o[2] = fmaf(o[2], c, w * u0.z); o[3] = fmaf(o[3], c, w * u0.w);
-        o[4] = fmaf(o[4], c, w * u1.x); o[5] = fmaf(o[5], c, w * u1.y); o[6] = fmaf(o[6], c, w * u1.z); o[7] = fmaf(o[7], c, w * u1.w);
-        M = m_new;
-    }
+    float M = -INFINITY, L = 0.f, o0 = 0.f, o1 = 0.f;
+    // 16 splits a warp at a time: every load of the batch issued before the first is used
+    constexpr int BATCH = 16;
+    for (int s0 = warp; s0 < used; s0 += 8 * BATCH) {
+        float2 ml[BATCH], u[BATCH];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) sums[warp][lane * 8 + i] = o[i];
+        for (int i = 0; i < BATCH; ++i) {
+            // past the splits in use: the last one's loads again, weighed 0 (unpredicated loads
+            // the compiler issues together; __ldcg's strong loads, or predicated ones, it kept in
+            // order with the merge's arithmetic, a few in flight at a time)
+            const int s = s0 + 8 * i;
+            const size_t at = (size_t)h * a.splits + min(s, used - 1);
+            ml[i] = reinterpret_cast<const float2*>(a.part_ml)[at];
+            u[i] = reinterpret_cast<const float2*>(a.part_acc + at * D + d0)[lane];
+            if (s >= used) ml[i].x = -INFINITY;
+        }
+        // the batch's maximum first, then one rescale of the running sums and a weight per split
+        float mb = M;
+#pragma unroll
+        for (int i = 0; i < BATCH; ++i) mb = fmaxf(mb, ml[i].x);
+        if (mb == -INFINITY) continue;  // every split so far empty
+        const float c = M == -INFINITY ? 0.f : __expf(M - mb);
+        L *= c;
+        o0 *= c;
+        o1 *= c;
+#pragma unroll
+        for (int i = 0; i < BATCH; ++i) {
+            // an empty split has maximum -inf and weighs nothing
+            const float w = ml[i].x == -INFINITY ? 0.f : __expf(ml[i].x - mb);
+            L = fmaf(ml[i].y, w, L);
+            o0 = fmaf(w, u[i].x, o0);
+            o1 = fmaf(w, u[i].y, o1);
+        }
+        M = mb;
+    }
+    sums[warp][lane * 2] = o0;
+    sums[warp][lane * 2 + 1] = o1;
     if (lane == 0) {
         warp_ml[warp][0] = M;
         warp_ml[warp][1] = L;
     }
     __syncthreads();
+    if (threadIdx.x >= COMBINE_DIMS) return;
     float Mt = -INFINITY;
 #pragma unroll
     for (int w2 = 0; w2 < 8; ++w2) Mt = fmaxf(Mt, warp_ml[w2][0]);
@@ -348,5 +371,6 @@ extern "C" __global__ void __launch_bounds__(256) attn_combine(CombineArgs a) {
         t = fmaf(sums[w2][d], sc, t);
         Lt = fmaf(warp_ml[w2][1], sc, Lt);
     }
-    a.out[h * D + d] = t / Lt * gate;
+    const float gate = sigmoidf(a.qg[h * 2 * D + D + d0 + d]);
+    a.out[h * D + d0 + d] = t / Lt * gate;
 }

@@ -1272,7 +1272,8 @@ impl CudaDecoder {
                         "attn combine + gate",
                         self.launch_step(
                             &self.f.combine,
-                            launch_cfg((c.num_attention_heads as u32, 1), c.head_dim as u32,),
+                            // a quarter of a head's dims per block (attention.cu COMBINE_PARTS)
+                            launch_cfg((c.num_attention_heads as u32, 4), 256),
                             &ca
                         )?
                     );
