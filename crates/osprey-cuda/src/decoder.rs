@@ -7,6 +7,7 @@
 //! the mixer. The step ends with the lm_head GEMV, whose last block writes the greedy choice into
 //! the input slot and advances the position, so replaying the captured graph generates with no
 //! host round trip.
+
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -762,7 +763,7 @@ impl CudaDecoder {
             ("recurrent + conv state", state_bytes),
             ("scratch", scratch_bytes),
         ];
-        // its blocks wait for each other in groups of 4, so all of them must be resident at once
+        // a routed slot's blocks wait for each other, so all of them must be resident at once
         let resident_experts = f.experts.occupancy_max_active_blocks_per_multiprocessor(
             256,
             gate_up_smem(c.hidden_size),
