@@ -122,8 +122,9 @@ fn gate_up_smem(hidden: usize) -> usize {
     2 * tile_smem(hidden) + x_bytes_smem(hidden) + 2 * quads * 16 * 4 + 2 * 16 * 4 + 8
 }
 
-/// moe_experts' grid: a block per 16 intermediate rows of each routed slot.
-fn experts_blocks(c: &ModelConfig) -> usize {
+/// moe_gate_up's and moe_experts' grid: a block per 16-row gate/up tile pair (16 intermediate
+/// rows) of each routed slot.
+fn gate_up_blocks(c: &ModelConfig) -> usize {
     c.num_experts_per_tok * c.moe_intermediate_size / 16
 }
 
@@ -678,7 +679,8 @@ impl CudaDecoder {
             shared_gate_logit: stream.alloc_zeros(1)?,
             shared_g: stream.alloc_zeros(c.shared_expert_intermediate_size)?,
             shared_u: stream.alloc_zeros(c.shared_expert_intermediate_size)?,
-            // routed slots, then the shared expert (moe_down reads it as one more segment)
+            // routed slots, then the shared expert (moe_down reads it as one more segment;
+            // moe_experts exchanges a slot's values through the routed part)
             h: stream.alloc_zeros((c.num_experts_per_tok + 1) * c.moe_intermediate_size)?,
             topk: stream.alloc_zeros(32)?,
             xn: stream.alloc_zeros(c.hidden_size)?,
@@ -771,7 +773,7 @@ impl CudaDecoder {
         )? as usize
             * sms;
         let fused_experts = experts_fit(&c)
-            && resident_experts >= experts_blocks(&c)
+            && resident_experts >= gate_up_blocks(&c)
             && std::env::var(MOE_ENV).as_deref() != Ok("pair");
         Ok(CudaDecoder {
             ctx,
@@ -1331,7 +1333,7 @@ impl CudaDecoder {
                     k: c.num_experts_per_tok as i32,
                 };
                 let cfg = LaunchConfig {
-                    grid_dim: (experts_blocks(c) as u32, 1, 1),
+                    grid_dim: (gate_up_blocks(c) as u32, 1, 1),
                     block_dim: (256, 1, 1),
                     shared_mem_bytes: gate_up_smem(h) as u32,
                 };
@@ -1358,13 +1360,8 @@ impl CudaDecoder {
                     inter: c.moe_intermediate_size as i32,
                     k: c.num_experts_per_tok as i32,
                 };
-                // one block per 16-row tile pair
                 let cfg = LaunchConfig {
-                    grid_dim: (
-                        (c.num_experts_per_tok * c.moe_intermediate_size / 16) as u32,
-                        1,
-                        1,
-                    ),
+                    grid_dim: (gate_up_blocks(c) as u32, 1, 1),
                     block_dim: (256, 1, 1),
                     shared_mem_bytes: gate_up_smem(h) as u32,
                 };
