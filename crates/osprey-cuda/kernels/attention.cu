@@ -30,6 +30,8 @@
 // ~4.2 TB/s for the K/V beyond 4K (bench/results/cuda-decode-attention-splits.json).
 // attn_combine over (head, quarter of its dims) with 16 splits' loads in flight: 59.0 -> 35.6 us
 // a step in the graph at 4K (commit 87ba61e, bench/results/cuda-decode-attn-combine.json).
+// attn_prep reads its norm weight and the position and computes the rotation before the wait,
+// and is launched early: the step at 4K 600.4 -> 609.0 tok/s (cuda-decode-early-loads-2.json).
 #include "common.cuh"
 
 #define D 256
@@ -56,31 +58,37 @@ struct PrepArgs {
 };
 
 extern "C" __global__ void __launch_bounds__(D) attn_prep(PrepArgs a) {
-    step_overlap_begin();
-    step_inputs_ready();
     __shared__ float x[D], scratch[32];
-    const int b = blockIdx.x, d = threadIdx.x, pos = *a.pos;
+    const int b = blockIdx.x, d = threadIdx.x;
     const bool is_q = b < a.hq;
     const int head = is_q ? b : b - a.hq;
+    step_overlap_begin();
+    // what no kernel of this step writes, before the wait: the norm weight, the position (the
+    // step before moved it) and the rotation it sets
+    const float w = is_q ? a.q_norm[d] : a.k_norm[d];
+    const int pos = *a.pos, half = a.rotary / 2;
+    float s = 0.f, c = 1.f;
+    if (d < a.rotary) {
+        const int f = d < half ? d : d - half;
+        const float inv = 1.f / powf(a.theta, (float)(2 * f) / (float)a.rotary);
+        sincosf((float)pos * inv, &s, &c);
+    }
+    step_inputs_ready();
+    // the projections' values in one round trip (v's too, for the cache: unpredicated, a query
+    // head's block reads KV head 0's and drops it, so the compiler issues it with the first)
+    const float v_val = a.v[(is_q ? 0 : head) * D + d];
     float val = is_q ? a.qg[head * 2 * D + d] : a.k[head * D + d];
     float ss = block_sum(val * val, scratch);
-    val *= rsqrtf(ss / D + a.eps) * (is_q ? a.q_norm[d] : a.k_norm[d]);
+    val *= rsqrtf(ss / D + a.eps) * w;
     x[d] = val;
     __syncthreads();
-    const int half = a.rotary / 2;
-    if (d < a.rotary) {
-        int f = d < half ? d : d - half;
-        float inv = 1.f / powf(a.theta, (float)(2 * f) / (float)a.rotary);
-        float s, c;
-        sincosf((float)pos * inv, &s, &c);
-        val = d < half ? x[d] * c - x[d + half] * s : x[d] * c + x[d - half] * s;
-    }
+    if (d < a.rotary) val = d < half ? x[d] * c - x[d + half] * s : x[d] * c + x[d - half] * s;
     if (is_q) {
         a.q_out[head * D + d] = val;
     } else {
         size_t at = ((size_t)pos * a.hkv + head) * D + d;
         a.k_cache[at] = __float2bfloat16(val);
-        a.v_cache[at] = __float2bfloat16(a.v[head * D + d]);
+        a.v_cache[at] = __float2bfloat16(v_val);
     }
 }
 
@@ -318,6 +326,8 @@ extern "C" __global__ void __launch_bounds__(256) attn_combine(CombineArgs a) {
     const int h = blockIdx.x, d0 = blockIdx.y * COMBINE_DIMS, used = splits_in_use(*a.pos + 1, a.splits);
     step_inputs_ready();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    // the output gate's input with the first splits' loads, not one more round trip at the end
+    const float gate_in = threadIdx.x < COMBINE_DIMS ? a.qg[h * 2 * D + D + d0 + threadIdx.x] : 0.f;
     float M = -INFINITY, L = 0.f, o0 = 0.f, o1 = 0.f;
     // 16 splits a warp at a time: every load of the batch issued before the first is used
     constexpr int BATCH = 16;
@@ -373,6 +383,5 @@ extern "C" __global__ void __launch_bounds__(256) attn_combine(CombineArgs a) {
         t = fmaf(sums[w2][d], sc, t);
         Lt = fmaf(warp_ml[w2][1], sc, Lt);
     }
-    const float gate = sigmoidf(a.qg[h * 2 * D + D + d0 + d]);
-    a.out[h * D + d0 + d] = t / Lt * gate;
+    a.out[h * D + d0 + d] = t / Lt * sigmoidf(gate_in);
 }

@@ -13,6 +13,11 @@
 // Bytes: state 64 KB read + 64 KB written per head (4.2 MB per layer), the dominant cost.
 // Measured (H200, commit e06983b, launched alone with events): 10.1 us per layer for 4.2 MB of
 // state traffic = 0.42 TB/s (11% of 3.7 TB/s); latency of its short dependent phases dominates.
+// The conv's loads then waited on each other (a runtime tap count: each tap's FMA before the
+// next tap's loads; the state shift reloaded what the conv had read, after its stores); with the
+// taps fixed at 4, every conv input requested at once and the conv state read before the wait:
+// 9.5 -> 6.5 us per launch alone, the step at 4K 558.6 -> 591.0 tok/s
+// (bench/results/cuda-decode-early-loads-2.json).
 #include "common.cuh"
 
 #define DK 128
@@ -21,6 +26,8 @@
 #define COL_SPLITS (DV / COLS)
 #define ROW_GROUPS 8
 #define ROWS_PER (DK / ROW_GROUPS)
+// conv taps (the host admits only this: decoder.rs check_shapes)
+#define CONV_K 4
 
 struct GdnArgs {
     const float* qkv;        // [conv_dim] raw projections (pre-conv)
@@ -34,22 +41,41 @@ struct GdnArgs {
     float* state;            // [Hv, Dk, Dv]
     float* o;                // [Hv*Dv] delta-rule output (before the gated norm)
     const int* pos;          // selects the conv parity
-    int hk, hv, conv_dim, kernel;
+    int hk, hv, conv_dim;
 };
 
-__device__ __forceinline__ float conv_channel(const GdnArgs& p, const float* cin, int ch) {
-    const int K = p.kernel;
-    float s = 0.f;
-#pragma unroll 4
-    for (int j = 0; j < K - 1; ++j) s = fmaf(p.conv_w[ch * K + j], cin[j * p.conv_dim + ch], s);
-    s = fmaf(p.conv_w[ch * K + K - 1], p.qkv[ch], s);
-    return siluf(s);
+// One channel's conv inputs: its 4 taps and the 3 older inputs (the conv state), requested
+// together before the dependency wait (no kernel of this step writes them: the state is this
+// kernel's own, from the step before), then the new input once the projections are in; reused
+// for the state shift instead of reloaded (the tap count is a compile-time constant, so no loop
+// waits on a load).
+struct ConvChannel {
+    float4 w;
+    float old[CONV_K - 1];
+    float x;
+};
+
+__device__ __forceinline__ ConvChannel load_taps(const GdnArgs& p, const float* cin, int ch) {
+    ConvChannel c;
+    c.w = reinterpret_cast<const float4*>(p.conv_w)[ch];
+#pragma unroll
+    for (int j = 0; j < CONV_K - 1; ++j) c.old[j] = cin[j * p.conv_dim + ch];
+    c.x = 0.f;
+    return c;
 }
 
-__device__ __forceinline__ void shift_conv(const GdnArgs& p, const float* cin, float* cout, int ch) {
-    const int K = p.kernel;
-    for (int j = 0; j < K - 2; ++j) cout[j * p.conv_dim + ch] = cin[(j + 1) * p.conv_dim + ch];
-    cout[(K - 2) * p.conv_dim + ch] = p.qkv[ch];
+__device__ __forceinline__ float conv_silu(const ConvChannel& c) {
+    float s = c.w.x * c.old[0];
+    s = fmaf(c.w.y, c.old[1], s);
+    s = fmaf(c.w.z, c.old[2], s);
+    return siluf(fmaf(c.w.w, c.x, s));
+}
+
+// The channel's state one position on: the two newest old inputs, then the new one.
+__device__ __forceinline__ void shift_conv(const GdnArgs& p, const ConvChannel& c, float* cout, int ch) {
+#pragma unroll
+    for (int j = 0; j < CONV_K - 2; ++j) cout[j * p.conv_dim + ch] = c.old[j + 1];
+    cout[(CONV_K - 2) * p.conv_dim + ch] = c.x;
 }
 
 extern "C" __global__ void __launch_bounds__(256) gdn_step(GdnArgs p) {
@@ -60,35 +86,51 @@ extern "C" __global__ void __launch_bounds__(256) gdn_step(GdnArgs p) {
     const int jl = t & (COLS - 1), rg = t >> 5, i0 = rg * ROWS_PER, j = split * COLS + jl;
     float* S = p.state + (size_t)h * DK * DV;
 
-    // Only this kernel, once per step, touches this layer's state, so it is read first: before the
-    // dependency wait when the step's kernels overlap (common.cuh), and in any case under the conv.
+    // Only this kernel, once per step, touches this layer's state and conv state, so they are read
+    // first: before the dependency wait when the step's kernels overlap (common.cuh; the position
+    // and both states were last written by the step before, a graph replay that has finished).
     step_overlap_begin();
     float s[ROWS_PER];
 #pragma unroll
     for (int r = 0; r < ROWS_PER; ++r) s[r] = S[(i0 + r) * DV + j];
     const float a_log = p.a_log[h], dt_bias = p.dt_bias[h];
-    step_inputs_ready();
-    // the gates' inputs requested with the conv's, not after the norms' barriers: one round trip
-    const float b_in = p.b[h], a_in = p.a[h];
-
     const int parity = *p.pos & 1;
     const float* cin = parity ? p.conv_out : p.conv_in;
     float* cout = parity ? const_cast<float*>(p.conv_in) : p.conv_out;
+    // this head's q, k channels (key head kh) and this block's v channels
+    const int chq = kh * DK + t, chk = kd + kh * DK + t, chv = v0 + (t - DK);
+    const bool qk_thread = t < DK, v_thread = !qk_thread && t < DK + COLS;
+    ConvChannel c0, c1;
+    if (qk_thread) {
+        c0 = load_taps(p, cin, chq);
+        c1 = load_taps(p, cin, chk);
+    } else if (v_thread) {
+        c0 = load_taps(p, cin, chv);
+    }
+    step_inputs_ready();
+    // the projections' values and the gates' inputs in one round trip
+    const float b_in = p.b[h], a_in = p.a[h];
+    if (qk_thread) {
+        c0.x = p.qkv[chq];
+        c1.x = p.qkv[chk];
+    } else if (v_thread) {
+        c0.x = p.qkv[chv];
+    }
 
-    // conv + SiLU for this head's q, k (key head kh) and this block's v channels
-    if (t < DK) {
-        q[t] = conv_channel(p, cin, kh * DK + t);
-        k[t] = conv_channel(p, cin, kd + kh * DK + t);
-    } else if (t < DK + COLS) {
-        v[t - DK] = conv_channel(p, cin, v0 + (t - DK));
+    // conv + SiLU; the key head's first block (and each block for its v channels) writes the
+    // shifted conv state
+    if (qk_thread) {
+        q[t] = conv_silu(c0);
+        k[t] = conv_silu(c1);
+        if (h % rep == 0 && split == 0) {
+            shift_conv(p, c0, cout, chq);
+            shift_conv(p, c1, cout, chk);
+        }
+    } else if (v_thread) {
+        v[t - DK] = conv_silu(c0);
+        shift_conv(p, c0, cout, chv);
     }
     __syncthreads();
-    if (t < DK && h % rep == 0 && split == 0) {
-        shift_conv(p, cin, cout, kh * DK + t);
-        shift_conv(p, cin, cout, kd + kh * DK + t);
-    } else if (t >= DK && t < DK + COLS) {
-        shift_conv(p, cin, cout, v0 + (t - DK));
-    }
     // l2 norms (eps inside the sum), q scaled by 1/sqrt(Dk)
     float qq = t < DK ? q[t] * q[t] : 0.f;
     float kk = t < DK ? k[t] * k[t] : 0.f;

@@ -140,7 +140,6 @@ pub struct GdnArgs {
     pub hk: i32,
     pub hv: i32,
     pub conv_dim: i32,
-    pub kernel: i32,
 }
 
 #[repr(C)]
@@ -512,7 +511,7 @@ mod tests {
             std::mem::size_of::<ExpertsArgs>(),
             4 * 24 + 8 * 8 + 5 * 4 + 4
         );
-        assert_eq!(std::mem::size_of::<GdnArgs>(), 11 * 8 + 16);
+        assert_eq!(std::mem::size_of::<GdnArgs>(), 11 * 8 + 3 * 4 + 4);
         assert_eq!(std::mem::size_of::<PrepArgs>(), 9 * 8 + 20 + 4);
         assert_eq!(std::mem::size_of::<SampleParams>(), 8 * 4 + 8);
         assert_eq!(std::mem::size_of::<SampleArgs>(), 8 * 8 + 8 + 2 * 8 + 2 * 4);

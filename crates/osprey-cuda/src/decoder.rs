@@ -160,11 +160,15 @@ const PREFETCH_MAX_BYTES: usize = 32 << 20;
 /// How the decode step's kernels may overlap: `early` (the default) programmatic dependent launch
 /// for the kernels that read something no kernel of the step writes before waiting on their
 /// predecessor: gemv_q_resident and gemv_q_ring (their weights), gdn_step (its layer's recurrent
-/// state) and attn_decode (K/V rows of earlier steps); `pdl` for every kernel, `1` that with the GEMVs' L2 prefetches, `prefetch`
-/// the prefetches alone (at kernel start, under the prologue), `0` plain graph launches.
+/// and conv state), attn_prep (its norm weights and the rotation of the position) and
+/// attn_decode (K/V rows of earlier steps); `pdl` for every kernel, `1` that with the GEMVs' L2
+/// prefetches, `prefetch` the prefetches alone (at kernel start, under the prologue), `0` plain
+/// graph launches.
 /// Measured at 4K context: gemv_q_resident alone early 463 tok/s, none 448, every kernel 442
 /// (bench/results/cuda-decode-overlap-resident.json); with gdn_step early too 498 vs 488, the
-/// MoE down, gate/up or attention kernels early no gain (cuda-decode-early-launch.json). With
+/// MoE down, gate/up or attention kernels early no gain (cuda-decode-early-launch.json); once
+/// attn_prep read something before its wait, it early 600 -> 609; the router, the experts or
+/// attn_combine early then 603, 589, 610 (cuda-decode-early-loads-2.json). With
 /// gemv_q_stream, before gemv_q_resident, `pdl` was 1% faster than `0`
 /// (cuda-decode-overlap-pdl-072c82a.json).
 const OVERLAP_ENV: &str = "OSPREY_CUDA_OVERLAP";
@@ -1163,7 +1167,6 @@ impl CudaDecoder {
                         hk: c.linear_num_key_heads as i32,
                         hv: c.linear_num_value_heads as i32,
                         conv_dim: c.conv_dim() as i32,
-                        kernel: c.conv_kernel as i32,
                     };
                     timed!(
                         "gdn step (conv, l2, delta rule)",
@@ -1234,10 +1237,12 @@ impl CudaDecoder {
                     let blocks = (c.num_attention_heads + c.num_key_value_heads) as u32;
                     timed!(
                         "attn q/k norm + rope + kv append",
-                        self.launch_step(
+                        self.launch_params(
                             &self.f.prep,
                             launch_cfg((blocks, 1), c.head_dim as u32),
-                            &pa
+                            &mut [&pa as *const PrepArgs as *mut c_void],
+                            // its norm weights, the position and the rotation before the wait
+                            self.overlap.early,
                         )?
                     );
                     let da = DecodeArgs {
