@@ -4,6 +4,7 @@ Run by .ci/run:  OSPREY_BIN=target/debug/osprey python -m pytest tests/python
 """
 import json
 import os
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -44,10 +45,14 @@ def client():
             time.sleep(0.1)
     else:
         proc.kill()
+        shutil.rmtree(tmp)
         pytest.fail("server did not come up")
     yield OpenAI(base_url=base + "/v1", api_key="test-key")
     proc.terminate()
-    assert proc.wait(timeout=30) == 0, "clean shutdown on SIGTERM"
+    try:
+        assert proc.wait(timeout=30) == 0, "clean shutdown on SIGTERM"
+    finally:
+        shutil.rmtree(tmp)
 
 
 def test_models(client):

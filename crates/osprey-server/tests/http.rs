@@ -14,13 +14,17 @@ use osprey_prompt::PromptFormat;
 use osprey_server::{app, ServerConfig};
 use serde_json::{json, Value};
 
+/// The tiny synthetic model, made once per build directory and reused by later runs (the seed
+/// fixes its bytes): written beside its final name and renamed into place, so an interrupted or
+/// concurrent run never leaves a half-written model there.
 fn tiny_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("osprey-http-tiny-{}", std::process::id()));
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("osprey-http-tiny-seed1");
         if !dir.join("config.json").exists() {
+            let part = dir.with_extension(format!("part-{}", std::process::id()));
             write_checkpoint(
-                &dir,
+                &part,
                 &SynthOptions {
                     preset: Preset::Tiny,
                     layers: None,
@@ -29,6 +33,15 @@ fn tiny_dir() -> &'static Path {
                 },
             )
             .unwrap();
+            // another run may have put its copy there first: then that one serves
+            if let Err(e) = std::fs::rename(&part, &dir) {
+                std::fs::remove_dir_all(&part).unwrap();
+                assert!(
+                    dir.join("config.json").exists(),
+                    "placing {}: {e}",
+                    dir.display()
+                );
+            }
         }
         dir
     })
