@@ -22,7 +22,8 @@
 //     batch before the prologue; the 4 partial sums of a tile meet in a double buffer behind one
 //     slot barrier.
 //   gemv_q — the rest (the router's 8-bit rows with the shared expert's): a warp per row, lane l
-//     reading 16-byte chunks l, l+32, ... (whole 512-byte spans per warp), a row's loads all in
+//     reading 16-byte chunks l, l+32, ... (whole 512-byte spans per warp), launched early with
+//     each warp's first row requested before the wait, a row's loads all in
 //     flight at once (with each chunk's scale converted in its own branch they went out a chunk
 //     per round trip: fixed, the step at 4K 591.0 -> 597.8 tok/s, cuda-decode-early-loads-2.json).
 // Prologue: x is loaded once per block into padded shared memory (gemv_q_resident: straight into
@@ -331,8 +332,21 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
             prefetch_share_l2(s.biases, (size_t)s.rows * (a.K / a.group) * 2);
         }
     }
-    step_inputs_ready();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    // a row-only launch (gemv_q: the host launches it only with rows, and early): each warp's
+    // first row requested before the wait, so it streams under the predecessor; unbranched (a
+    // warp past the last row loads that one and drops it) so no conversion waits on it there.
+    // Measured at 4K: the router launch 611 -> 619 tok/s; before the prologue but launched in
+    // order, 586-608 (with 3 blocks per SM the row spilled to local memory, whose stores waited
+    // for the loads); cuda-decode-early-loads-2.json.
+    const int rows_total = unit_count(a, false), first_row = blockIdx.x * 8 + warp;
+    RowLoads first;
+    if (!TILES) {
+        int fl;
+        const Segment& s = a.seg[locate_unit(a, false, min(first_row, rows_total - 1), fl)];
+        load_row(s, fl, a.K, a.group, first);
+    }
+    step_inputs_ready();
     unsigned long long best = 0;  // with a.choice: this thread's largest choice_key
     // tiles: slot `slot` of block b takes tiles b·SLOTS + slot, then every gridDim·SLOTS on; warp
     // kp of the slot owns groups [g0, g1) of them. Its first batch of weights is requested before
@@ -390,13 +404,11 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
             tile = nt; bi = nbi; row0 = nrow0; si = nsi; cur = nxt;
         }
     }
-    // rows: every unit of the untiled segments, one per warp (requesting the first row before
-    // the prologue, as the tiles do, measured no faster for the row-only launches)
-    const int rows_total = unit_count(a, false);
-    for (int u = blockIdx.x * 8 + warp; u < rows_total; u += gridDim.x * 8) {
+    // rows: every unit of the untiled segments, one per warp
+    for (int u = first_row; u < rows_total; u += gridDim.x * 8) {
         const Segment& s = a.seg[locate_unit(a, false, u, local)];
-        RowLoads L;
-        load_row(s, local, a.K, a.group, L);
+        RowLoads L = first;
+        if (TILES || u != first_row) load_row(s, local, a.K, a.group, L);
         const float y = row_dot(s, L, a.K, xs, chunk_sum);
         if (lane == 0) {
             write_row(s, local, y);
@@ -406,7 +418,9 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
     if (a.choice) choose_token(a.choice, best, scratch);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 3) gemv_q(GemvArgs a) { gemv_body<false>(a); }
+// gemv_q at 2 blocks per SM: its first row held across the prologue fits in registers (at 3 it
+// spilled); the router launch needs 161 blocks
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q(GemvArgs a) { gemv_body<false>(a); }
 extern "C" __global__ void __launch_bounds__(256, 3) gemv_q_tiles(GemvArgs a) { gemv_body<true>(a); }
 
 // ---- resident tiles: a block's whole share in shared memory, requested before the wait ----

@@ -160,15 +160,17 @@ const PREFETCH_MAX_BYTES: usize = 32 << 20;
 /// How the decode step's kernels may overlap: `early` (the default) programmatic dependent launch
 /// for the kernels that read something no kernel of the step writes before waiting on their
 /// predecessor: gemv_q_resident and gemv_q_ring (their weights), gdn_step (its layer's recurrent
-/// and conv state), attn_prep (its norm weights and the rotation of the position) and
-/// attn_decode (K/V rows of earlier steps); `pdl` for every kernel, `1` that with the GEMVs' L2
+/// and conv state), attn_prep (its norm weights and the rotation of the position), gemv_q (the
+/// router launch: each warp's first row) and attn_decode (K/V rows of earlier steps); `pdl` for
+/// every kernel, `1` that with the GEMVs' L2
 /// prefetches, `prefetch` the prefetches alone (at kernel start, under the prologue), `0` plain
 /// graph launches.
 /// Measured at 4K context: gemv_q_resident alone early 463 tok/s, none 448, every kernel 442
 /// (bench/results/cuda-decode-overlap-resident.json); with gdn_step early too 498 vs 488, the
 /// MoE down, gate/up or attention kernels early no gain (cuda-decode-early-launch.json); once
 /// attn_prep read something before its wait, it early 600 -> 609; the router, the experts or
-/// attn_combine early then 603, 589, 610 (cuda-decode-early-loads-2.json). With
+/// attn_combine early then 603, 589, 610; the router with its first rows before the wait (and
+/// registers for them: 2 blocks per SM) early 611 -> 619 (cuda-decode-early-loads-2.json). With
 /// gemv_q_stream, before gemv_q_resident, `pdl` was 1% faster than `0`
 /// (cuda-decode-overlap-pdl-072c82a.json).
 const OVERLAP_ENV: &str = "OSPREY_CUDA_OVERLAP";
@@ -909,7 +911,7 @@ impl CudaDecoder {
         a.prefetch = i32::from(self.overlap.prefetch && weight_bytes <= PREFETCH_MAX_BYTES);
         // work units: 16-row tensor-core tiles (4-bit, group 64) when the launch has enough of
         // them to fill the GPU (measured: small launches are faster one row per warp), else rows;
-        // a block takes two units at a time, the grid is what stays resident (3 blocks per SM)
+        // a block takes two tiles or eight rows at a time, the grid is what stays resident
         let tileable = |s: &Segment| s.bits == 4 && group == 64;
         let tiles: usize = segs
             .iter()
@@ -961,14 +963,20 @@ impl CudaDecoder {
                 }
             })
             .sum();
-        let per_block = if a.tiles == 1 { 2 } else { 8 };
-        let blocks = units.div_ceil(per_block).min(self.sms * 3) as u32;
-        let f = if a.tiles == 1 {
-            &self.f.gemv_tiles
-        } else {
-            &self.f.gemv
-        };
-        self.launch_step(f, launch_cfg((blocks, 1), 256), &a)
+        // (gemv_q_tiles resident at 3 blocks per SM, gemv_q at 2)
+        let (per_block, resident) = if a.tiles == 1 { (2, 3) } else { (8, 2) };
+        let blocks = units.div_ceil(per_block).min(self.sms * resident) as u32;
+        if a.tiles == 1 {
+            return self.launch_step(&self.f.gemv_tiles, launch_cfg((blocks, 1), 256), &a);
+        }
+        // gemv_q requests each warp's first row before its wait: launched early, it streams
+        // under the predecessor
+        self.launch_params(
+            &self.f.gemv,
+            launch_cfg((blocks, 1), 256),
+            &mut [&a as *const GemvArgs as *mut c_void],
+            self.overlap.early,
+        )
     }
 
     /// A GEMV whose blocks stage their weights in shared memory (gemv_q_resident, gemv_q_ring,
