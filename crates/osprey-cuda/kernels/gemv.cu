@@ -22,10 +22,10 @@
 //     batch before the prologue; the 4 partial sums of a tile meet in a double buffer behind one
 //     slot barrier.
 //   gemv_q — the rest (the router's 8-bit rows with the shared expert's): a warp per row, lane l
-//     reading 16-byte chunks l, l+32, ... (whole 512-byte spans per warp), launched early with
-//     each warp's first row requested before the wait, a row's loads all in
-//     flight at once (with each chunk's scale converted in its own branch they went out a chunk
-//     per round trip: fixed, the step at 4K 591.0 -> 597.8 tok/s, cuda-decode-early-loads-2.json).
+//     reading 16-byte chunks l, l+32, ... (whole 512-byte spans per warp); launched early, each
+//     warp's first row requested before the wait; a row's loads all in flight at once (with
+//     each chunk's scale converted in its own branch they went out a chunk per round trip:
+//     fixed, the step at 4K 591.0 -> 597.8 tok/s, cuda-decode-early-loads-2.json).
 // Prologue: x is loaded once per block into padded shared memory (gemv_q_resident: straight into
 // the tiles' byte form) and, optionally, RMS-normalised with a weight (the layer's pre-norm), or
 // per-head RMS-normalised and gated by silu(z) (the GDN output norm), fused here instead of
