@@ -648,8 +648,38 @@ __device__ __forceinline__ void store_to_peer(float* p, unsigned rank, float v) 
 // 0 adds them in a fixed order (deterministic) and writes or accumulates the output. Grid: 2
 // blocks per tile, dynamic shared memory padded so that at most two blocks share an SM.
 // Measured (bench/kernels/gemv_pair.cu, chains of 30 launches, pdl): out_proj 6.42 -> 5.09 us
-// against gemv_q_resident, o_proj 4.63 -> 3.71.
+// against gemv_q_resident, o_proj 4.63 -> 3.71. The gated prologue with its loads in one round
+// trip (gated_half_input): out_proj 144 -> 132 us a step in the graph, the step at 4K 619.9 ->
+// 629.9 tok/s (bench/results/cuda-decode-early-loads-2.json).
 #define PAIR_WARPS 8
+
+// The pair's gated prologue over its K half (one 8-element slot per thread: K/2 = 8 x 256): x, z
+// and the head weight requested together and unbranched (resident_input's head-norm path asks
+// for z and the weight only after x's sum of squares, one more round trip), then the per-head
+// RMSNorm by shuffles among the head's head_dim/8 threads, gated by silu(z).
+__device__ __forceinline__ void gated_half_input(const float* x, const float* z, const float* hw, float eps, int K,
+                                                 int head_dim, uint4* xb8, float2* gx) {
+    const int idx = threadIdx.x, G = idx >> 3, T = (idx >> 2) & 1, q = idx & 3;
+    const bool on = idx < K / 8;
+    const int e0 = on ? G * 64 + 8 * (2 * q + T) : 0, he = e0 % head_dim;
+    const float4 x0 = *reinterpret_cast<const float4*>(x + e0), x1 = *reinterpret_cast<const float4*>(x + e0 + 4);
+    const float4 z0 = *reinterpret_cast<const float4*>(z + e0), z1 = *reinterpret_cast<const float4*>(z + e0 + 4);
+    const float4 h0 = *reinterpret_cast<const float4*>(hw + he), h1 = *reinterpret_cast<const float4*>(hw + he + 4);
+    float v[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+    const float zs[8] = {z0.x, z0.y, z0.z, z0.w, z1.x, z1.y, z1.z, z1.w};
+    const float hs[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) ss += v[j] * v[j];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] *= hs[j] * siluf(zs[j]);
+    for (int o = 1; o < head_dim / 8; o <<= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
+    const float inv = rsqrtf(ss / head_dim + eps);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = on ? v[j] * inv : 0.f;
+    write_slot(v, idx, on, xb8, gx);
+}
+
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(PAIR_WARPS * 32, 1) gemv_q_pair(GemvArgs a) {
     extern __shared__ __align__(128) char smem[];
     const int K = a.K, gpr = K / 64, half_g = gpr / 2, Kh = K / 2;
@@ -673,8 +703,8 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(PAIR_WARP
         copy_q4_rows(codes, scales, biases, 0, s.codes, s.scales, s.biases, r0, rows, K, full);
     }
     step_inputs_ready();
-    resident_input(XInput{a.x + rank * Kh, nullptr, a.gate_z ? a.gate_z + rank * Kh : nullptr, a.head_norm, a.eps, Kh, a.head_dim},
-                   xb8, gx, scratch);
+    if (a.head_norm) gated_half_input(a.x + rank * Kh, a.gate_z + rank * Kh, a.head_norm, a.eps, Kh, a.head_dim, xb8, gx);
+    else resident_input(XInput{a.x + rank * Kh, nullptr, nullptr, nullptr, a.eps, Kh, 0}, xb8, gx, scratch);
     __syncthreads();  // also publishes the barrier's initialisation
     const int warp = threadIdx.x >> 5, quads = half_g / 4;
     float yA = 0.f, yB = 0.f;
