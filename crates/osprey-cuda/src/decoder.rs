@@ -162,9 +162,8 @@ const PREFETCH_MAX_BYTES: usize = 32 << 20;
 /// predecessor: gemv_q_resident and gemv_q_ring (their weights), gdn_step (its layer's recurrent
 /// and conv state), attn_prep (its norm weights and the rotation of the position), gemv_q (the
 /// router launch: each warp's first row) and attn_decode (K/V rows of earlier steps); `pdl` for
-/// every kernel, `1` that with the GEMVs' L2
-/// prefetches, `prefetch` the prefetches alone (at kernel start, under the prologue), `0` plain
-/// graph launches.
+/// every kernel, `1` that with the GEMVs' L2 prefetches, `prefetch` the prefetches alone (at
+/// kernel start, under the prologue), `0` plain graph launches.
 /// Measured at 4K context: gemv_q_resident alone early 463 tok/s, none 448, every kernel 442
 /// (bench/results/cuda-decode-overlap-resident.json); with gdn_step early too 498 vs 488, the
 /// MoE down, gate/up or attention kernels early no gain (cuda-decode-early-launch.json); once
@@ -228,7 +227,7 @@ impl StepOverlap {
 /// Blocks of the sampler's prepass, the most candidates each keeps (sample.cu MAX_SAMPLE_K, top-k's
 /// k) and the largest vocabulary slice a block holds in shared memory (PREPASS_MAX_SLICE).
 const SAMPLE_PARTS: usize = 128;
-const SAMPLE_SLOTS: usize = 256;
+const SAMPLE_MAX_K: usize = 256;
 const SAMPLE_MAX_SLICE: usize = 4096;
 /// Kernel families that choose the token and advance the position (never issued twice; the
 /// lm_head's family is issued twice without its token choice).
@@ -374,7 +373,7 @@ struct Scratch {
     /// Prompt + output and output-only counts per token id (sampling penalties).
     seen: CudaSlice<i32>,
     output: CudaSlice<i32>,
-    /// The sampler prepass's candidates, [SAMPLE_PARTS * SAMPLE_SLOTS].
+    /// The sampler prepass's candidates, [SAMPLE_PARTS * SAMPLE_MAX_K].
     cand_v: CudaSlice<f32>,
     cand_i: CudaSlice<i32>,
 }
@@ -696,8 +695,8 @@ impl CudaDecoder {
             pos: stream.alloc_zeros(1)?,
             step: stream.alloc_zeros(1)?,
             history: stream.alloc_zeros(max_context)?,
-            cand_v: stream.alloc_zeros(SAMPLE_PARTS * SAMPLE_SLOTS)?,
-            cand_i: stream.alloc_zeros(SAMPLE_PARTS * SAMPLE_SLOTS)?,
+            cand_v: stream.alloc_zeros(SAMPLE_PARTS * SAMPLE_MAX_K)?,
+            cand_i: stream.alloc_zeros(SAMPLE_PARTS * SAMPLE_MAX_K)?,
             sample_params: stream.clone_htod(&[SampleParams::default()])?,
             choice: stream.clone_htod(&[TokenChoice::default()])?,
             seen: stream.alloc_zeros(c.vocab_size)?,
