@@ -425,7 +425,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) gemv_q_tiles(GemvArgs a) { 
 
 // ---- resident tiles: a block's whole share in shared memory, requested before the wait ----
 // gemv_q_resident: launches of only 4-bit group-64 rows, K 2048 or 4096, whose share per block
-// fits in shared memory (GDN in_proj, attention q|k|v). One block of 8
+// fits in shared memory (GDN in_proj, attention q|k|v). One block of 16
 // warps per SM takes a contiguous run of 16-row tiles; its first thread asks the copy engine for
 // all of their codes, scales and biases (one copy per run inside a segment) before
 // griddepcontrol.wait. The engine launches it alone with programmatic dependent launch
@@ -438,12 +438,20 @@ extern "C" __global__ void __launch_bounds__(256, 3) gemv_q_tiles(GemvArgs a) { 
 // Measured (bench/kernels/gemv_resident.cu, chains of 30 launches of one shape with programmatic
 // dependent launch, H200): in_proj 5.9 us (gemv_q_tiles 12.5; its bytes at 4.3 TB/s: 3.3), q|k|v
 // 5.0 (11.3), out_proj 5.8 (11.0); in the decode graph, in_proj 8.1 us (12.1 with gemv_q_tiles).
-#define RES_WARPS 8
+// Timeline of the step (tools/timeline_kernels.py, full-size model at 4K, 8 warps): from a block
+// passing its wait, x is in at 3.2 us and the tiles at 3.8 (their bytes, 14.2 MB for in_proj,
+// share DRAM with the early-launched gdn_step and out_proj), the multiply takes 2.6 us more
+// (issue-bound: two warps per scheduler), and a launch is 10.6 us exit to exit. The multiply's
+// warps: K is split RES_KSLICES ways, and each further group of RES_KSLICES warps takes every
+// (warps / RES_KSLICES)-th tile of the run: with 16 warps it takes 2.0 us, 4K 627.0 -> 629.1
+// tok/s (bench/results/cuda-decode-session14-ablations.json). A barrier per tile, so the
+// multiply starts on the first tile, lost (621-624): the multiply then waits on the stream.
+#define RES_KSLICES 8
 
 // Block b takes tiles [b·T/grid, (b+1)·T/grid) of the launch's segments; a.stages >= its tile
 // count (the host sizes the dynamic shared memory by it: resident_launch in decoder.rs).
 // Shared memory: codes [stages][16 rows][K/2 B], scales and biases [stages][16][K/64], then x.
-extern "C" __global__ void __launch_bounds__(RES_WARPS * 32, 2) gemv_q_resident(GemvArgs a) {
+extern "C" __global__ void __launch_bounds__(2 * RES_KSLICES * 32, 1) gemv_q_resident(GemvArgs a) {
     extern __shared__ __align__(128) char smem[];
     const int K = a.K, gpr = K / 64, S = a.stages;
     const int total = unit_count(a, true);
@@ -481,7 +489,8 @@ extern "C" __global__ void __launch_bounds__(RES_WARPS * 32, 2) gemv_q_resident(
     step_inputs_ready();
     resident_input(XInput{a.x, a.norm_weight, a.gate_z, a.head_norm, a.eps, a.K, a.head_dim}, xb8, gx, scratch);
     __syncthreads();  // also publishes the barrier's initialisation
-    const int warp = threadIdx.x >> 5, g0 = warp * gpr / RES_WARPS, quads = gpr / (4 * RES_WARPS);
+    const int warp = threadIdx.x >> 5, kslice = warp % RES_KSLICES, phase = warp / RES_KSLICES;
+    const int phases = blockDim.x / (32 * RES_KSLICES), g0 = kslice * gpr / RES_KSLICES, quads = gpr / (4 * RES_KSLICES);
     QuadX X;
     const QuadLane L0 = quad_lane(K, g0);
     if (quads == 1) load_quad_x(xb8, gx, g0, X);
@@ -490,7 +499,7 @@ extern "C" __global__ void __launch_bounds__(RES_WARPS * 32, 2) gemv_q_resident(
     // its 16 partial sums of a tile in the first 64 bytes of its own K-slice of the tile's codes,
     // which only it reads
 #pragma unroll 1
-    for (int i = 0; i < n; ++i) {
+    for (int i = phase; i < n; i += phases) {
         char* stage = codes + (size_t)i * 16 * (K / 2);
         const __nv_bfloat16* sc = scales + (size_t)i * 16 * gpr;
         const __nv_bfloat16* bi = biases + (size_t)i * 16 * gpr;
@@ -516,7 +525,7 @@ extern "C" __global__ void __launch_bounds__(RES_WARPS * 32, 2) gemv_q_resident(
             const char* stage = codes + (size_t)i * 16 * (K / 2);
             float y = 0.f;
 #pragma unroll
-            for (int w = 0; w < RES_WARPS; ++w) y += reinterpret_cast<const float*>(stage + (w * gpr / RES_WARPS) * 32)[r];
+            for (int w = 0; w < RES_KSLICES; ++w) y += reinterpret_cast<const float*>(stage + (w * gpr / RES_KSLICES) * 32)[r];
             write_row(s, row, y);
         }
     }

@@ -43,6 +43,10 @@ fn x_bytes_smem(k: usize) -> usize {
     (k / 64) * (8 * 16 + 8) + 32 * 4
 }
 
+/// gemv_q_resident's block: 16 warps, two per K-slice (gemv.cu RES_KSLICES), each taking every
+/// other tile of the block's run (measured at 4K: 627.0 -> 629.1 tok/s against 8 warps, three
+/// round sets on one H200 each, bench/results/cuda-decode-session14-ablations.json).
+const RESIDENT_THREADS: u32 = 512;
 /// Just over half of an H200 SM's 228 KB of shared memory (1 KB of each block's is reserved).
 const RESIDENT_MIN_SMEM: usize = 115 * 1024;
 /// gemv_q_resident (gemv.cu) for `tiles` 16-row tiles of `k` inputs (4-bit, group 64) on `sms`
@@ -939,7 +943,7 @@ impl CudaDecoder {
         let staged_ok = head_ok && a.normed == 0;
         if segs.iter().all(tileable) && staged_ok && choice == 0 {
             if let Some(launch) = resident_launch(tiles, k, self.sms, self.smem_optin) {
-                return self.launch_staged(&self.f.gemv_resident, a, launch, 256);
+                return self.launch_staged(&self.f.gemv_resident, a, launch, RESIDENT_THREADS);
             }
         }
         if segs.len() == 1 && segs.iter().all(tileable) && staged_ok {
