@@ -49,6 +49,11 @@ pub enum BenchKind {
         rounds: usize,
         #[arg(long)]
         out: Option<PathBuf>,
+        /// CUDA: write the timeline of one step at the profiled context (4K, or the last) here as
+        /// JSON: each launch's start, release and end from kernels built with
+        /// tools/timeline_kernels.py and loaded through OSPREY_KERNELS_DIR.
+        #[arg(long)]
+        timeline: Option<PathBuf>,
     },
 }
 
@@ -166,13 +171,26 @@ pub fn run(kind: BenchKind) -> Result<()> {
         bail!("--rounds must be at least 1");
     }
     let sample = matches!(&kind, BenchKind::Decode { sample: true, .. });
+    let timeline = match &kind {
+        BenchKind::Decode { timeline, .. } => timeline.as_deref(),
+        BenchKind::Prefill { .. } => None,
+    };
+    if timeline.is_some() && model.backend != "cuda" {
+        bail!("--timeline needs --backend cuda (it reads marks recorded by instrumented kernels)");
+    }
     if model.backend == "cuda" {
         let dir = crate::commands::model_dir(model)?;
         let sampling = sample.then(|| checkpoint_sampling(&dir)).transpose()?;
         return match &kind {
-            BenchKind::Decode { steps, .. } => {
-                cuda_decode(&dir, &lengths, *steps, rounds, sampling, out.as_deref())
-            }
+            BenchKind::Decode { steps, .. } => cuda_decode(
+                &dir,
+                &lengths,
+                *steps,
+                rounds,
+                sampling,
+                out.as_deref(),
+                timeline,
+            ),
             BenchKind::Prefill { .. } => {
                 cuda_prefill(&dir, model.prefill_chunk, &lengths, rounds, out.as_deref())
             }
@@ -294,14 +312,15 @@ fn cuda_decode(
     rounds: usize,
     sampling: Option<SamplingParams>,
     out: Option<&std::path::Path>,
+    timeline: Option<&std::path::Path>,
 ) -> Result<()> {
     #[cfg(feature = "cuda")]
     {
-        crate::gpu::bench_decode(dir, contexts, steps, rounds, sampling, out)
+        crate::gpu::bench_decode(dir, contexts, steps, rounds, sampling, out, timeline)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (dir, contexts, steps, rounds, sampling, out);
+        let _ = (dir, contexts, steps, rounds, sampling, out, timeline);
         bail!("this build has no CUDA backend (rebuild with --features cuda)")
     }
 }

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use osprey_cuda::{CudaDecoder, GdnPrefill};
 use osprey_engine::sampler::{argmax, Sampler, SamplingParams};
 use osprey_engine::{CpuBackend, Engine};
@@ -368,6 +368,73 @@ fn memory_line(gpu: &CudaDecoder) -> String {
         .join(", ")
 }
 
+/// One step at `ctx` replayed with the timeline probe (osprey_cuda::timeline): each launch's start,
+/// release and end, and each kernel family's share of the step, as JSON at `path`.
+fn write_timeline(
+    gpu: &mut CudaDecoder,
+    ctx: usize,
+    step_us: f64,
+    command: &str,
+    path: &Path,
+) -> Result<()> {
+    use osprey_cuda::timeline;
+    let fresh = |gpu: &mut CudaDecoder| -> Result<()> {
+        gpu.reset()?;
+        gpu.set_position(ctx)?;
+        gpu.set_token(1)
+    };
+    fresh(gpu)?;
+    let names = gpu.launch_order()?;
+    fresh(gpu)?;
+    let marks = gpu.record_timeline()?;
+    let launches = timeline::launches(&marks);
+    if launches.len() != names.len() {
+        warn!(
+            "timeline: {} launches recorded, the step issues {}: families go by kernel file and grid",
+            launches.len(),
+            names.len()
+        );
+    }
+    let families = timeline::family_times(&launches, &names);
+    let t0 = launches.first().map_or(0, |l| l.first_start_ns);
+    let end = launches
+        .iter()
+        .filter_map(|l| l.last_end_ns)
+        .max()
+        .unwrap_or(t0);
+    let us = |t: Option<u64>| t.map(|t| (t as f64 - t0 as f64) / 1e3);
+    let step_recorded_us = (end - t0) as f64 / 1e3;
+    info!("timeline of one step at {ctx} ({step_recorded_us:.0} us instrumented, {step_us:.0} us without the probe): per family, last block out to last block out, and the median hand-over (release after the predecessor's last block):");
+    for f in &families {
+        info!(
+            "  {:<52} {:>4} launches {:>8.1} us  hand-over {:>5}",
+            f.kernel,
+            f.launches,
+            f.micros,
+            f.median_release_after_predecessor_us
+                .map_or("-".to_string(), |u| format!("{u:.2}"))
+        );
+    }
+    let named = launches.len() == names.len();
+    let report = json!({
+        "kind": "decode-timeline", "backend": "cuda", "device": gpu.device_name(), "commit": git_commit(),
+        "date": utc_now(), "command": command,
+        "kernels_dir": std::env::var(osprey_cuda::KERNELS_DIR_ENV).ok(),
+        "context": ctx, "step_us_uninstrumented": step_us, "step_us_instrumented": step_recorded_us,
+        "method": "one graph replay with kernels from tools/timeline_kernels.py: the first thread of each block records %globaltimer at its start, past griddepcontrol.wait (release) and at its end; a family's time is the sum over its launches of (its last block's end - the previous launch's last block's end)",
+        "families": families.iter().map(|f| json!({"kernel": f.kernel, "launches": f.launches, "us": f.micros,
+            "median_release_after_predecessor_us": f.median_release_after_predecessor_us})).collect::<Vec<_>>(),
+        "launches": launches.iter().enumerate().map(|(i, l)| json!({
+            "kernel": if named { names[i].to_string() } else { format!("{}/{}", l.module, l.grid) },
+            "file": l.module, "grid": [l.grid & 0xFFFF, l.grid >> 16], "blocks": l.blocks,
+            "start_us": us(Some(l.first_start_ns)), "release_us": us(l.release_ns), "end_us": us(l.last_end_ns)})).collect::<Vec<_>>(),
+    });
+    std::fs::write(path, serde_json::to_string_pretty(&report)?)
+        .with_context(|| format!("writing {}", path.display()))?;
+    info!("wrote {}", path.display());
+    Ok(())
+}
+
 /// Measured streaming-read ceiling of an H200 (budget.md), for the achieved-bandwidth column.
 const READ_CEILING_BYTES_PER_S: f64 = 3.7e12;
 
@@ -378,6 +445,7 @@ pub fn bench_decode(
     rounds: usize,
     sampling: Option<SamplingParams>,
     out: Option<&Path>,
+    timeline: Option<&Path>,
 ) -> Result<()> {
     let command = std::env::args().collect::<Vec<_>>().join(" ");
     let weights = ModelWeights::load(dir)?;
@@ -438,6 +506,9 @@ pub fn bench_decode(
                     "  {:<44} {:>4} launches {:>9.1} us {:>11}",
                     k.kernel, k.launches, k.micros, g
                 );
+            }
+            if let Some(path) = timeline {
+                write_timeline(&mut gpu, ctx, step_us, &command, path)?;
             }
             profile = Some(
                 json!({"context": ctx, "total_us": total, "graph_step_us": step_us,

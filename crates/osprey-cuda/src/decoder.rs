@@ -14,8 +14,8 @@ use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Context, Result};
 use cudarc::driver::{
-    sys, CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr,
-    LaunchConfig,
+    sys, CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream,
+    DevicePtr, LaunchConfig,
 };
 use cudarc::nvrtc::Ptx;
 use osprey_engine::sampler::{Sampler, SamplingParams};
@@ -24,6 +24,7 @@ use osprey_model::tensor::{FloatBuf, Linear, Matrix, MatrixData};
 use osprey_model::weights::{GdnProjections, Mixer, ModelWeights};
 
 use crate::args::*;
+use crate::timeline::Mark;
 
 mod prefill;
 pub use prefill::GdnPrefill;
@@ -161,6 +162,10 @@ const MOE_ENV: &str = "OSPREY_DECODE_MOE";
 
 /// Largest GEMV whose weights are prefetched into L2 (60 MB) while its predecessor drains.
 const PREFETCH_MAX_BYTES: usize = 32 << 20;
+/// A directory of `<family>.cubin` files loaded instead of the embedded kernels where present
+/// (instrumented builds: tools/timeline_kernels.py).
+pub const KERNELS_DIR_ENV: &str = "OSPREY_KERNELS_DIR";
+
 /// How the decode step's kernels may overlap: `early` (the default) programmatic dependent launch
 /// for the kernels that read something no kernel of the step writes before waiting on their
 /// predecessor: gemv_q_resident and gemv_q_ring (their weights), gdn_step (its layer's recurrent
@@ -439,6 +444,8 @@ pub struct CudaDecoder {
     wgmma: prefill::Wgmma,
     /// Programmatic dependent launch and prefetches in the decode step (see `launch_step`).
     overlap: StepOverlap,
+    /// The loaded kernel families, for the timeline probe's symbols (`record_timeline`).
+    modules: HashMap<&'static str, Arc<CudaModule>>,
     /// The MoE block's experts in one launch (moe_experts), or as the gate/up and down pair.
     fused_experts: bool,
 }
@@ -547,11 +554,22 @@ impl CudaDecoder {
         unsafe { ctx.disable_event_tracking() };
         // a created stream: the legacy default stream cannot be captured into a graph
         let stream = ctx.new_stream()?;
+        let kernels_dir = std::env::var_os(KERNELS_DIR_ENV).map(std::path::PathBuf::from);
         let mut modules = HashMap::new();
         for (name, cubin) in crate::CUBINS {
+            let file = kernels_dir
+                .as_ref()
+                .map(|d| d.join(format!("{name}.cubin")));
+            let bytes = match file.filter(|f| f.exists()) {
+                Some(f) => {
+                    tracing::warn!("kernels {name} from {} ({KERNELS_DIR_ENV})", f.display());
+                    std::fs::read(&f).with_context(|| format!("reading {}", f.display()))?
+                }
+                None => cubin.to_vec(),
+            };
             modules.insert(
                 *name,
-                ctx.load_module(Ptx::from_binary(cubin.to_vec()))
+                ctx.load_module(Ptx::from_binary(bytes))
                     .with_context(|| format!("loading kernels {name}"))?,
             );
         }
@@ -807,6 +825,7 @@ impl CudaDecoder {
             gdn_prefill: GdnPrefill::Auto,
             wgmma: prefill::Wgmma::from_env(),
             overlap: StepOverlap::from_env(),
+            modules,
             fused_experts,
         })
     }
@@ -1647,6 +1666,69 @@ impl CudaDecoder {
         self.issue_step(Some(&mut events), None)?;
         self.synchronize()?;
         sum_events(&events)
+    }
+
+    /// The step's launches in issue order, by family name.
+    pub fn launch_order(&mut self) -> Result<Vec<&'static str>> {
+        let mut events = Vec::new();
+        self.issue_step(Some(&mut events), None)?;
+        self.synchronize()?;
+        Ok(events.into_iter().map(|(name, _, _)| name).collect())
+    }
+
+    /// Replays the step's graph once with kernels that carry the timeline probe (loaded from
+    /// KERNELS_DIR_ENV, built by tools/timeline_kernels.py) and returns every block's marks.
+    pub fn record_timeline(&mut self) -> Result<Vec<Mark>> {
+        use crate::timeline::{RawRecord, COUNTS_SYMBOL, PER_SM, RECORDS_SYMBOL, SMS};
+        let probed: Vec<(&'static str, Arc<CudaModule>)> = self
+            .modules
+            .iter()
+            .filter(|(_, m)| m.get_global(COUNTS_SYMBOL, &self.stream).is_ok())
+            .map(|(n, m)| (*n, m.clone()))
+            .collect();
+        if probed.is_empty() {
+            bail!("the loaded kernels carry no timeline probe: build them with tools/timeline_kernels.py and set {KERNELS_DIR_ENV} to that directory");
+        }
+        for (_, m) in &probed {
+            let mut counts = m.get_global(COUNTS_SYMBOL, &self.stream)?;
+            self.stream.memset_zeros(&mut counts)?;
+        }
+        if self.graph.is_none() {
+            self.graph = Some(self.capture_step(None)?);
+        }
+        if let Some(g) = &self.graph {
+            g.launch()?;
+        }
+        self.synchronize()?;
+        let mut marks = Vec::new();
+        for (name, m) in &probed {
+            let counts = m.get_global(COUNTS_SYMBOL, &self.stream)?;
+            // SAFETY: the probe declares `unsigned int timeline_counts[SMS]`
+            let counts = self
+                .stream
+                .clone_dtoh(&unsafe { counts.transmute::<u32>(SMS) }.context("timeline counts")?)?;
+            let records = m.get_global(RECORDS_SYMBOL, &self.stream)?;
+            // SAFETY: the probe declares `TimelineRecord timeline_records[SMS * PER_SM]`, laid out as RawRecord
+            let records = self.stream.clone_dtoh(
+                &unsafe { records.transmute::<RawRecord>(SMS * PER_SM) }
+                    .context("timeline records")?,
+            )?;
+            for (sm, &n) in counts.iter().enumerate() {
+                if n as usize > PER_SM {
+                    tracing::warn!("timeline: SM {sm} of {name} recorded {n} marks, kept {PER_SM}");
+                }
+                for r in &records[sm * PER_SM..sm * PER_SM + (n as usize).min(PER_SM)] {
+                    marks.push(Mark {
+                        module: name,
+                        time_ns: r.time_ns,
+                        mark: r.mark,
+                        block: r.block,
+                        grid: r.grid,
+                    });
+                }
+            }
+        }
+        Ok(marks)
     }
 
     /// Each kernel family's cost inside the graph: the step is captured again with that family's

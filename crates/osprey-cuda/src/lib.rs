@@ -7,9 +7,10 @@
 mod args;
 mod backend;
 mod decoder;
+pub mod timeline;
 
 pub use backend::{CudaBackend, DEFAULT_CUDA_PREFILL_CHUNK};
-pub use decoder::{CudaDecoder, GdnPrefill, KernelTime};
+pub use decoder::{CudaDecoder, GdnPrefill, KernelTime, KERNELS_DIR_ENV};
 
 #[cfg(osprey_kernels)]
 pub(crate) const CUBINS: &[(&str, &[u8])] = &[

@@ -1,0 +1,255 @@
+//! A decode step's timeline, from kernels built with the probe of `tools/timeline_kernels.py`:
+//! the first thread of every block records the global clock when the block starts (mark 0),
+//! passes `griddepcontrol.wait` (mark 1) and ends (mark 9). Grouped into launches, the marks give
+//! each launch's real cost inside the replayed graph: from the previous launch's last block out to
+//! its own, and how long after that its inputs were released.
+
+use std::collections::HashMap;
+
+/// Per-SM record slots and SMs covered (the probe's TIMELINE_PER_SM and TIMELINE_SMS).
+pub(crate) const PER_SM: usize = 4096;
+pub(crate) const SMS: usize = 256;
+/// Symbols of the probe in an instrumented module.
+pub(crate) const COUNTS_SYMBOL: &str = "timeline_counts";
+pub(crate) const RECORDS_SYMBOL: &str = "timeline_records";
+
+/// The probe's `TimelineRecord`, as the kernels store it.
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub(crate) struct RawRecord {
+    pub time_ns: u64,
+    pub mark: u32,
+    /// blockIdx.x | blockIdx.y << 16
+    pub block: u32,
+    /// gridDim.x | gridDim.y << 16
+    pub grid: u32,
+    pub sm: u32,
+}
+
+// SAFETY: plain old data, laid out as the kernels store it
+unsafe impl cudarc::driver::DeviceRepr for RawRecord {}
+
+/// One mark of one block.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Mark {
+    /// The kernel family (`.cu` file) of the launch.
+    pub module: &'static str,
+    pub time_ns: u64,
+    /// 0: the block started; 1: it passed the wait for its predecessor; 9: it ended.
+    pub mark: u32,
+    pub block: u32,
+    pub grid: u32,
+}
+
+/// One launch of the step, its blocks' marks gathered (nanoseconds on the GPU's global clock).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Launch {
+    pub module: &'static str,
+    /// gridDim.x | gridDim.y << 16
+    pub grid: u32,
+    pub blocks: usize,
+    pub first_start_ns: u64,
+    /// The first block past its wait: the predecessor had finished and flushed.
+    pub release_ns: Option<u64>,
+    pub last_end_ns: Option<u64>,
+}
+
+/// One start of a block index: whether its release and end marks have been seen.
+#[derive(Default)]
+struct BlockRun {
+    released: bool,
+    ended: bool,
+}
+
+/// Groups marks into launches, in the order they started. A block's n-th start in a (module,
+/// grid) belongs to that kind's n-th launch (launches of one kind start in order), and its
+/// release and end marks to its earliest start still without one (with programmatic launch the
+/// next launch's block of the same index may start before this one ends).
+pub fn launches(marks: &[Mark]) -> Vec<Launch> {
+    let mut sorted: Vec<&Mark> = marks.iter().collect();
+    sorted.sort_by_key(|m| m.time_ns);
+    // per (module, grid, block): its starts so far
+    let mut starts: HashMap<(&str, u32, u32), Vec<BlockRun>> = HashMap::new();
+    let mut by_launch: HashMap<(&'static str, u32, usize), Launch> = HashMap::new();
+    for m in sorted {
+        let mine = starts.entry((m.module, m.grid, m.block)).or_default();
+        let n = match m.mark {
+            0 => {
+                mine.push(BlockRun::default());
+                mine.len() - 1
+            }
+            1 => match mine.iter().position(|r| !r.released) {
+                Some(i) => {
+                    mine[i].released = true;
+                    i
+                }
+                None => continue,
+            },
+            9 => match mine.iter().position(|r| !r.ended) {
+                Some(i) => {
+                    mine[i].ended = true;
+                    i
+                }
+                None => continue,
+            },
+            _ => continue,
+        };
+        let l = by_launch
+            .entry((m.module, m.grid, n))
+            .or_insert_with(|| Launch {
+                module: m.module,
+                grid: m.grid,
+                blocks: 0,
+                first_start_ns: m.time_ns,
+                release_ns: None,
+                last_end_ns: None,
+            });
+        match m.mark {
+            0 => {
+                l.blocks += 1;
+                l.first_start_ns = l.first_start_ns.min(m.time_ns);
+            }
+            1 => l.release_ns = Some(l.release_ns.map_or(m.time_ns, |t| t.min(m.time_ns))),
+            _ => l.last_end_ns = Some(l.last_end_ns.map_or(m.time_ns, |t| t.max(m.time_ns))),
+        }
+    }
+    let mut out: Vec<Launch> = by_launch.into_values().collect();
+    out.sort_by_key(|l| l.first_start_ns);
+    out
+}
+
+/// A kernel family's share of the step: the sum over its launches of (its last block out - the
+/// previous launch's last block out), and the median of (its release - the previous launch's
+/// last block out): what handing over to it cost.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FamilyTime {
+    pub kernel: String,
+    pub launches: usize,
+    pub micros: f64,
+    pub median_release_after_predecessor_us: Option<f64>,
+}
+
+/// Sums launches by family; `names` (the step's launches in issue order) names them when there
+/// are as many, else they go by "module/grid".
+pub fn family_times(launches: &[Launch], names: &[&str]) -> Vec<FamilyTime> {
+    let named = names.len() == launches.len();
+    let mut out: Vec<FamilyTime> = Vec::new();
+    let mut releases: Vec<Vec<f64>> = Vec::new();
+    let mut prev_end: Option<u64> = None;
+    for (i, l) in launches.iter().enumerate() {
+        let Some(end) = l.last_end_ns else { continue };
+        let kernel = if named {
+            names[i].to_string()
+        } else {
+            format!("{}/{}", l.module, l.grid)
+        };
+        let start = prev_end.unwrap_or(l.first_start_ns);
+        let slot = match out.iter().position(|f| f.kernel == kernel) {
+            Some(s) => s,
+            None => {
+                out.push(FamilyTime {
+                    kernel,
+                    launches: 0,
+                    micros: 0.0,
+                    median_release_after_predecessor_us: None,
+                });
+                releases.push(Vec::new());
+                out.len() - 1
+            }
+        };
+        out[slot].launches += 1;
+        out[slot].micros += end.saturating_sub(start) as f64 / 1e3;
+        if let (Some(r), Some(p)) = (l.release_ns, prev_end) {
+            releases[slot].push((r as f64 - p as f64) / 1e3);
+        }
+        prev_end = Some(end);
+    }
+    for (f, mut r) in out.iter_mut().zip(releases) {
+        r.sort_by(|a, b| a.total_cmp(b));
+        f.median_release_after_predecessor_us = r.get(r.len() / 2).copied();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mark(module: &'static str, time_ns: u64, mark: u32, block: u32, grid: u32) -> Mark {
+        Mark {
+            module,
+            time_ns,
+            mark,
+            block,
+            grid,
+        }
+    }
+
+    #[test]
+    fn record_layout_matches_the_probe() {
+        // unsigned long long + four unsigned ints (tools/timeline_kernels.py)
+        assert_eq!(std::mem::size_of::<RawRecord>(), 24);
+    }
+
+    #[test]
+    fn consecutive_launches_of_one_kind_stay_apart_and_families_sum_exit_to_exit() {
+        // two launches of gemv/2 back to back, then one of moe/1; marks arrive out of order
+        let marks = vec![
+            mark("gemv", 100, 0, 0, 2),
+            mark("gemv", 105, 0, 1, 2),
+            mark("gemv", 110, 1, 1, 2),
+            mark("gemv", 112, 1, 0, 2),
+            mark("gemv", 300, 9, 0, 2),
+            mark("gemv", 310, 9, 1, 2),
+            mark("gemv", 250, 0, 0, 2), // block 0's second start, before the first launch ended
+            mark("gemv", 320, 0, 1, 2),
+            mark("gemv", 330, 1, 0, 2),
+            mark("gemv", 331, 1, 1, 2),
+            mark("gemv", 600, 9, 0, 2),
+            mark("gemv", 650, 9, 1, 2),
+            mark("moe", 640, 0, 0, 1),
+            mark("moe", 700, 1, 0, 1),
+            mark("moe", 1650, 9, 0, 1),
+        ];
+        let l = launches(&marks);
+        assert_eq!(l.len(), 3);
+        assert_eq!(
+            (
+                l[0].blocks,
+                l[0].first_start_ns,
+                l[0].release_ns,
+                l[0].last_end_ns
+            ),
+            (2, 100, Some(110), Some(310))
+        );
+        assert_eq!(
+            (
+                l[1].blocks,
+                l[1].first_start_ns,
+                l[1].release_ns,
+                l[1].last_end_ns
+            ),
+            (2, 250, Some(330), Some(650))
+        );
+        assert_eq!(
+            (l[2].module, l[2].release_ns, l[2].last_end_ns),
+            ("moe", Some(700), Some(1650))
+        );
+
+        let named = family_times(&l, &["in_proj", "in_proj", "experts"]);
+        assert_eq!(named.len(), 2);
+        assert_eq!(
+            (named[0].kernel.as_str(), named[0].launches),
+            ("in_proj", 2)
+        );
+        // (310 - 100) + (650 - 310) ns
+        assert!((named[0].micros - 0.55).abs() < 1e-9);
+        assert_eq!(named[0].median_release_after_predecessor_us, Some(0.02));
+        assert!((named[1].micros - 1.0).abs() < 1e-9);
+        assert_eq!(named[1].median_release_after_predecessor_us, Some(0.05));
+
+        let unnamed = family_times(&l, &["too", "few"]);
+        assert_eq!(unnamed[0].kernel, "gemv/2");
+        assert_eq!(unnamed[1].kernel, "moe/1");
+    }
+}
