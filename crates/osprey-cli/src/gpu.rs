@@ -404,7 +404,7 @@ fn write_timeline(
         .unwrap_or(t0);
     let us = |t: Option<u64>| t.map(|t| (t as f64 - t0 as f64) / 1e3);
     let step_recorded_us = (end - t0) as f64 / 1e3;
-    info!("timeline of one step at {ctx} ({step_recorded_us:.0} us instrumented, {step_us:.0} us without the probe): per family, last block out to last block out, and the median hand-over (release after the predecessor's last block):");
+    info!("timeline of one step at {ctx} ({step_recorded_us:.0} us from the first block in to the last out; {step_us:.0} us per replay timed with these kernels): per family, last block out to last block out, and the median hand-over (release after the predecessor's last block):");
     for f in &families {
         info!(
             "  {:<52} {:>4} launches {:>8.1} us  hand-over {:>5}",
@@ -420,7 +420,8 @@ fn write_timeline(
         "kind": "decode-timeline", "backend": "cuda", "device": gpu.device_name(), "commit": git_commit(),
         "date": utc_now(), "command": command,
         "kernels_dir": std::env::var(osprey_cuda::KERNELS_DIR_ENV).ok(),
-        "context": ctx, "step_us_uninstrumented": step_us, "step_us_instrumented": step_recorded_us,
+        "context": ctx, "step_us_timed": step_us, "step_us_recorded": step_recorded_us,
+        "note": "the kernels carry the probe (a few stores per block): compare launches with each other; the step without the probe is the uninstrumented bench's",
         "method": "one graph replay with kernels from tools/timeline_kernels.py: the first thread of each block records %globaltimer at its start, past griddepcontrol.wait (release) and at its end; a family's time is the sum over its launches of (its last block's end - the previous launch's last block's end)",
         "families": families.iter().map(|f| json!({"kernel": f.kernel, "launches": f.launches, "us": f.micros,
             "median_release_after_predecessor_us": f.median_release_after_predecessor_us})).collect::<Vec<_>>(),
