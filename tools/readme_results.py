@@ -99,17 +99,31 @@ def decode_profile():
         rows += [f"| {cell(k['kernel'])} | {k['launches']} | {k['us']:.0f} |" for k in p["kernels"]]
         rows.append(f"| **all** (launched one by one with events) | | **{p['total_us']:.0f}** |")
         return "\n".join(rows)
-    rows = [f"| kernel family (one step at {p['context']:,} context) | launches | µs, launched alone with events | µs inside the graph |",
-            "|---|---|---|---|"]
+    tl = load("cuda-decode-timeline-4k.json") if os.path.exists(os.path.join(RESULTS, "cuda-decode-timeline-4k.json")) else None
+    fam = {f["kernel"]: f for f in tl["families"]} if tl and tl["context"] == p["context"] else {}
+    head = f"| kernel family (one step at {p['context']:,} context) | launches | µs, launched alone with events | µs inside the graph |"
+    rows = [head + (" µs in the step's timeline | hand-over µs |" if fam else ""), "|---|---|---|---|" + ("---|---|" if fam else "")]
+
     def graph_cell(g):
         # a difference of two graph timings: below a microsecond it is within their noise
         return "—" if g is None else ("<1" if g < 1.0 else f"{g:.0f}")
 
+    def timeline_cells(name):
+        f = fam.get(name)
+        if f is None:
+            return " — | — |"
+        h = f["median_release_after_predecessor_us"]
+        return f" {f['us']:.0f} | {'—' if h is None else f'{h:.2f}'} |"
+
     for k in p["kernels"]:
-        rows.append(f"| {cell(k['kernel'])} | {k['launches']} | {k['us']:.0f} | {graph_cell(k.get('graph_us'))} |")
+        rows.append(f"| {cell(k['kernel'])} | {k['launches']} | {k['us']:.0f} | {graph_cell(k.get('graph_us'))} |"
+                    + (timeline_cells(k["kernel"]) if fam else ""))
     in_graph = sum(max(k["graph_us"] or 0.0, 0.0) for k in p["kernels"])
-    rows.append(f"| **all** | | **{p['total_us']:.0f}** | **{in_graph:.0f}** of a {p['graph_step_us']:.0f} µs step |")
-    return "\n".join(rows)
+    last = f"| **all** | | **{p['total_us']:.0f}** | **{in_graph:.0f}** of a {p['graph_step_us']:.0f} µs step |"
+    if fam:
+        last += f" **{sum(f['us'] for f in fam.values()):.0f}** of {tl['step_us_recorded']:.0f} µs instrumented | |"
+        return "\n".join(rows + [last]) + source(load("cuda-decode-full.json"), "cuda-decode-full.json") + "<br>" + source(tl, "cuda-decode-timeline-4k.json").strip()
+    return "\n".join(rows + [last])
 
 
 def checks():
