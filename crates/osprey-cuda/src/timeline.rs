@@ -213,24 +213,9 @@ mod tests {
         ];
         let l = launches(&marks);
         assert_eq!(l.len(), 3);
-        assert_eq!(
-            (
-                l[0].blocks,
-                l[0].first_start_ns,
-                l[0].release_ns,
-                l[0].last_end_ns
-            ),
-            (2, 100, Some(110), Some(310))
-        );
-        assert_eq!(
-            (
-                l[1].blocks,
-                l[1].first_start_ns,
-                l[1].release_ns,
-                l[1].last_end_ns
-            ),
-            (2, 250, Some(330), Some(650))
-        );
+        let times = |l: &Launch| (l.blocks, l.first_start_ns, l.release_ns, l.last_end_ns);
+        assert_eq!(times(&l[0]), (2, 100, Some(110), Some(310)));
+        assert_eq!(times(&l[1]), (2, 250, Some(330), Some(650)));
         assert_eq!(
             (l[2].module, l[2].release_ns, l[2].last_end_ns),
             ("moe", Some(700), Some(1650))
