@@ -556,6 +556,12 @@ impl CudaDecoder {
         // a created stream: the legacy default stream cannot be captured into a graph
         let stream = ctx.new_stream()?;
         let kernels_dir = std::env::var_os(KERNELS_DIR_ENV).map(std::path::PathBuf::from);
+        if let Some(d) = kernels_dir.as_ref().filter(|d| !d.is_dir()) {
+            bail!(
+                "{KERNELS_DIR_ENV}={} is not a directory of <family>.cubin files",
+                d.display()
+            );
+        }
         let mut modules = HashMap::new();
         for (name, cubin) in crate::CUBINS {
             let file = kernels_dir
@@ -868,6 +874,10 @@ impl CudaDecoder {
     /// in one block.
     fn launch_sample(&self, sa: &SampleArgs) -> Result<()> {
         self.launch_sample_prepass(sa)?;
+        self.launch_sample_token(sa)
+    }
+
+    fn launch_sample_token(&self, sa: &SampleArgs) -> Result<()> {
         self.launch_step(&self.f.sample, launch_cfg((1, 1), 1024), sa)
     }
 
@@ -1446,10 +1456,7 @@ impl CudaDecoder {
         let sa = self.sample_args();
         // timed apart, so that the step's launches and their names pair up (`launch_order`)
         timed!(TOKEN_CHOICE_FAMILIES[0], self.launch_sample_prepass(&sa)?);
-        timed!(
-            TOKEN_CHOICE_FAMILIES[1],
-            self.launch_step(&self.f.sample, launch_cfg((1, 1), 1024), &sa)?
-        );
+        timed!(TOKEN_CHOICE_FAMILIES[1], self.launch_sample_token(&sa)?);
         Ok(())
     }
 
