@@ -242,6 +242,20 @@ fn bad_input_gives_clear_errors() {
     assert!(err.contains("--backend tpu"), "{err}");
     let err = fails(&["bench", "prefill", "--model", ms, "--prompt", "12x"]);
     assert!(err.contains("12x"), "{err}");
+    // the timeline reads marks that only instrumented CUDA kernels record
+    let err = fails(&[
+        "bench",
+        "decode",
+        "--model",
+        ms,
+        "--backend",
+        "cpu",
+        "--context",
+        "16",
+        "--timeline",
+        tmp.path().join("t.json").to_str().unwrap(),
+    ]);
+    assert!(err.contains("--timeline needs --backend cuda"), "{err}");
 }
 
 #[test]
