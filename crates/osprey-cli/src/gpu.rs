@@ -415,7 +415,7 @@ fn write_timeline(
                 .map_or("-".to_string(), |u| format!("{u:.2}"))
         );
     }
-    let named = launches.len() == names.len();
+    let kernels = timeline::launch_names(&launches, &names);
     let report = json!({
         "kind": "decode-timeline", "backend": "cuda", "device": gpu.device_name(), "commit": git_commit(),
         "date": utc_now(), "command": command,
@@ -425,8 +425,8 @@ fn write_timeline(
         "method": "one graph replay with kernels from tools/timeline_kernels.py: the first thread of each block records %globaltimer at its start, past griddepcontrol.wait (release) and at its end; a family's time is the sum over its launches of (its last block's end - the previous launch's last block's end)",
         "families": families.iter().map(|f| json!({"kernel": f.kernel, "launches": f.launches, "us": f.micros,
             "median_release_after_predecessor_us": f.median_release_after_predecessor_us})).collect::<Vec<_>>(),
-        "launches": launches.iter().enumerate().map(|(i, l)| json!({
-            "kernel": if named { names[i].to_string() } else { format!("{}/{}", l.module, l.grid) },
+        "launches": launches.iter().zip(&kernels).map(|(l, kernel)| json!({
+            "kernel": kernel,
             "file": l.module, "grid": [l.grid & 0xFFFF, l.grid >> 16], "blocks": l.blocks,
             "start_us": us(Some(l.first_start_ns)), "release_us": us(l.release_ns), "end_us": us(l.last_end_ns)})).collect::<Vec<_>>(),
     });

@@ -129,20 +129,26 @@ pub struct FamilyTime {
     pub median_release_after_predecessor_us: Option<f64>,
 }
 
-/// Sums launches by family; `names` (the step's launches in issue order) names them when there
-/// are as many, else they go by "module/grid".
+/// Each launch's family name: `names` (the step's launches in issue order) when there are as
+/// many, else "module/grid".
+pub fn launch_names(launches: &[Launch], names: &[&str]) -> Vec<String> {
+    if names.len() == launches.len() {
+        names.iter().map(|n| n.to_string()).collect()
+    } else {
+        launches
+            .iter()
+            .map(|l| format!("{}/{}", l.module, l.grid))
+            .collect()
+    }
+}
+
+/// Sums launches by family, named as `launch_names` names them.
 pub fn family_times(launches: &[Launch], names: &[&str]) -> Vec<FamilyTime> {
-    let named = names.len() == launches.len();
     let mut out: Vec<FamilyTime> = Vec::new();
     let mut releases: Vec<Vec<f64>> = Vec::new();
     let mut prev_end: Option<u64> = None;
-    for (i, l) in launches.iter().enumerate() {
+    for (l, kernel) in launches.iter().zip(launch_names(launches, names)) {
         let Some(end) = l.last_end_ns else { continue };
-        let kernel = if named {
-            names[i].to_string()
-        } else {
-            format!("{}/{}", l.module, l.grid)
-        };
         let start = prev_end.unwrap_or(l.first_start_ns);
         let slot = match out.iter().position(|f| f.kernel == kernel) {
             Some(s) => s,
