@@ -1679,18 +1679,25 @@ impl CudaDecoder {
 
     /// One step launched kernel by kernel with events around each: time per kernel family.
     pub fn profile_step(&mut self) -> Result<Vec<KernelTime>> {
-        let mut events = Vec::new();
-        self.issue_step(Some(&mut events), None)?;
-        self.synchronize()?;
-        sum_events(&events)
+        sum_events(&self.step_with_events()?)
     }
 
     /// The step's launches in issue order, by family name.
     pub fn launch_order(&mut self) -> Result<Vec<&'static str>> {
+        Ok(self
+            .step_with_events()?
+            .into_iter()
+            .map(|(name, _, _)| name)
+            .collect())
+    }
+
+    /// One step launched kernel by kernel outside the graph, each launch between two events, in
+    /// issue order (synchronised).
+    fn step_with_events(&mut self) -> Result<Vec<(&'static str, CudaEvent, CudaEvent)>> {
         let mut events = Vec::new();
         self.issue_step(Some(&mut events), None)?;
         self.synchronize()?;
-        Ok(events.into_iter().map(|(name, _, _)| name).collect())
+        Ok(events)
     }
 
     /// Replays the step's graph once with kernels that carry the timeline probe (loaded from
