@@ -93,7 +93,8 @@ def decode():
 
 
 def decode_profile():
-    p = load("cuda-decode-full.json")["profile"]
+    d = load("cuda-decode-full.json")
+    p = d["profile"]
     if not any(k.get("graph_us") is not None for k in p["kernels"]):
         rows = [f"| kernel family (one step at {p['context']:,} context) | launches | µs |", "|---|---|---|"]
         rows += [f"| {cell(k['kernel'])} | {k['launches']} | {k['us']:.0f} |" for k in p["kernels"]]
@@ -122,7 +123,7 @@ def decode_profile():
     last = f"| **all** | | **{p['total_us']:.0f}** | **{in_graph:.0f}** of a {p['graph_step_us']:.0f} µs step |"
     if fam:
         last += f" **{sum(f['us'] for f in fam.values()):.0f}** of {tl['step_us_recorded']:.0f} µs instrumented | |"
-        return "\n".join(rows + [last]) + source(load("cuda-decode-full.json"), "cuda-decode-full.json") + "<br>" + source(tl, "cuda-decode-timeline-4k.json").strip()
+        return "\n".join(rows + [last]) + source(d, "cuda-decode-full.json") + "<br>" + source(tl, "cuda-decode-timeline-4k.json").strip()
     return "\n".join(rows + [last])
 
 

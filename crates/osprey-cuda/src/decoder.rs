@@ -1704,18 +1704,20 @@ impl CudaDecoder {
     /// KERNELS_DIR_ENV, built by tools/timeline_kernels.py) and returns every block's marks.
     pub fn record_timeline(&mut self) -> Result<Vec<Mark>> {
         use crate::timeline::{RawRecord, COUNTS_SYMBOL, PER_SM, RECORDS_SYMBOL, SMS};
-        let probed: Vec<(&'static str, Arc<CudaModule>)> = self
+        // the instrumented modules, with their per-SM mark counters
+        let mut probed: Vec<_> = self
             .modules
             .iter()
-            .filter(|(_, m)| m.get_global(COUNTS_SYMBOL, &self.stream).is_ok())
-            .map(|(n, m)| (*n, m.clone()))
+            .filter_map(|(n, m)| {
+                let counts = m.get_global(COUNTS_SYMBOL, &self.stream).ok()?;
+                Some((*n, m.clone(), counts))
+            })
             .collect();
         if probed.is_empty() {
             bail!("the loaded kernels carry no timeline probe: build them with tools/timeline_kernels.py and set {KERNELS_DIR_ENV} to that directory");
         }
-        for (_, m) in &probed {
-            let mut counts = m.get_global(COUNTS_SYMBOL, &self.stream)?;
-            self.stream.memset_zeros(&mut counts)?;
+        for (_, _, counts) in &mut probed {
+            self.stream.memset_zeros(counts)?;
         }
         if self.graph.is_none() {
             self.graph = Some(self.capture_step(None)?);
@@ -1725,8 +1727,7 @@ impl CudaDecoder {
         }
         self.synchronize()?;
         let mut marks = Vec::new();
-        for (name, m) in &probed {
-            let counts = m.get_global(COUNTS_SYMBOL, &self.stream)?;
+        for (name, m, counts) in &probed {
             // SAFETY: the probe declares `unsigned int timeline_counts[SMS]`
             let counts = self
                 .stream

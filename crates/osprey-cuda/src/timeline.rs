@@ -54,12 +54,8 @@ pub struct Launch {
     pub last_end_ns: Option<u64>,
 }
 
-/// One start of a block index: whether its release and end marks have been seen.
-#[derive(Default)]
-struct BlockRun {
-    released: bool,
-    ended: bool,
-}
+/// One start of a block index: whether its release (mark 1) and its end (mark 9) have been seen.
+type BlockRun = [bool; 2];
 
 /// Groups marks into launches, in the order they started. A block's n-th start in a (module,
 /// grid) belongs to that kind's n-th launch (launches of one kind start in order), and its
@@ -78,20 +74,16 @@ pub fn launches(marks: &[Mark]) -> Vec<Launch> {
                 mine.push(BlockRun::default());
                 mine.len() - 1
             }
-            1 => match mine.iter().position(|r| !r.released) {
-                Some(i) => {
-                    mine[i].released = true;
-                    i
+            1 | 9 => {
+                let seen = usize::from(m.mark == 9);
+                match mine.iter().position(|r| !r[seen]) {
+                    Some(i) => {
+                        mine[i][seen] = true;
+                        i
+                    }
+                    None => continue,
                 }
-                None => continue,
-            },
-            9 => match mine.iter().position(|r| !r.ended) {
-                Some(i) => {
-                    mine[i].ended = true;
-                    i
-                }
-                None => continue,
-            },
+            }
             _ => continue,
         };
         let l = by_launch
