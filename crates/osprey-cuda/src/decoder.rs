@@ -170,7 +170,8 @@ pub const KERNELS_DIR_ENV: &str = "OSPREY_KERNELS_DIR";
 /// for the kernels that read something no kernel of the step writes before waiting on their
 /// predecessor: gemv_q_resident and gemv_q_ring (their weights), gdn_step (its layer's recurrent
 /// and conv state), attn_prep (its norm weights and the rotation of the position), gemv_q (the
-/// router launch: each warp's first row) and attn_decode (K/V rows of earlier steps); `pdl` for
+/// router launch: each warp's first row) and attn_decode (K/V rows of earlier steps), and
+/// moe_experts below EXPERTS_EARLY_BELOW (its shared down tiles); `pdl` for
 /// every kernel, `1` that with the GEMVs' L2 prefetches, `prefetch` the prefetches alone (at
 /// kernel start, under the prologue), `0` plain graph launches.
 /// Measured at 4K context: gemv_q_resident alone early 463 tok/s, none 448, every kernel 442
@@ -182,6 +183,18 @@ pub const KERNELS_DIR_ENV: &str = "OSPREY_KERNELS_DIR";
 /// gemv_q_stream, before gemv_q_resident, `pdl` was 1% faster than `0`
 /// (cuda-decode-overlap-pdl-072c82a.json).
 const OVERLAP_ENV: &str = "OSPREY_CUDA_OVERLAP";
+
+/// Positions below which `early` also launches moe_experts early, beside the router GEMV: it
+/// gains 2% at short context and loses 6% at 128K (H200, one machine, the same binary:
+/// 4K 629.8 -> 642.3 tok/s, 16K 601.3 -> 609.5, 32K 573.5 -> 573.9, 64K 526.0 -> 513.0,
+/// 128K 450.7 -> 422.7; bench/results/cuda-decode-experts-early.json). So the step has two
+/// graphs and `step` replays the one for the position (either computes the same step).
+const EXPERTS_EARLY_BELOW: usize = 32 * 1024;
+
+/// Which of the step's two graphs decodes at `pos`.
+fn graph_slot(pos: usize) -> usize {
+    usize::from(pos >= EXPERTS_EARLY_BELOW)
+}
 
 /// See `OVERLAP_ENV`.
 #[derive(Clone, Copy, Debug)]
@@ -424,7 +437,11 @@ pub struct CudaDecoder {
     final_norm: CudaSlice<f32>,
     layers: Vec<LayerWeights>,
     s: Scratch,
-    graph: Option<CudaGraph>,
+    /// The captured step: [below EXPERTS_EARLY_BELOW, from it on].
+    graphs: [Option<CudaGraph>; 2],
+    /// The position the next step decodes at, mirrored on the host to choose its graph (only a
+    /// choice of speed: prefill and set_position set it, steps advance it).
+    host_pos: usize,
     pub max_context: usize,
     /// Vocabulary ids the argmax may choose (tokenizer size; higher rows are padding).
     valid_vocab: usize,
@@ -819,7 +836,8 @@ impl CudaDecoder {
             final_norm,
             layers,
             s,
-            graph: None,
+            graphs: [None, None],
+            host_pos: 0,
             max_context,
             valid_vocab,
             memory,
@@ -1389,7 +1407,12 @@ impl CudaDecoder {
                 };
                 timed!(
                     "moe experts (top-k, gate/up, swiglu, down) + residual",
-                    self.launch_step(&self.f.experts, cfg, &ea)?
+                    self.launch_params(
+                        &self.f.experts,
+                        cfg,
+                        &mut [&ea as *const ExpertsArgs as *mut c_void],
+                        self.experts_early(),
+                    )?
                 );
             } else {
                 let gu = GateUpArgs {
@@ -1486,6 +1509,7 @@ impl CudaDecoder {
             );
         }
         self.stream.memcpy_htod(&[pos as i32], &mut self.s.pos)?;
+        self.host_pos = pos;
         Ok(())
     }
 
@@ -1496,15 +1520,35 @@ impl CudaDecoder {
         Ok(())
     }
 
-    /// Runs one decode step by replaying the captured graph (captured on first use).
+    /// Runs one decode step by replaying the captured graph for its position (captured on first
+    /// use).
     pub fn step(&mut self) -> Result<()> {
-        if self.graph.is_none() {
-            self.graph = Some(self.capture_step(None)?);
-        }
-        if let Some(g) = &self.graph {
-            g.launch()?;
-        }
+        self.step_graph()?.launch()?;
+        self.host_pos += 1;
         Ok(())
+    }
+
+    /// The step's graph for the current position, captured first if it is not yet.
+    fn step_graph(&mut self) -> Result<&CudaGraph> {
+        let i = graph_slot(self.host_pos);
+        if self.graphs[i].is_none() {
+            self.graphs[i] = Some(self.capture_step(None)?);
+        }
+        self.graphs[i]
+            .as_ref()
+            .ok_or_else(|| anyhow!("no decode graph"))
+    }
+
+    /// The step's graph for the current position, once `step_graph` has captured it.
+    fn captured_graph(&self) -> Result<&CudaGraph> {
+        self.graphs[graph_slot(self.host_pos)]
+            .as_ref()
+            .ok_or_else(|| anyhow!("no decode graph"))
+    }
+
+    /// Whether this position's step launches moe_experts early (see EXPERTS_EARLY_BELOW).
+    fn experts_early(&self) -> bool {
+        self.overlap.pdl || (self.overlap.early && graph_slot(self.host_pos) == 0)
     }
 
     /// Captures one decode step as a CUDA graph (`doubled`: see `issue_step`).
@@ -1652,10 +1696,9 @@ impl CudaDecoder {
     /// Times `steps` graph replays with CUDA events; returns seconds.
     pub fn time_steps(&mut self, steps: usize) -> Result<f64> {
         self.step()?;
-        match &self.graph {
-            Some(g) => self.time_replays(g, steps),
-            None => bail!("no decode graph"),
-        }
+        let secs = self.time_replays(self.captured_graph()?, steps)?;
+        self.host_pos += steps + 1;
+        Ok(secs)
     }
 
     /// Seconds for `steps` replays of `graph` (after one untimed replay).
@@ -1704,6 +1747,7 @@ impl CudaDecoder {
     /// KERNELS_DIR_ENV, built by tools/timeline_kernels.py) and returns every block's marks.
     pub fn record_timeline(&mut self) -> Result<Vec<Mark>> {
         use crate::timeline::{RawRecord, COUNTS_SYMBOL, PER_SM, RECORDS_SYMBOL, SMS};
+        self.step_graph()?;
         // the instrumented modules, with their per-SM mark counters
         let mut probed: Vec<_> = self
             .modules
@@ -1719,12 +1763,8 @@ impl CudaDecoder {
         for (_, _, counts) in &mut probed {
             self.stream.memset_zeros(counts)?;
         }
-        if self.graph.is_none() {
-            self.graph = Some(self.capture_step(None)?);
-        }
-        if let Some(g) = &self.graph {
-            g.launch()?;
-        }
+        self.captured_graph()?.launch()?;
+        self.host_pos += 1;
         self.synchronize()?;
         let mut marks = Vec::new();
         for (name, m, counts) in &probed {
@@ -1928,6 +1968,16 @@ fn check_shapes(c: &ModelConfig) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_step_graph_switches_at_the_experts_early_bound() {
+        // the prompt's first steps and 4K-16K contexts: moe_experts early; 32K on: plain
+        assert_eq!(graph_slot(0), 0);
+        assert_eq!(graph_slot(16 * 1024), 0);
+        assert_eq!(graph_slot(32 * 1024 - 1), 0);
+        assert_eq!(graph_slot(32 * 1024), 1);
+        assert_eq!(graph_slot(128 * 1024), 1);
+    }
 
     #[test]
     fn resident_gemv_launches_fit_and_leave_room_for_the_next() {
