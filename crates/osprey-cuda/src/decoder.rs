@@ -1523,23 +1523,22 @@ impl CudaDecoder {
     /// Runs one decode step by replaying the captured graph for its position (captured on first
     /// use).
     pub fn step(&mut self) -> Result<()> {
-        self.step_graph()?.launch()?;
+        self.capture_graph_for_position()?;
+        self.captured_graph()?.launch()?;
         self.host_pos += 1;
         Ok(())
     }
 
-    /// The step's graph for the current position, captured first if it is not yet.
-    fn step_graph(&mut self) -> Result<&CudaGraph> {
+    /// Captures the step's graph for the current position if it is not yet.
+    fn capture_graph_for_position(&mut self) -> Result<()> {
         let i = graph_slot(self.host_pos);
         if self.graphs[i].is_none() {
             self.graphs[i] = Some(self.capture_step(None)?);
         }
-        self.graphs[i]
-            .as_ref()
-            .ok_or_else(|| anyhow!("no decode graph"))
+        Ok(())
     }
 
-    /// The step's graph for the current position, once `step_graph` has captured it.
+    /// The step's graph for the current position, once `capture_graph_for_position` has run.
     fn captured_graph(&self) -> Result<&CudaGraph> {
         self.graphs[graph_slot(self.host_pos)]
             .as_ref()
@@ -1696,6 +1695,8 @@ impl CudaDecoder {
     /// Times `steps` graph replays with CUDA events; returns seconds.
     pub fn time_steps(&mut self, steps: usize) -> Result<f64> {
         self.step()?;
+        // the replays start a position on: at 32K - 1 that is the other graph
+        self.capture_graph_for_position()?;
         let secs = self.time_replays(self.captured_graph()?, steps)?;
         self.host_pos += steps + 1;
         Ok(secs)
@@ -1747,7 +1748,7 @@ impl CudaDecoder {
     /// KERNELS_DIR_ENV, built by tools/timeline_kernels.py) and returns every block's marks.
     pub fn record_timeline(&mut self) -> Result<Vec<Mark>> {
         use crate::timeline::{RawRecord, COUNTS_SYMBOL, PER_SM, RECORDS_SYMBOL, SMS};
-        self.step_graph()?;
+        self.capture_graph_for_position()?;
         // the instrumented modules, with their per-SM mark counters
         let mut probed: Vec<_> = self
             .modules
@@ -1817,9 +1818,10 @@ impl CudaDecoder {
             if TOKEN_CHOICE_FAMILIES.contains(&k.kernel) {
                 continue;
             }
-            let graph = self.capture_step(Some(k.kernel))?;
+            // positioned first: the graph captured is the one for `context`
             self.reset()?;
             self.set_position(context)?;
+            let graph = self.capture_step(Some(k.kernel))?;
             let doubled = self.time_replays(&graph, steps)?;
             costs.push(KernelTime {
                 kernel: k.kernel,
