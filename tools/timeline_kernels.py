@@ -2,8 +2,9 @@
 """Builds timeline-instrumented copies of Osprey's CUDA kernels.
 
 Every kernel's first thread of each block records the GPU's global clock (%globaltimer) when the
-block starts (mark 0), when it passes griddepcontrol.wait (mark 1: its inputs are ready) and when
-it ends (mark 9), into per-SM buffers. `osprey bench decode --timeline FILE`, run with
+block starts (mark 0), when it passes griddepcontrol.wait (mark 1: its inputs are ready), at the
+phases its source marks with step_phase(2..8) (common.cuh; nothing in normal builds) and when it
+ends (mark 9), into per-SM buffers. `osprey bench decode --timeline FILE`, run with
 OSPREY_KERNELS_DIR pointing at the cubins built here, replays one decode step and writes each
 launch's real start, release and end, so a kernel's cost is read off the step itself: exit to exit,
 with what it waited for (the in-graph profile issues a family twice, and the second copy finds
@@ -32,38 +33,58 @@ KERNELS = ROOT / "crates/osprey-cuda/kernels"
 FAMILIES = ["act", "attention", "gdn", "gemv", "moe", "sample"]
 
 HELPERS = '''__device__ __forceinline__ void step_overlap_begin() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
-__device__ __forceinline__ void step_inputs_ready() { asm volatile("griddepcontrol.wait;" ::: "memory"); }'''
+__device__ __forceinline__ void step_inputs_ready() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void step_phase(unsigned) {}  // a timeline mark (2..8) in probed builds'''
 
 # Must match crates/osprey-cuda/src/timeline.rs (record layout, buffer sizes, symbol names).
+# A block reserves TIMELINE_MARKS records with one atomic when it starts (mark 0, recorded with
+# the time before that atomic; the unused ones are left marked 0xFFFFFFFF) and every later mark is
+# a store into its own record: with an atomic per mark, each mark cost its thread a round trip to
+# L2 and stretched the phases it separated.
 PROBE = '''#ifdef OSPREY_TIMELINE
 struct TimelineRecord {
     unsigned long long time_ns;
     unsigned int mark, block, grid, sm;
 };
 #define TIMELINE_SMS 256
-#define TIMELINE_PER_SM 4096
+#define TIMELINE_PER_SM 16384
+#define TIMELINE_MARKS 10
 __device__ TimelineRecord timeline_records[TIMELINE_SMS * TIMELINE_PER_SM];
 __device__ unsigned int timeline_counts[TIMELINE_SMS];
-__device__ __forceinline__ void timeline_mark(unsigned int mark) {
+__shared__ unsigned int timeline_slot;
+__device__ __forceinline__ void timeline_store(unsigned int mark, unsigned long long t) {
+    unsigned int sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    const unsigned int i = timeline_slot;
+    if (i + TIMELINE_MARKS <= TIMELINE_PER_SM)
+        timeline_records[sm * TIMELINE_PER_SM + i + mark] =
+            TimelineRecord{t, mark, blockIdx.x | (blockIdx.y << 16), gridDim.x | (gridDim.y << 16), sm};
+}
+__device__ __forceinline__ void timeline_begin() {
     if (threadIdx.x != 0 || threadIdx.y != 0) return;
     unsigned long long t;
     unsigned int sm;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    const unsigned int i = atomicAdd(&timeline_counts[sm], 1u);
-    if (i < TIMELINE_PER_SM)
-        timeline_records[sm * TIMELINE_PER_SM + i] =
-            TimelineRecord{t, mark, blockIdx.x | (blockIdx.y << 16), gridDim.x | (gridDim.y << 16), sm};
+    const unsigned int i = atomicAdd(&timeline_counts[sm], (unsigned int)TIMELINE_MARKS);
+    timeline_slot = i;
+    if (i + TIMELINE_MARKS <= TIMELINE_PER_SM)
+        for (int m = 1; m < TIMELINE_MARKS; ++m) timeline_records[sm * TIMELINE_PER_SM + i + m].mark = 0xFFFFFFFFu;
+    timeline_store(0, t);
+}
+__device__ __forceinline__ void timeline_mark(unsigned int mark) {
+    if (threadIdx.x != 0 || threadIdx.y != 0) return;
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    timeline_store(mark, t);
 }
 #endif
-__device__ __forceinline__ void step_overlap_begin() {
-    timeline_mark(0);
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
+__device__ __forceinline__ void step_overlap_begin() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void step_inputs_ready() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
     timeline_mark(1);
-}'''
+}
+__device__ __forceinline__ void step_phase(unsigned mark) { timeline_mark(mark); }'''
 
 KERNEL = re.compile(r'extern "C" __global__[^{;]*\{')
 
@@ -75,7 +96,8 @@ def instrument_common(text):
 
 
 def instrument_kernels(text):
-    """Adds timeline_mark(9) before the closing brace of every extern "C" __global__ function."""
+    """Adds timeline_begin() after the opening brace of every extern "C" __global__ function and
+    timeline_mark(9) before its closing brace."""
     out, i = [], 0
     for m in KERNEL.finditer(text):
         if m.start() < i:
@@ -86,7 +108,9 @@ def instrument_kernels(text):
                 raise SystemExit("unbalanced braces after " + m.group(0))
             depth += {"{": 1, "}": -1}.get(text[j], 0)
             j += 1
-        out.append(text[i:j - 1])
+        out.append(text[i:m.end()])
+        out.append(" timeline_begin();")
+        out.append(text[m.end():j - 1])
         out.append(" timeline_mark(9); }")
         i = j
     out.append(text[i:])

@@ -416,6 +416,34 @@ fn write_timeline(
         );
     }
     let kernels = timeline::launch_names(&launches, &names);
+    // per family and phase mark: the median over its launches of (median block, last block)
+    let mut phases: Vec<(&str, u32, Vec<f64>, Vec<f64>)> = Vec::new();
+    for (l, kernel) in launches.iter().zip(&kernels) {
+        for p in timeline::phase_times(l) {
+            match phases
+                .iter_mut()
+                .find(|f| f.0 == kernel.as_str() && f.1 == p.mark)
+            {
+                Some(f) => {
+                    f.2.push(p.median_us);
+                    f.3.push(p.last_us);
+                }
+                None => phases.push((kernel, p.mark, vec![p.median_us], vec![p.last_us])),
+            }
+        }
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(|a, b| a.total_cmp(b));
+        v[v.len() / 2]
+    };
+    let phase_rows: Vec<_> = phases
+        .iter_mut()
+        .map(|(kernel, mark, med, last)| {
+            let (med, last) = (median(med), median(last));
+            info!("  {kernel:<52} phase {mark}: median block {med:>6.2} us after release, last {last:>6.2}");
+            json!({"kernel": kernel, "mark": mark, "median_block_us": med, "last_block_us": last})
+        })
+        .collect();
     let report = json!({
         "kind": "decode-timeline", "backend": "cuda", "device": gpu.device_name(), "commit": git_commit(),
         "date": utc_now(), "command": command,
@@ -425,10 +453,13 @@ fn write_timeline(
         "method": "one graph replay with kernels from tools/timeline_kernels.py: the first thread of each block records %globaltimer at its start, past griddepcontrol.wait (release) and at its end; a family's time is the sum over its launches of (its last block's end - the previous launch's last block's end)",
         "families": families.iter().map(|f| json!({"kernel": f.kernel, "launches": f.launches, "us": f.micros,
             "median_release_after_predecessor_us": f.median_release_after_predecessor_us})).collect::<Vec<_>>(),
+        "phases_note": "marks 2-8 are the phases a kernel's source marks with step_phase (their meaning is beside each call); times are after the launch's release, the median over the family's launches of its median block and its last block",
+        "phases": phase_rows,
         "launches": launches.iter().zip(&kernels).map(|(l, kernel)| json!({
             "kernel": kernel,
             "file": l.module, "grid": [l.grid & 0xFFFF, l.grid >> 16], "blocks": l.blocks,
-            "start_us": us(Some(l.first_start_ns)), "release_us": us(l.release_ns), "end_us": us(l.last_end_ns)})).collect::<Vec<_>>(),
+            "start_us": us(Some(l.first_start_ns)), "release_us": us(l.release_ns), "end_us": us(l.last_end_ns),
+            "phases": timeline::phase_times(l).iter().map(|p| json!({"mark": p.mark, "median_us": p.median_us, "last_us": p.last_us})).collect::<Vec<_>>()})).collect::<Vec<_>>(),
     });
     std::fs::write(path, serde_json::to_string_pretty(&report)?)
         .with_context(|| format!("writing {}", path.display()))?;

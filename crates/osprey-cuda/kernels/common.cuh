@@ -61,6 +61,7 @@ __device__ __forceinline__ int pad_idx(int i) { return i + ((i >> 5) << 2); }
 // Launched the ordinary way, both instructions do nothing.
 __device__ __forceinline__ void step_overlap_begin() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void step_inputs_ready() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void step_phase(unsigned) {}  // a timeline mark (2..8) in probed builds
 
 // Asks L2 for this block's 1/gridDim share of [base, base + bytes), one 128-byte line per thread
 // per pass. A hint only: L2 is the GPU's point of coherence, so a prefetch can never yield stale data.

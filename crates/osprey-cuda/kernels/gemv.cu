@@ -361,6 +361,7 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
     load_input(a, xs, chunk_sum, scratch);
     if (a.normed && blockIdx.x == 0)
         for (int i = threadIdx.x; i < a.K; i += blockDim.x) a.normed[i] = xs[pad_idx(i)];
+    step_phase(2);  // x in
 
     if (TILES) {
         build_x_s8(xs, a.K, xb8, gx);
@@ -415,6 +416,7 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
             if (a.choice && local < a.choice->n) best = max(best, choice_key(y, local));
         }
     }
+    step_phase(3);  // rows written
     if (a.choice) choose_token(a.choice, best, scratch);
 }
 
@@ -485,16 +487,19 @@ extern "C" __global__ void __launch_bounds__(2 * RES_KSLICES * 32, 1) gemv_q_res
             copy_q4_rows(codes, scales, biases, t - t0, s.codes, s.scales, s.biases, r0, rows, K, full);
             t += run;
         }
+        step_phase(2);  // copies asked for
     }
     step_inputs_ready();
     resident_input(XInput{a.x, a.norm_weight, a.gate_z, a.head_norm, a.eps, a.K, a.head_dim}, xb8, gx, scratch);
     __syncthreads();  // also publishes the barrier's initialisation
+    step_phase(3);    // x in
     const int warp = threadIdx.x >> 5, kslice = warp % RES_KSLICES, phase = warp / RES_KSLICES;
     const int phases = blockDim.x / (32 * RES_KSLICES), g0 = kslice * gpr / RES_KSLICES, quads = gpr / (4 * RES_KSLICES);
     QuadX X;
     const QuadLane L0 = quad_lane(K, g0);
     if (quads == 1) load_quad_x(xb8, gx, g0, X);
     mbar_wait(full, 0);
+    step_phase(4);  // tiles in
     // tile by tile (unrolled over tiles the code outgrows the instruction cache); a warp leaves
     // its 16 partial sums of a tile in the first 64 bytes of its own K-slice of the tile's codes,
     // which only it reads
@@ -516,6 +521,7 @@ extern "C" __global__ void __launch_bounds__(2 * RES_KSLICES * 32, 1) gemv_q_res
         store_quad_sums(reinterpret_cast<float*>(stage + g0 * 32), yA, yB);
     }
     __syncthreads();
+    step_phase(5);  // multiplied
     for (int o = threadIdx.x; o < n * 16; o += blockDim.x) {
         const int i = o >> 4, r = o & 15;
         int local;
@@ -715,9 +721,11 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(PAIR_WARP
     if (a.head_norm) gated_half_input(a.x + rank * Kh, a.gate_z + rank * Kh, a.head_norm, a.eps, Kh, a.head_dim, xb8, gx);
     else resident_input(XInput{a.x + rank * Kh, nullptr, nullptr, nullptr, a.eps, Kh, 0}, xb8, gx, scratch);
     __syncthreads();  // also publishes the barrier's initialisation
+    step_phase(2);    // x in
     const int warp = threadIdx.x >> 5, quads = half_g / 4;
     float yA = 0.f, yB = 0.f;
     mbar_wait(full, 0);
+    step_phase(3);  // tile in
     for (int qd = warp; qd < quads; qd += PAIR_WARPS) {
         QuadX X;
         load_quad_x(xb8, gx, 4 * qd, X);

@@ -383,7 +383,9 @@ struct Scratch {
     topk: CudaSlice<i32>,
     /// The MoE block's normalised input (the router launch writes it for moe_experts).
     xn: CudaSlice<f32>,
-    /// moe_experts' meeting counters: blocks arrived and left, per routed slot.
+    /// moe_experts' meeting words: per routed slot, the last launch's tag for its values of h,
+    /// then its blocks that have left. Zeroed only here (as is h): tags only grow, so a value
+    /// left by an earlier launch never carries the current one's.
     meet: CudaSlice<i32>,
     logits: CudaSlice<f32>,
     token: CudaSlice<i32>,
@@ -732,7 +734,11 @@ impl CudaDecoder {
             shared_u: stream.alloc_zeros(c.shared_expert_intermediate_size)?,
             // routed slots, then the shared expert (moe_down reads it as one more segment;
             // moe_experts exchanges a slot's values through the routed part)
-            h: stream.alloc_zeros((c.num_experts_per_tok + 1) * c.moe_intermediate_size)?,
+            // (moe_experts: k·I (value, tag) pairs)
+            h: stream.alloc_zeros(
+                (c.num_experts_per_tok + 1).max(2 * c.num_experts_per_tok)
+                    * c.moe_intermediate_size,
+            )?,
             topk: stream.alloc_zeros(32)?,
             xn: stream.alloc_zeros(c.hidden_size)?,
             meet: stream.alloc_zeros(2 * c.num_experts_per_tok)?,
@@ -781,9 +787,12 @@ impl CudaDecoder {
         let sms = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
             as usize;
+        // what a block may take dynamically beside the resident GEMV's static shared memory
+        // (none, but the timeline probe's kernels keep a word there)
         let smem_optin = ctx.attribute(
             sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
-        )? as usize;
+        )? as usize
+            - f.gemv_resident.shared_size_bytes()? as usize;
         f.gemv_resident.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             smem_optin as i32,

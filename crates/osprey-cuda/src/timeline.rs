@@ -1,13 +1,15 @@
 //! A decode step's timeline, from kernels built with the probe of `tools/timeline_kernels.py`:
-//! the first thread of every block records the global clock when the block starts (mark 0),
-//! passes `griddepcontrol.wait` (mark 1) and ends (mark 9). Grouped into launches, the marks give
-//! each launch's real cost inside the replayed graph: from the previous launch's last block out to
-//! its own, and how long after that its inputs were released.
+//! the first thread of every block records the global clock when the block starts (mark 0,
+//! reserving a record for each mark: unused ones keep mark 0xFFFFFFFF and are skipped),
+//! passes `griddepcontrol.wait` (mark 1), reaches the phases its source marks (`step_phase`, marks
+//! 2 to 8) and ends (mark 9). Grouped into launches, the marks give each launch's real cost inside
+//! the replayed graph: from the previous launch's last block out to its own, how long after that
+//! its inputs were released, and when its blocks reached each phase.
 
 use std::collections::HashMap;
 
 /// Per-SM record slots and SMs covered (the probe's TIMELINE_PER_SM and TIMELINE_SMS).
-pub(crate) const PER_SM: usize = 4096;
+pub(crate) const PER_SM: usize = 16384;
 pub(crate) const SMS: usize = 256;
 /// Symbols of the probe in an instrumented module.
 pub(crate) const COUNTS_SYMBOL: &str = "timeline_counts";
@@ -35,7 +37,8 @@ pub struct Mark {
     /// The kernel family (`.cu` file) of the launch.
     pub module: &'static str,
     pub time_ns: u64,
-    /// 0: the block started; 1: it passed the wait for its predecessor; 9: it ended.
+    /// 0: the block started; 1: it passed the wait for its predecessor; 2-8: it reached a phase
+    /// its kernel marks; 9: it ended.
     pub mark: u32,
     pub block: u32,
     pub grid: u32,
@@ -52,6 +55,42 @@ pub struct Launch {
     /// The first block past its wait: the predecessor had finished and flushed.
     pub release_ns: Option<u64>,
     pub last_end_ns: Option<u64>,
+    /// Every block's phase marks (2-8): (mark, time).
+    pub phases: Vec<(u32, u64)>,
+}
+
+/// When a launch's blocks reached one phase, in microseconds after its release (its first start
+/// when it has none): the median block and the last.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PhaseTime {
+    pub mark: u32,
+    pub median_us: f64,
+    pub last_us: f64,
+}
+
+/// A launch's phases, in mark order.
+pub fn phase_times(l: &Launch) -> Vec<PhaseTime> {
+    let origin = l.release_ns.unwrap_or(l.first_start_ns) as f64;
+    let mut marks: Vec<u32> = l.phases.iter().map(|p| p.0).collect();
+    marks.sort_unstable();
+    marks.dedup();
+    marks
+        .into_iter()
+        .map(|mark| {
+            let mut us: Vec<f64> = l
+                .phases
+                .iter()
+                .filter(|p| p.0 == mark)
+                .map(|p| (p.1 as f64 - origin) / 1e3)
+                .collect();
+            us.sort_by(|a, b| a.total_cmp(b));
+            PhaseTime {
+                mark,
+                median_us: us[us.len() / 2],
+                last_us: us[us.len() - 1],
+            }
+        })
+        .collect()
 }
 
 /// One start of a block index: whether its release (mark 1) and its end (mark 9) have been seen.
@@ -84,6 +123,11 @@ pub fn launches(marks: &[Mark]) -> Vec<Launch> {
                     None => continue,
                 }
             }
+            // a phase belongs to the block's earliest start that has not ended
+            2..=8 => match mine.iter().position(|r| !r[1]) {
+                Some(i) => i,
+                None => continue,
+            },
             _ => continue,
         };
         let l = by_launch
@@ -95,6 +139,7 @@ pub fn launches(marks: &[Mark]) -> Vec<Launch> {
                 first_start_ns: m.time_ns,
                 release_ns: None,
                 last_end_ns: None,
+                phases: Vec::new(),
             });
         match m.mark {
             0 => {
@@ -102,7 +147,8 @@ pub fn launches(marks: &[Mark]) -> Vec<Launch> {
                 l.first_start_ns = l.first_start_ns.min(m.time_ns);
             }
             1 => l.release_ns = Some(l.release_ns.map_or(m.time_ns, |t| t.min(m.time_ns))),
-            _ => l.last_end_ns = Some(l.last_end_ns.map_or(m.time_ns, |t| t.max(m.time_ns))),
+            9 => l.last_end_ns = Some(l.last_end_ns.map_or(m.time_ns, |t| t.max(m.time_ns))),
+            _ => l.phases.push((m.mark, m.time_ns)),
         }
     }
     let mut out: Vec<Launch> = by_launch.into_values().collect();
@@ -208,6 +254,10 @@ mod tests {
             mark("moe", 640, 0, 0, 1),
             mark("moe", 700, 1, 0, 1),
             mark("moe", 1650, 9, 0, 1),
+            // phases: block 0's first run (not yet ended at 200), block 1's second run
+            mark("gemv", 200, 2, 0, 2),
+            mark("gemv", 400, 2, 1, 2),
+            mark("moe", 1200, 3, 0, 1),
         ];
         let l = launches(&marks);
         assert_eq!(l.len(), 3);
@@ -217,6 +267,17 @@ mod tests {
         assert_eq!(
             (l[2].module, l[2].release_ns, l[2].last_end_ns),
             ("moe", Some(700), Some(1650))
+        );
+
+        assert_eq!(l[0].phases, vec![(2, 200)]);
+        assert_eq!(l[1].phases, vec![(2, 400)]);
+        assert_eq!(
+            phase_times(&l[2]),
+            vec![PhaseTime {
+                mark: 3,
+                median_us: 0.5,
+                last_us: 0.5
+            }]
         );
 
         let named = family_times(&l, &["in_proj", "in_proj", "experts"]);
