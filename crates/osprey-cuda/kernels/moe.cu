@@ -92,11 +92,10 @@ __device__ __forceinline__ void select_experts(const Routing& a, int* ids, float
         }
         const uint32_t top = __reduce_max_sync(FULL_MASK, bk);
         const uint32_t e = __reduce_min_sync(FULL_MASK, bk == top ? (uint32_t)(lane + 32 * bi) : 0xFFFFFFFFu);
-        if ((int)(e & 31) == lane) {
+        // (a select per key, not a store at a computed index: that kept the keys in local memory)
+        const bool mine = (int)(e & 31) == lane;
 #pragma unroll
-            for (int i = 0; i < MAX_E_PER_LANE; ++i)
-                if (i == (int)(e >> 5)) key[i] = 0u;
-        }
+        for (int i = 0; i < MAX_E_PER_LANE; ++i) key[i] = mine && i == (int)(e >> 5) ? 0u : key[i];
         const float v = key_value(top);
         if (r == 0) mx = v;
         const float p = __expf(v - mx);
@@ -358,10 +357,17 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) 
     step_inputs_ready();
     // this launch's tag for its slot's values of h: one past the last launch's
     const unsigned tag = (unsigned)__ldcg(a.meet + slot) + 1u;
+    // the shared expert's h inputs requested at once (each value waited for in turn before:
+    // five round trips ahead of the selection's logits in the shared-tile blocks)
+    float sgate = 0.f, sgp[EXPERTS_MAX_I / 256], sup[EXPERTS_MAX_I / 256];
     if (shared_tile) {
-        const float gate = sigmoidf(a.shared_gate_logit[0]);
-        for (int i = threadIdx.x; i < I; i += blockDim.x)
-            sall[pad_idx(i)] = gate * siluf(a.shared_gate_proj[i]) * a.shared_up_proj[i];
+        sgate = a.shared_gate_logit[0];
+#pragma unroll
+        for (int j = 0; j < EXPERTS_MAX_I / 256; ++j) {
+            const int i = threadIdx.x + 256 * j;
+            sgp[j] = i < I ? a.shared_gate_proj[i] : 0.f;
+            sup[j] = i < I ? a.shared_up_proj[i] : 0.f;
+        }
     }
     if (threadIdx.x < 32) {
         select_experts(Routing{a.router_logits, a.experts, a.k, a.renorm}, ids, wts, nullptr);
@@ -378,6 +384,14 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) 
                 copy_q4_rows(codes, scales, biases, t, m.codes, m.scales, m.biases, row0, 16, H, full);
             }
             step_phase(2);  // gate/up copies asked for
+        }
+    }
+    if (shared_tile) {
+        const float gate = sigmoidf(sgate);
+#pragma unroll
+        for (int j = 0; j < EXPERTS_MAX_I / 256; ++j) {
+            const int i = threadIdx.x + 256 * j;
+            if (i < I) sall[pad_idx(i)] = gate * siluf(sgp[j]) * sup[j];
         }
     }
     resident_input(XInput{a.xn, nullptr, nullptr, nullptr, 0.f, H, 0}, xb8, gx, scratch);
