@@ -185,11 +185,13 @@ pub const KERNELS_DIR_ENV: &str = "OSPREY_KERNELS_DIR";
 const OVERLAP_ENV: &str = "OSPREY_CUDA_OVERLAP";
 
 /// Positions below which `early` also launches moe_experts early, beside the router GEMV: it
-/// gains 2% at short context and loses 6% at 128K (H200, one machine, the same binary:
-/// 4K 629.8 -> 642.3 tok/s, 16K 601.3 -> 609.5, 32K 573.5 -> 573.9, 64K 526.0 -> 513.0,
-/// 128K 450.7 -> 422.7; bench/results/cuda-decode-experts-early.json). So the step has two
-/// graphs and `step` replays the one for the position (either computes the same step).
-const EXPERTS_EARLY_BELOW: usize = 32 * 1024;
+/// gains at short context and loses at 128K, so the step has two graphs and `step` replays the
+/// one for the position (either computes the same step). Measured on the H200 (one machine, the
+/// same binary each time): first 4K 629.8 -> 642.3 tok/s, 32K 573.5 -> 573.9, 64K 526.0 ->
+/// 513.0, 128K 450.7 -> 422.7 (bench/results/cuda-decode-experts-early.json); with the tagged
+/// slot meeting (commit f01a27e) 16K 624.3 -> 624.4, 32K 573.0 -> 585.4, 64K 526.2 -> 522.6,
+/// 128K 451.5 -> 427.2 (cuda-decode-experts-early-bound.json): the sides cross near 56K.
+const EXPERTS_EARLY_BELOW: usize = 48 * 1024;
 
 /// Which of the step's two graphs decodes at `pos`.
 fn graph_slot(pos: usize) -> usize {
@@ -1982,11 +1984,12 @@ mod tests {
 
     #[test]
     fn the_step_graph_switches_at_the_experts_early_bound() {
-        // the prompt's first steps and 4K-16K contexts: moe_experts early; 32K on: plain
+        // the prompt's first steps and 4K-32K contexts: moe_experts early; 48K on: plain
         assert_eq!(graph_slot(0), 0);
-        assert_eq!(graph_slot(16 * 1024), 0);
-        assert_eq!(graph_slot(32 * 1024 - 1), 0);
-        assert_eq!(graph_slot(32 * 1024), 1);
+        assert_eq!(graph_slot(32 * 1024), 0);
+        assert_eq!(graph_slot(48 * 1024 - 1), 0);
+        assert_eq!(graph_slot(48 * 1024), 1);
+        assert_eq!(graph_slot(64 * 1024), 1);
         assert_eq!(graph_slot(128 * 1024), 1);
     }
 
