@@ -127,6 +127,34 @@ def decode_profile():
     return "\n".join(rows + [last])
 
 
+# What each phase mark means (step_phase calls in crates/osprey-cuda/kernels), per family.
+PHASES = {
+    "gdn in_proj (norm + qkv|z|b|a)": {2: "copies asked", 3: "x in", 4: "tiles in", 5: "multiplied"},
+    "attn in_proj (norm + q|k|v)": {2: "copies asked", 3: "x in", 4: "tiles in", 5: "multiplied"},
+    "gdn gated norm + out_proj + residual": {2: "x in", 3: "tile in"},
+    "attn o_proj + residual": {2: "x in", 3: "tile in"},
+    "moe router + shared gate/up": {2: "x in", 3: "rows written"},
+    "moe experts (top-k, gate/up, swiglu, down) + residual": {
+        8: "selected", 2: "gate/up asked", 3: "x in", 4: "gate/up in", 5: "h written", 6: "slot met", 7: "down multiplied"},
+}
+
+
+def decode_phases():
+    tl = load("cuda-decode-timeline-4k.json")
+    by = {}
+    for ph in tl.get("phases", []):
+        by.setdefault(ph["kernel"], {})[ph["mark"]] = ph
+    rows = ["| kernel family (4,096 context) | phases: µs after the launch's release, median block (last block) |", "|---|---|"]
+    for kernel, names in PHASES.items():
+        marks = by.get(kernel)
+        if not marks:
+            continue
+        order = sorted(names, key=lambda m: marks[m]["median_block_us"] if m in marks else 1e9)
+        cells = [f"{names[m]} {marks[m]['median_block_us']:.1f} ({marks[m]['last_block_us']:.1f})" for m in order if m in marks]
+        rows.append(f"| {cell(kernel)} | {' → '.join(cells)} |")
+    return "\n".join(rows) + source(tl, "cuda-decode-timeline-4k.json")
+
+
 def checks():
     tiny, full4 = load("cuda-check-tiny.json"), load("cuda-check-fullwidth-4l.json")
 
@@ -193,6 +221,7 @@ def fidelity_tiny():
 
 
 TABLES = {"prefill": prefill, "prefill-profile": prefill_profile, "decode": decode, "decode-profile": decode_profile,
+          "decode-phases": decode_phases,
           "checks": checks, "compare-mlx": compare, "fidelity-full": fidelity_full, "fidelity-tiny": fidelity_tiny}
 
 
