@@ -11,7 +11,9 @@ the source, rebuild, and measure the step.
     cuobjdump -sass -fun gdn_step target/.../gdn.cubin > gdn_step.sass
     python3 tools/sass_load_chains.py gdn_step.sass
 
-cuobjdump ships in the PyPI package nvidia-cuda-cuobjdump; build a cubin as gpu.md shows
+cuobjdump ships in the PyPI package nvidia-cuda-cuobjdump and disassembles with nvdisasm from
+nvidia-cuda-nvdisasm (both into the toolkit's venv: .cuda-toolkit/bin/pip install
+nvidia-cuda-cuobjdump==13.2.51 "nvidia-cuda-nvdisasm==13.2.*"); build a cubin as gpu.md shows
 (nvcc -arch=sm_90a -cubin -O3 kernels/<family>.cu).
 """
 import re
