@@ -440,10 +440,12 @@ extern "C" __global__ void __launch_bounds__(256, 3) gemv_q_tiles(GemvArgs a) { 
 // Measured (bench/kernels/gemv_resident.cu, chains of 30 launches of one shape with programmatic
 // dependent launch, H200): in_proj 5.9 us (gemv_q_tiles 12.5; its bytes at 4.3 TB/s: 3.3), q|k|v
 // 5.0 (11.3), out_proj 5.8 (11.0); in the decode graph, in_proj 8.1 us (12.1 with gemv_q_tiles).
-// Timeline of the step (tools/timeline_kernels.py, full-size model at 4K, 8 warps): from a block
-// passing its wait, x is in at 3.2 us and the tiles at 3.8 (their bytes, 14.2 MB for in_proj,
-// share DRAM with the early-launched gdn_step and out_proj), the multiply takes 2.6 us more
-// (issue-bound: two warps per scheduler), and a launch is 10.6 us exit to exit. The multiply's
+// Timeline of the step (tools/timeline_kernels.py, full-size model at 4K, its phase marks, 16
+// warps, commit f01a27e): after the launch's release the median block has asked for its tiles at
+// 0.8 us (its blocks land only as moe_experts' leave), has x at 3.8 and the tiles at 4.6 (14.2 MB
+// for in_proj, sharing DRAM with the early-launched gdn_step's state and out_proj's tiles) and has
+// multiplied at 6.7; a launch is 9.2 us exit to exit. (With 8 warps: x at 3.2, tiles 3.8, a 2.6 us
+// multiply, 10.6 us a launch, measured with the older probe that stretched each phase.) The multiply's
 // warps: K is split RES_KSLICES ways, and each further group of RES_KSLICES warps takes every
 // (warps / RES_KSLICES)-th tile of the run: with 16 warps it takes 2.0 us, 4K 627.0 -> 629.1
 // tok/s (bench/results/cuda-decode-session14-ablations.json). A barrier per tile, so the
