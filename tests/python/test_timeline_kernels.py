@@ -1,5 +1,6 @@
-"""tools/timeline_kernels.py: the probe goes into a copy of the real kernels, one end mark per
-kernel, and the instrumented copy compiles (when nvcc is at hand, as in CI)."""
+"""tools/timeline_kernels.py: the probe goes into a copy of the real kernels, one begin (the start
+mark and the block's record reservation) and one end mark per kernel, the phase marks become
+real, and the instrumented copy compiles (when nvcc is at hand, as in CI)."""
 import importlib.util
 import pathlib
 import re
@@ -13,22 +14,26 @@ tk = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(tk)
 
 
-def test_end_mark_goes_before_each_kernels_closing_brace():
+def test_begin_follows_each_kernels_opening_brace_and_end_mark_goes_before_its_closing_one():
     src = 'struct S { int a; };\nextern "C" __global__ void k(int x) {\n    if (x) { return; }\n    { int y = x; }\n}\n' \
           '__device__ int f() { return 1; }\nextern "C" __global__ void __launch_bounds__(256) g() { f(); }\n'
     out = tk.instrument_kernels(src)
-    assert out.count("timeline_mark(9)") == 2
-    assert out.endswith("void __launch_bounds__(256) g() { f();  timeline_mark(9); }\n")
+    assert out.count("timeline_mark(9)") == 2 and out.count("timeline_begin();") == 2
+    assert out.endswith("void __launch_bounds__(256) g() { timeline_begin(); f();  timeline_mark(9); }\n")
+    assert 'void k(int x) { timeline_begin();\n    if (x) { return; }' in out
     assert "{ int y = x; }\n timeline_mark(9); }\n__device__ int f() { return 1; }" in out
+    assert "__device__ int f() { return 1; }" in out and "f() { timeline_begin()" not in out
 
 
 def test_every_kernel_of_the_real_sources_is_instrumented(tmp_path):
     tk.instrument_tree(tk.KERNELS, tmp_path / "k")
     common = (tmp_path / "k/common.cuh").read_text()
-    assert "timeline_mark(0);" in common and "timeline_mark(1);" in common
+    assert "timeline_mark(1);" in common and "void step_phase(unsigned mark) { timeline_mark(mark); }" in common
+    assert "void step_phase(unsigned) {}" not in common
     for f in tk.KERNELS.glob("*.cu"):
         kernels = len(re.findall(r'extern "C" __global__', f.read_text()))
-        assert (tmp_path / "k" / f.name).read_text().count("timeline_mark(9)") == kernels, f.name
+        probed = (tmp_path / "k" / f.name).read_text()
+        assert probed.count("timeline_mark(9)") == kernels and probed.count("timeline_begin();") == kernels, f.name
 
 
 def test_an_instrumented_family_compiles(tmp_path):
