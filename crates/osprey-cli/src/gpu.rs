@@ -416,32 +416,14 @@ fn write_timeline(
         );
     }
     let kernels = timeline::launch_names(&launches, &names);
-    // per family and phase mark: the median over its launches of (median block, last block)
-    let mut phases: Vec<(&str, u32, Vec<f64>, Vec<f64>)> = Vec::new();
-    for (l, kernel) in launches.iter().zip(&kernels) {
-        for p in timeline::phase_times(l) {
-            match phases
-                .iter_mut()
-                .find(|f| f.0 == kernel.as_str() && f.1 == p.mark)
-            {
-                Some(f) => {
-                    f.2.push(p.median_us);
-                    f.3.push(p.last_us);
-                }
-                None => phases.push((kernel, p.mark, vec![p.median_us], vec![p.last_us])),
-            }
-        }
-    }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(|a, b| a.total_cmp(b));
-        v[v.len() / 2]
-    };
-    let phase_rows: Vec<_> = phases
-        .iter_mut()
-        .map(|(kernel, mark, med, last)| {
-            let (med, last) = (median(med), median(last));
-            info!("  {kernel:<52} phase {mark}: median block {med:>6.2} us after release, last {last:>6.2}");
-            json!({"kernel": kernel, "mark": mark, "median_block_us": med, "last_block_us": last})
+    let phase_rows: Vec<_> = timeline::family_phases(&launches, &names)
+        .iter()
+        .map(|p| {
+            info!(
+                "  {:<52} phase {}: median block {:>6.2} us after release, last {:>6.2}",
+                p.kernel, p.mark, p.median_block_us, p.last_block_us
+            );
+            json!({"kernel": p.kernel, "mark": p.mark, "median_block_us": p.median_block_us, "last_block_us": p.last_block_us})
         })
         .collect();
     let report = json!({

@@ -300,7 +300,7 @@ struct ExpertsArgs {
     const float* shared_up_proj;     // [I]
     const float* shared_gate_logit;  // [1]
     float* h;                   // [k, I] (value, tag) pairs: each block's 16 values of h, for the rest of its slot
-    int* meet;                  // [2, k]: each slot's last tag, and its blocks that have left (zero between launches)
+    int* meet;                  // [2, k]: each slot's last tag (only grows), and its blocks that have left (zero between launches)
     int experts, renorm, H, I, k;
 };
 

@@ -180,6 +180,46 @@ pub fn launch_names(launches: &[Launch], names: &[&str]) -> Vec<String> {
     }
 }
 
+/// One phase of a kernel family: over its launches, the median of each launch's median block
+/// and of its last block (microseconds after the launch's release, as `phase_times`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct FamilyPhase {
+    pub kernel: String,
+    pub mark: u32,
+    pub median_block_us: f64,
+    pub last_block_us: f64,
+}
+
+/// `phase_times` of every launch (in launch order), gathered by family (named as `launch_names`
+/// names them) and phase mark, in the order they first appear.
+pub fn family_phases(launches: &[Launch], names: &[&str]) -> Vec<FamilyPhase> {
+    let mut gathered: Vec<(String, u32, Vec<f64>, Vec<f64>)> = Vec::new();
+    for (l, kernel) in launches.iter().zip(launch_names(launches, names)) {
+        for p in phase_times(l) {
+            match gathered.iter_mut().find(|f| f.0 == kernel && f.1 == p.mark) {
+                Some(f) => {
+                    f.2.push(p.median_us);
+                    f.3.push(p.last_us);
+                }
+                None => gathered.push((kernel.clone(), p.mark, vec![p.median_us], vec![p.last_us])),
+            }
+        }
+    }
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(|a, b| a.total_cmp(b));
+        v[v.len() / 2]
+    };
+    gathered
+        .into_iter()
+        .map(|(kernel, mark, med, last)| FamilyPhase {
+            kernel,
+            mark,
+            median_block_us: median(med),
+            last_block_us: median(last),
+        })
+        .collect()
+}
+
 /// Sums launches by family, named as `launch_names` names them.
 pub fn family_times(launches: &[Launch], names: &[&str]) -> Vec<FamilyTime> {
     let mut out: Vec<FamilyTime> = Vec::new();
@@ -291,6 +331,14 @@ mod tests {
         assert_eq!(named[0].median_release_after_predecessor_us, Some(0.02));
         assert!((named[1].micros - 1.0).abs() < 1e-9);
         assert_eq!(named[1].median_release_after_predecessor_us, Some(0.05));
+
+        // phases by family: the in_proj launches at 0.09 and 0.07 us after release (median: the upper)
+        let phases = family_phases(&l, &["in_proj", "in_proj", "experts"]);
+        assert_eq!(phases.len(), 2);
+        assert_eq!((phases[0].kernel.as_str(), phases[0].mark), ("in_proj", 2));
+        assert!((phases[0].median_block_us - 0.09).abs() < 1e-9);
+        assert_eq!((phases[1].kernel.as_str(), phases[1].mark), ("experts", 3));
+        assert!((phases[1].last_block_us - 0.5).abs() < 1e-9);
 
         let unnamed = family_times(&l, &["too", "few"]);
         assert_eq!(unnamed[0].kernel, "gemv/2");
