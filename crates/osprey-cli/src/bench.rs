@@ -12,6 +12,7 @@ use serde_json::json;
 use tracing::info;
 
 use crate::commands::{load_engine, sampling_params};
+use crate::commands::GpuModel;
 use crate::{ModelArgs, SamplingArgs};
 use osprey_engine::sampler::{argmax, Sampler, SamplingParams};
 use osprey_prompt::PromptFormat;
@@ -181,9 +182,13 @@ pub fn run(kind: BenchKind) -> Result<()> {
     if model.backend == "cuda" {
         let dir = crate::commands::model_dir(model)?;
         let sampling = sample.then(|| checkpoint_sampling(&dir)).transpose()?;
+        let gpu_model = GpuModel {
+            dir: &dir,
+            kv: model.kv_cache,
+        };
         return match &kind {
             BenchKind::Decode { steps, .. } => cuda_decode(
-                &dir,
+                &gpu_model,
                 &lengths,
                 *steps,
                 rounds,
@@ -192,7 +197,13 @@ pub fn run(kind: BenchKind) -> Result<()> {
                 timeline,
             ),
             BenchKind::Prefill { .. } => {
-                cuda_prefill(&dir, model.prefill_chunk, &lengths, rounds, out.as_deref())
+                cuda_prefill(
+                &gpu_model,
+                model.prefill_chunk,
+                &lengths,
+                rounds,
+                out.as_deref(),
+            )
             }
         };
     }
@@ -306,7 +317,7 @@ pub fn sampling_json(p: &SamplingParams) -> serde_json::Value {
 }
 
 fn cuda_decode(
-    dir: &std::path::Path,
+    m: &GpuModel,
     contexts: &[usize],
     steps: usize,
     rounds: usize,
@@ -316,17 +327,17 @@ fn cuda_decode(
 ) -> Result<()> {
     #[cfg(feature = "cuda")]
     {
-        crate::gpu::bench_decode(dir, contexts, steps, rounds, sampling, out, timeline)
+        crate::gpu::bench_decode(m, contexts, steps, rounds, sampling, out, timeline)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (dir, contexts, steps, rounds, sampling, out, timeline);
+        let _ = (m.dir, m.kv, contexts, steps, rounds, sampling, out, timeline);
         bail!("this build has no CUDA backend (rebuild with --features cuda)")
     }
 }
 
 fn cuda_prefill(
-    dir: &std::path::Path,
+    m: &GpuModel,
     prefill_chunk: Option<usize>,
     lengths: &[usize],
     rounds: usize,
@@ -335,11 +346,11 @@ fn cuda_prefill(
     #[cfg(feature = "cuda")]
     {
         let chunk = prefill_chunk.unwrap_or(osprey_cuda::DEFAULT_CUDA_PREFILL_CHUNK);
-        crate::gpu::bench_prefill(dir, lengths, rounds, chunk, out)
+        crate::gpu::bench_prefill(m, lengths, rounds, chunk, out)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (dir, prefill_chunk, lengths, rounds, out);
+        let _ = (m.dir, m.kv, prefill_chunk, lengths, rounds, out);
         bail!("this build has no CUDA backend (rebuild with --features cuda)")
     }
 }

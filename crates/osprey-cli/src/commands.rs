@@ -80,6 +80,12 @@ pub fn model_dir(args: &ModelArgs) -> Result<PathBuf> {
     }
 }
 
+/// The checkpoint a GPU command (check, bench) loads and how the GPU keeps its K/V.
+pub struct GpuModel<'a> {
+    pub dir: &'a Path,
+    pub kv: osprey_engine::KvCache,
+}
+
 /// Default prefill chunk of the CUDA backend (only reached when it loaded).
 fn osprey_cuda_chunk() -> usize {
     #[cfg(feature = "cuda")]
@@ -101,7 +107,7 @@ fn cuda_backend(
     let chunk = args
         .prefill_chunk
         .unwrap_or(osprey_cuda::DEFAULT_CUDA_PREFILL_CHUNK);
-    let b = osprey_cuda::CudaBackend::new(weights, max_context, valid, chunk)?;
+    let b = osprey_cuda::CudaBackend::new(weights, max_context, valid, chunk, args.kv_cache)?;
     let mem: Vec<String> = b
         .memory_report()
         .iter()
@@ -131,13 +137,13 @@ pub fn load_engine(args: &ModelArgs) -> Result<(Engine, PathBuf)> {
     }
     let weights = ModelWeights::load(&dir)?;
     let backend: Box<dyn osprey_engine::Backend> = match args.backend.as_str() {
-        "cpu" => Box::new(osprey_engine::CpuBackend::new(weights)),
+        "cpu" => Box::new(osprey_engine::CpuBackend::new(weights).with_kv_cache(args.kv_cache)),
         "cuda" => cuda_backend(&weights, args).context("--backend cuda")?,
         _ => match cuda_backend(&weights, args) {
             Ok(b) => b,
             Err(e) => {
                 info!("backend auto: CUDA unavailable ({e:#}); running on the CPU");
-                Box::new(osprey_engine::CpuBackend::new(weights))
+                Box::new(osprey_engine::CpuBackend::new(weights).with_kv_cache(args.kv_cache))
             }
         },
     };
@@ -477,7 +483,11 @@ pub fn check(
     let dir = model_dir(args)?;
     #[cfg(feature = "cuda")]
     {
-        crate::gpu::check(&dir, prompt_tokens, steps, prefill_tokens, chunk, out)
+        let m = GpuModel {
+            dir: &dir,
+            kv: args.kv_cache,
+        };
+        crate::gpu::check(&m, prompt_tokens, steps, prefill_tokens, chunk, out)
     }
     #[cfg(not(feature = "cuda"))]
     {

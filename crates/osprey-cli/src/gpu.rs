@@ -12,6 +12,7 @@ use serde_json::json;
 use tracing::{info, warn};
 
 use crate::bench::{cpu_name, git_commit, utc_now};
+use crate::commands::GpuModel;
 
 /// Ids the real tokenizer can produce; the embedding's tail rows are padding.
 const TOKENIZER_VOCAB: usize = 248_077;
@@ -81,21 +82,21 @@ impl Compared {
 }
 
 pub fn check(
-    dir: &Path,
+    m: &GpuModel,
     prompt_len: usize,
     steps: usize,
     prefill_len: usize,
     chunk: usize,
     out: Option<&Path>,
 ) -> Result<()> {
-    let weights = ModelWeights::load(dir)?;
+    let weights = ModelWeights::load(m.dir)?;
     let vocab = weights.config.vocab_size;
     let valid = vocab.min(TOKENIZER_VOCAB);
     // the context also holds the device's record of the sampler check's draws
     let context = (prompt_len.max(prefill_len) + steps + 8).max(SAMPLE_DRAWS);
-    let mut gpu = CudaDecoder::new(&weights, context, valid)?;
+    let mut gpu = CudaDecoder::new(&weights, context, valid, m.kv)?;
     info!("loaded on {}: {}", gpu.device_name(), memory_line(&gpu));
-    let cpu = Engine::new(Box::new(CpuBackend::new(weights)));
+    let cpu = Engine::new(Box::new(CpuBackend::new(weights).with_kv_cache(m.kv)));
     let make_prompt = |n: usize| -> Vec<u32> {
         (0..n as u32)
             .map(|i| i.wrapping_mul(2_654_435_761) % valid as u32)
@@ -180,8 +181,8 @@ pub fn check(
     );
     if let Some(path) = out {
         let report = json!({
-            "kind": "check", "backend": "cuda", "device": gpu.device_name(), "commit": git_commit(), "date": utc_now(),
-            "command": std::env::args().collect::<Vec<_>>().join(" "), "model": dir.display().to_string(),
+            "kind": "check", "backend": "cuda", "kv_cache": gpu.kv_cache().to_string(), "device": gpu.device_name(), "commit": git_commit(), "date": utc_now(),
+            "command": std::env::args().collect::<Vec<_>>().join(" "), "model": m.dir.display().to_string(),
             "prompt_tokens": prompt_len, "steps": steps, "worst_relative_rms": decode.worst_rel, "worst_max_abs": decode.worst_abs,
             "limit_relative_rms": MAX_RELATIVE_RMS, "greedy_disagreements": decode.disagree, "device_token_record_consistent": record_ok,
             "prefill": {
@@ -427,7 +428,7 @@ fn write_timeline(
         })
         .collect();
     let report = json!({
-        "kind": "decode-timeline", "backend": "cuda", "device": gpu.device_name(), "commit": git_commit(),
+        "kind": "decode-timeline", "backend": "cuda", "kv_cache": gpu.kv_cache().to_string(), "device": gpu.device_name(), "commit": git_commit(),
         "date": utc_now(), "command": command,
         "kernels_dir": std::env::var(osprey_cuda::KERNELS_DIR_ENV).ok(),
         "context": ctx, "step_us_timed": step_us, "step_us_recorded": step_recorded_us,
@@ -453,7 +454,7 @@ fn write_timeline(
 const READ_CEILING_BYTES_PER_S: f64 = 3.7e12;
 
 pub fn bench_decode(
-    dir: &Path,
+    m: &GpuModel,
     contexts: &[usize],
     steps: usize,
     rounds: usize,
@@ -462,11 +463,11 @@ pub fn bench_decode(
     timeline: Option<&Path>,
 ) -> Result<()> {
     let command = std::env::args().collect::<Vec<_>>().join(" ");
-    let weights = ModelWeights::load(dir)?;
+    let weights = ModelWeights::load(m.dir)?;
     let c = weights.config.clone();
     let max_ctx = contexts.iter().copied().max().unwrap_or(0) + steps * (rounds + 1) + 8;
     let valid_vocab = c.vocab_size.min(TOKENIZER_VOCAB);
-    let mut gpu = CudaDecoder::new(&weights, max_ctx, valid_vocab)?;
+    let mut gpu = CudaDecoder::new(&weights, max_ctx, valid_vocab, m.kv)?;
     drop(weights);
     if let Some(p) = &sampling {
         // the token is sampled on the GPU, inside the replayed graph
@@ -532,8 +533,8 @@ pub fn bench_decode(
         }
     }
     let report = json!({
-        "kind": "decode", "backend": "cuda", "device": gpu.device_name(), "host": cpu_name(), "commit": git_commit(), "date": utc_now(),
-        "command": command, "model": {"dir": dir.display().to_string(), "layers": c.num_layers(), "hidden_size": c.hidden_size},
+        "kind": "decode", "backend": "cuda", "kv_cache": gpu.kv_cache().to_string(), "device": gpu.device_name(), "host": cpu_name(), "commit": git_commit(), "date": utc_now(),
+        "command": command, "model": {"dir": m.dir.display().to_string(), "layers": c.num_layers(), "hidden_size": c.hidden_size},
         "method": format!("median of {rounds} rounds of {steps} CUDA-graph replays timed with CUDA events; position set to the context length (a step's work depends only on it)"),
         "read_ceiling_bytes_per_s": READ_CEILING_BYTES_PER_S,
         "sampling": sampling.as_ref().map(crate::bench::sampling_json),
@@ -552,18 +553,18 @@ pub fn bench_decode(
 const BF16_CEILING_FLOP_PER_S: f64 = 790e12;
 
 pub fn bench_prefill(
-    dir: &Path,
+    m: &GpuModel,
     lengths: &[usize],
     rounds: usize,
     chunk: usize,
     out: Option<&Path>,
 ) -> Result<()> {
     let command = std::env::args().collect::<Vec<_>>().join(" ");
-    let weights = ModelWeights::load(dir)?;
+    let weights = ModelWeights::load(m.dir)?;
     let c = weights.config.clone();
     let longest = lengths.iter().copied().max().unwrap_or(1);
     let valid = c.vocab_size.min(TOKENIZER_VOCAB);
-    let mut gpu = CudaDecoder::new(&weights, longest + 8, valid)?;
+    let mut gpu = CudaDecoder::new(&weights, longest + 8, valid, m.kv)?;
     drop(weights);
     info!("loaded on {}: {}", gpu.device_name(), memory_line(&gpu));
     let tokens: Vec<u32> = (0..longest as u32)
@@ -687,8 +688,8 @@ pub fn bench_prefill(
         }
     }
     let report = json!({
-        "kind": "prefill", "backend": "cuda", "device": gpu.device_name(), "host": cpu_name(), "commit": git_commit(), "date": utc_now(),
-        "command": command, "model": {"dir": dir.display().to_string(), "layers": c.num_layers(), "hidden_size": c.hidden_size},
+        "kind": "prefill", "backend": "cuda", "kv_cache": gpu.kv_cache().to_string(), "device": gpu.device_name(), "host": cpu_name(), "commit": git_commit(), "date": utc_now(),
+        "command": command, "model": {"dir": m.dir.display().to_string(), "layers": c.num_layers(), "hidden_size": c.hidden_size},
         "method": format!("median of {rounds} fresh prefills from position 0, wall clock around prefill + device synchronise; chunks of {chunk} tokens"),
         "prefill_chunk": chunk, "prefill_scratch_bytes": gpu.prefill_scratch_bytes(),
         "bf16_ceiling_flop_per_s": BF16_CEILING_FLOP_PER_S,

@@ -37,6 +37,11 @@ pub struct ModelArgs {
     /// at most 131072 unless set). Sizes the GPU's KV cache.
     #[arg(long)]
     pub max_context: Option<usize>,
+    /// How attention layers keep keys and values: bf16, or int8 (a byte per value and a scale
+    /// per row: half the bytes a decode step reads at long context; the CPU backend rounds the
+    /// same way).
+    #[arg(long, default_value = "bf16")]
+    pub kv_cache: osprey_engine::KvCache,
 }
 
 /// Sampling settings; unset values come from the model's generation_config.json.

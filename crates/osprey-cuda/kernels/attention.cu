@@ -50,11 +50,13 @@ struct PrepArgs {
     const float* q_norm; // [D]
     const float* k_norm; // [D]
     float* q_out;        // [Hq, D]
-    __nv_bfloat16* k_cache;  // [max_pos, Hkv, D]
-    __nv_bfloat16* v_cache;
+    void* k_cache;       // [max_pos, Hkv, D]: bf16, or biased int8 codes when k_scale is set
+    void* v_cache;
+    float* k_scale;      // int8 cache: [Hkv, max_pos] row scales (store_int8_row); else null
+    float* v_scale;
     const int* pos;
     float eps, theta;
-    int hq, hkv, rotary;
+    int hq, hkv, rotary, max_pos;
 };
 
 extern "C" __global__ void __launch_bounds__(D) attn_prep(PrepArgs a) {
@@ -85,22 +87,30 @@ extern "C" __global__ void __launch_bounds__(D) attn_prep(PrepArgs a) {
     if (d < a.rotary) val = d < half ? x[d] * c - x[d + half] * s : x[d] * c + x[d - half] * s;
     if (is_q) {
         a.q_out[head * D + d] = val;
+    } else if (a.k_scale) {
+        const size_t row = ((size_t)pos * a.hkv + head) * D;
+        const size_t at = (size_t)head * a.max_pos + pos;
+        store_int8_row(val, static_cast<uint8_t*>(a.k_cache) + row, a.k_scale + at, scratch);
+        store_int8_row(v_val, static_cast<uint8_t*>(a.v_cache) + row, a.v_scale + at, scratch);
     } else {
         size_t at = ((size_t)pos * a.hkv + head) * D + d;
-        a.k_cache[at] = __float2bfloat16(val);
-        a.v_cache[at] = __float2bfloat16(v_val);
+        static_cast<__nv_bfloat16*>(a.k_cache)[at] = __float2bfloat16(val);
+        static_cast<__nv_bfloat16*>(a.v_cache)[at] = __float2bfloat16(v_val);
     }
 }
 
 struct DecodeArgs {
-    const float* q;                // [Hq, D]
-    const __nv_bfloat16* k_cache;  // [max_pos, Hkv, D]
-    const __nv_bfloat16* v_cache;
-    float* part_acc;               // [Hq, max splits, D]
-    float* part_ml;                // [Hq, max splits, 2]
-    const int* pos;                // this token's position; positions 0..=pos are visible
+    const float* q;         // [Hq, D]
+    const void* k_cache;    // [max_pos, Hkv, D]: bf16 (attn_decode) or biased int8 (attn_decode_int8)
+    const void* v_cache;
+    const float* k_scale;   // int8: [Hkv, max_pos] row scales
+    const float* v_scale;
+    float* part_acc;        // [Hq, max splits, D]
+    float* part_ml;         // [Hq, max splits, 2]
+    const int* pos;         // this token's position; positions 0..=pos are visible
     float scale;
-    int hq, hkv, splits;           // splits: the grid's (the most in use)
+    int hq, hkv, splits;    // splits: the grid's (the most in use)
+    int max_pos;
 };
 
 // Query heads per KV head the kernel is laid out for (fewer are padded with zero queries).
@@ -110,28 +120,51 @@ struct DecodeArgs {
 // Warps per block: 4, so two blocks fit on an SM (255 registers per thread: two steps' K/V and the
 // 64 accumulators), and warp w stages Q's k steps 4w .. 4w + 3, the 16 of D = 256.
 #define WARPS 4
+// The int8 form weighs its values by P·scale_v·V_SCALE_UP in f16 (undone in the merge): P·scale_v
+// alone falls below f16's normal range (6.1e-5) for small weights of small rows; scaled by 256
+// it stays finite up to |V| = 127/256 · 65504 ≈ 32500.
+#define V_SCALE_UP 256.f
 
-// D += A·B for one m16n8k8 tile: A 16x8 bf16, B 8x8 bf16, f32 accumulate.
+// D += A·B for one m16n8k8 tile: A 16x8, B 8x8 (bf16 or f16), f32 accumulate.
 __device__ __forceinline__ void mma_bf16_k8(float* d, uint32_t a0, uint32_t a1, uint32_t b0) {
     asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a0), "r"(a1), "r"(b0));
 }
+__device__ __forceinline__ void mma_f16_k8(float* d, uint32_t a0, uint32_t a1, uint32_t b0) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(b0));
+}
 
-// The K/V of one warp step (PSTEP positions from p) as lane (g, q) multiplies them:
+__device__ __forceinline__ uint32_t word_of(const uint4& u, int w) { return w == 0 ? u.x : w == 1 ? u.y : w == 2 ? u.z : u.w; }
+
+// The K/V of one warp step (PSTEP positions from p) as lane (g, q) multiplies them. Positions past
+// p1 repeat the last one (their scores are masked).
+// bf16 cache:
 //   k[u]: 16-byte piece 4u + q of the K row of position p + g (dims 8(4u + q) .. +7), u < 8;
 //   v[j], v[4 + j]: piece 8j + g of the V rows of positions p + 2q and p + 2q + 1, j < 4.
 // Both are coalesced: the 4 lanes of a K row read 64 contiguous bytes per load, the 8 lanes of a
-// V row 128. Positions past p1 repeat the last one (their scores are masked).
+// V row 128.
 struct KvStep {
     uint4 k[8], v[8];
+};
+// int8 cache (half the bytes, same pattern):
+//   k[u]: 16-byte piece 4u + q of the K row of position p + g (dims 64u + 16q .. +15), u < 4;
+//   v[j], v[2 + j]: piece 8j + g of the V rows of positions p + 2q and p + 2q + 1, j < 2;
+//   ks, vs: the row scales of positions p + 2q, p + 2q + 1 (the positions of this lane's scores).
+struct KvStepInt8 {
+    uint4 k[4], v[4];
+    float ks[2], vs[2];
 };
 
 __device__ __forceinline__ void load_kv_step(const DecodeArgs& a, int kvh, int p, int p1, KvStep& b) {
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    const uint4* kr = reinterpret_cast<const uint4*>(a.k_cache + ((size_t)min(p + g, p1 - 1) * a.hkv + kvh) * D);
-    const uint4* v0 = reinterpret_cast<const uint4*>(a.v_cache + ((size_t)min(p + 2 * q, p1 - 1) * a.hkv + kvh) * D);
-    const uint4* v1 = reinterpret_cast<const uint4*>(a.v_cache + ((size_t)min(p + 2 * q + 1, p1 - 1) * a.hkv + kvh) * D);
+    const __nv_bfloat16* kc = static_cast<const __nv_bfloat16*>(a.k_cache);
+    const __nv_bfloat16* vc = static_cast<const __nv_bfloat16*>(a.v_cache);
+    const uint4* kr = reinterpret_cast<const uint4*>(kc + ((size_t)min(p + g, p1 - 1) * a.hkv + kvh) * D);
+    const uint4* v0 = reinterpret_cast<const uint4*>(vc + ((size_t)min(p + 2 * q, p1 - 1) * a.hkv + kvh) * D);
+    const uint4* v1 = reinterpret_cast<const uint4*>(vc + ((size_t)min(p + 2 * q + 1, p1 - 1) * a.hkv + kvh) * D);
 #pragma unroll
     for (int u = 0; u < 8; ++u) b.k[u] = __ldcs(kr + 4 * u + q);
 #pragma unroll
@@ -141,23 +174,33 @@ __device__ __forceinline__ void load_kv_step(const DecodeArgs& a, int kvh, int p
     }
 }
 
-__device__ __forceinline__ uint32_t word_of(const uint4& u, int w) { return w == 0 ? u.x : w == 1 ? u.y : w == 2 ? u.z : u.w; }
-
-// One warp step: the scores of PSTEP positions from p, the online softmax (head g's maximum m,
-// this lane's share l of its sum) and the weighted values into acc (layout above).
-__device__ __forceinline__ void attend_step(const uint2 (*qfrag)[32], const KvStep& kv, int p, int p1, float& m, float& l,
-                                            float (&acc)[16][4]) {
-    const int lane = threadIdx.x & 31, q = lane & 3;
-    float se[4] = {0.f, 0.f, 0.f, 0.f}, so[4] = {0.f, 0.f, 0.f, 0.f};
+__device__ __forceinline__ void load_kv_step(const DecodeArgs& a, int kvh, int p, int p1, KvStepInt8& b) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const uint8_t* kc = static_cast<const uint8_t*>(a.k_cache);
+    const uint8_t* vc = static_cast<const uint8_t*>(a.v_cache);
+    const int pe = min(p + 2 * q, p1 - 1), po = min(p + 2 * q + 1, p1 - 1);
+    const uint4* kr = reinterpret_cast<const uint4*>(kc + ((size_t)min(p + g, p1 - 1) * a.hkv + kvh) * D);
+    const uint4* v0 = reinterpret_cast<const uint4*>(vc + ((size_t)pe * a.hkv + kvh) * D);
+    const uint4* v1 = reinterpret_cast<const uint4*>(vc + ((size_t)po * a.hkv + kvh) * D);
 #pragma unroll
-    for (int u = 0; u < 8; ++u) {
-        const uint2 qe = qfrag[2 * u][lane], qo = qfrag[2 * u + 1][lane];
-        mma_bf16(se, qe.x, 0u, qe.y, 0u, kv.k[u].x, kv.k[u].y);
-        mma_bf16(so, qo.x, 0u, qo.y, 0u, kv.k[u].z, kv.k[u].w);
+    for (int u = 0; u < 4; ++u) b.k[u] = __ldcs(kr + 4 * u + q);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        b.v[j] = __ldcs(v0 + 8 * j + g);
+        b.v[2 + j] = __ldcs(v1 + 8 * j + g);
     }
-    // scores of head g at positions p + 2q, p + 2q + 1
-    const float x0 = p + 2 * q < p1 ? se[0] + so[0] : -INFINITY;
-    const float x1 = p + 2 * q + 1 < p1 ? se[1] + so[1] : -INFINITY;
+    const size_t row = (size_t)kvh * a.max_pos;
+    b.ks[0] = __ldcs(a.k_scale + row + pe);
+    b.ks[1] = __ldcs(a.k_scale + row + po);
+    b.vs[0] = __ldcs(a.v_scale + row + pe);
+    b.vs[1] = __ldcs(a.v_scale + row + po);
+}
+
+// The online softmax of one warp step: scores x0, x1 of head g at positions p + 2q, p + 2q + 1
+// (-inf where masked) update head g's maximum m, this lane's share l of its sum, and rescale acc
+// (layout at attn_decode); returns the two positions' weights.
+__device__ __forceinline__ float2 softmax_step(float x0, float x1, float& m, float& l, float (&acc)[16][4]) {
+    const int q = threadIdx.x & 3;
     float bm = fmaxf(x0, x1);
     bm = fmaxf(bm, __shfl_xor_sync(FULL_MASK, bm, 1));
     bm = fmaxf(bm, __shfl_xor_sync(FULL_MASK, bm, 2));
@@ -173,7 +216,25 @@ __device__ __forceinline__ void attend_step(const uint2 (*qfrag)[32], const KvSt
             acc[t][0] *= c0; acc[t][1] *= c1; acc[t][2] *= c0; acc[t][3] *= c1;
         }
     }
-    const uint32_t pb = pack_bf16(e0, e1);
+    return make_float2(e0, e1);
+}
+
+// One warp step: the scores of PSTEP positions from p, the online softmax and the weighted values
+// into acc (layouts at attn_decode).
+__device__ __forceinline__ void attend_step(const uint2 (*qfrag)[32], const KvStep& kv, int p, int p1, float& m, float& l,
+                                            float (&acc)[16][4]) {
+    const int lane = threadIdx.x & 31, q = lane & 3;
+    float se[4] = {0.f, 0.f, 0.f, 0.f}, so[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+        const uint2 qe = qfrag[2 * u][lane], qo = qfrag[2 * u + 1][lane];
+        mma_bf16(se, qe.x, 0u, qe.y, 0u, kv.k[u].x, kv.k[u].y);
+        mma_bf16(so, qo.x, 0u, qo.y, 0u, kv.k[u].z, kv.k[u].w);
+    }
+    const float x0 = p + 2 * q < p1 ? se[0] + so[0] : -INFINITY;
+    const float x1 = p + 2 * q + 1 < p1 ? se[1] + so[1] : -INFINITY;
+    const float2 e = softmax_step(x0, x1, m, l, acc);
+    const uint32_t pb = pack_bf16(e.x, e.y);
 #pragma unroll
     for (int t = 0; t < 16; ++t) {
         const uint32_t x = word_of(kv.v[t / 4], t % 4), y = word_of(kv.v[4 + t / 4], t % 4);
@@ -181,10 +242,78 @@ __device__ __forceinline__ void attend_step(const uint2 (*qfrag)[32], const KvSt
     }
 }
 
-// The GQA group's scores and weighted values on the tensor cores (mma.sync, bf16 in, f32
-// accumulate). A dot product or a weighted sum does not depend on the order of its terms, so
-// each operand is read in whatever order its loads deliver, as long as both sides of a product
-// agree:
+__device__ __forceinline__ void attend_step(const uint2 (*qfrag)[32], const KvStepInt8& kv, int p, int p1, float& m,
+                                            float& l, float (&acc)[16][4]) {
+    const int lane = threadIdx.x & 31, q = lane & 3;
+    float se[4] = {0.f, 0.f, 0.f, 0.f}, so[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            const uint2 qs = qfrag[4 * u + w][lane];
+            const uint32_t kw = word_of(kv.k[u], w);
+            mma_f16(w % 2 ? so : se, qs.x, 0u, qs.y, 0u, int8_pair_f16(kw, 0x4140), int8_pair_f16(kw, 0x4342));
+        }
+    }
+    const float x0 = p + 2 * q < p1 ? (se[0] + so[0]) * kv.ks[0] : -INFINITY;
+    const float x1 = p + 2 * q + 1 < p1 ? (se[1] + so[1]) * kv.ks[1] : -INFINITY;
+    const float2 e = softmax_step(x0, x1, m, l, acc);
+    const uint32_t pb = pack_f16(e.x * kv.vs[0] * V_SCALE_UP, e.y * kv.vs[1] * V_SCALE_UP);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            // bytes of positions p + 2q (x) and p + 2q + 1 (y) interleaved, two dims per word
+            const uint32_t x = word_of(kv.v[j], w), y = word_of(kv.v[2 + j], w);
+            const uint32_t lo = __byte_perm(x, y, 0x5140), hi = __byte_perm(x, y, 0x7362);
+            mma_f16_k8(acc[8 * j + 2 * w], int8_pair_f16(lo, 0x4140), int8_pair_f16(lo, 0x4342), pb);
+            mma_f16_k8(acc[8 * j + 2 * w + 1], int8_pair_f16(hi, 0x4140), int8_pair_f16(hi, 0x4342), pb);
+        }
+    }
+}
+
+// Warp w's share of Q's fragments (scaled; bf16, or f16 for the int8 cache), laid out to meet the
+// K words of its step (KvStep, KvStepInt8).
+__device__ __forceinline__ void stage_q(const DecodeArgs& a, int kvh, KvStep*, uint2 (*qfrag)[32]) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int group = a.hq / a.hkv;
+    const float sc = a.scale;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int u = 2 * warp + i;
+        float4 x0 = make_float4(0.f, 0.f, 0.f, 0.f), x1 = x0;
+        if (g < group) {
+            const float4* src = reinterpret_cast<const float4*>(a.q + (size_t)(kvh * group + g) * D + 8 * (4 * u + q));
+            x0 = src[0];
+            x1 = src[1];
+        }
+        qfrag[2 * u][lane] = make_uint2(pack_bf16(x0.x * sc, x0.y * sc), pack_bf16(x0.z * sc, x0.w * sc));
+        qfrag[2 * u + 1][lane] = make_uint2(pack_bf16(x1.x * sc, x1.y * sc), pack_bf16(x1.z * sc, x1.w * sc));
+    }
+}
+
+__device__ __forceinline__ void stage_q(const DecodeArgs& a, int kvh, KvStepInt8*, uint2 (*qfrag)[32]) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int group = a.hq / a.hkv;
+    const float sc = a.scale;
+    const float4* src = reinterpret_cast<const float4*>(a.q + (size_t)(kvh * group + g) * D + 64 * warp + 16 * q);
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+        const float4 x = g < group ? src[w] : make_float4(0.f, 0.f, 0.f, 0.f);
+        qfrag[4 * warp + w][lane] = make_uint2(pack_f16(x.x * sc, x.y * sc), pack_f16(x.z * sc, x.w * sc));
+    }
+}
+
+// The dim of acc[t]'s rows g (its c0, c1; c2, c3 hold the next dim) and what undoes its scaling.
+__device__ __forceinline__ int acc_dim(KvStep*, int t, int g) { return 8 * (8 * (t / 4) + g) + 2 * (t % 4); }
+__device__ __forceinline__ int acc_dim(KvStepInt8*, int t, int g) { return 16 * (8 * (t / 8) + g) + 4 * ((t / 2) % 4) + 2 * (t % 2); }
+__device__ __forceinline__ float acc_unscale(KvStep*) { return 1.f; }
+__device__ __forceinline__ float acc_unscale(KvStepInt8*) { return 1.f / V_SCALE_UP; }
+
+// The GQA group's scores and weighted values on the tensor cores (mma.sync, f32 accumulate). A
+// dot product or a weighted sum does not depend on the order of its terms, so each operand is
+// read in whatever order its loads deliver, as long as both sides of a product agree.
+// bf16 cache (attn_decode):
 //   scores S (16 x 8: heads padded to 16, rows 8..15 zero; 8 positions) = Q (16 x 256) · K^T,
 //     16 m16n8k16 steps; step s takes, in lane (g, q), dims 8(4⌊s/2⌋ + q) + 4(s mod 2) + {0,1}
 //     (fragment k 2q, 2q+1) and + {2,3} (k 2q + 8, 2q + 9) of both Q row g and K row g.
@@ -193,9 +322,15 @@ __device__ __forceinline__ void attend_step(const uint2 (*qfrag)[32], const KvSt
 //     halves are fragment row g, its high halves row g + 8 (two byte permutes per tile); P^T's
 //     fragment (positions 2q, 2q + 1 of head g) is exactly lane (g, q)'s two scores after the
 //     softmax, so P never leaves the registers.
-// Lane (g, q) ends holding O[heads 2q, 2q + 1] at dims 8(8⌊t/4⌋ + g) + 2(t mod 4) (+1 for c2, c3).
-// Q is rounded to bf16 (as K and V are stored) and P to bf16 for the product with V (f32 sums).
-extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) attn_decode(DecodeArgs a) {
+//   Lane (g, q) ends holding O[heads 2q, 2q + 1] at dims acc_dim(t, g) (+1 for c2, c3).
+//   Q is rounded to bf16 (as K and V are stored) and P to bf16 for the product with V (f32 sums).
+// int8 cache (attn_decode_int8): the codes turn into exact f16 (int8_pair_f16), so Q and P are
+//   f16 (finer than bf16). Step s = 4u + w takes K word w of piece u: dims 64u + 16q + 4w + {0,1}
+//   and + {2,3}; a score is scaled by its K row's scale. Tile 8j + 2w + h takes V word w of piece
+//   8j + g of both positions, interleaved by bytes so each word holds a dim's two positions (dims
+//   +2h, +2h + 1 of the word); P carries each V row's scale (times V_SCALE_UP).
+template <typename Step>
+__device__ __forceinline__ void attn_decode_items(const DecodeArgs& a) {
     __shared__ uint2 qfrag[16][32];  // [k step][lane]: Q's a0, a2 (rows 8..15 are zero)
     __shared__ __align__(16) float merge_acc[WARPS][G][D];
     __shared__ float merge_ml[WARPS][G][2];
@@ -217,7 +352,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) attn_decode(DecodeAr
         // requested before Q is staged, the next step's is in flight while one is used
         const int stride = WARPS * PSTEP;
         int p = p0 + warp * PSTEP;
-        KvStep buf[2];
+        Step buf[2];
         if (!waited && p + PSTEP < len) {
             if (p < p1) load_kv_step(a, kvh, p, p1, buf[0]);
             step_inputs_ready();
@@ -226,20 +361,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) attn_decode(DecodeAr
             if (p < p1) load_kv_step(a, kvh, p, p1, buf[0]);
         }
         waited = true;
-        // warp w builds k steps 4w .. 4w + 3 of Q's fragments (scaled, bf16)
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int u = 2 * warp + i;
-            float4 x0 = make_float4(0.f, 0.f, 0.f, 0.f), x1 = x0;
-            if (g < group) {
-                const float4* src = reinterpret_cast<const float4*>(a.q + (size_t)(kvh * group + g) * D + 8 * (4 * u + q));
-                x0 = src[0];
-                x1 = src[1];
-            }
-            const float sc = a.scale;
-            qfrag[2 * u][lane] = make_uint2(pack_bf16(x0.x * sc, x0.y * sc), pack_bf16(x0.z * sc, x0.w * sc));
-            qfrag[2 * u + 1][lane] = make_uint2(pack_bf16(x1.x * sc, x1.y * sc), pack_bf16(x1.z * sc, x1.w * sc));
-        }
+        stage_q(a, kvh, buf, qfrag);
         __syncthreads();
         // head g's running maximum (lanes of one g agree) and this lane's share of its sum
         float m = -INFINITY, l = 0.f, acc[16][4];
@@ -269,11 +391,11 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) attn_decode(DecodeAr
             float M = -INFINITY;
             for (int w2 = 0; w2 < WARPS; ++w2) M = fmaxf(M, merge_ml[w2][h][0]);
             const float mine = merge_ml[warp][h][0];
-            sc[c] = mine == -INFINITY ? 0.f : __expf(mine - M);
+            sc[c] = mine == -INFINITY ? 0.f : __expf(mine - M) * acc_unscale(buf);
         }
 #pragma unroll
         for (int t = 0; t < 16; ++t) {
-            const int d = 8 * (8 * (t / 4) + g) + 2 * (t % 4);
+            const int d = acc_dim(buf, t, g);
             merge_acc[warp][2 * q][d] = acc[t][0] * sc[0];
             merge_acc[warp][2 * q + 1][d] = acc[t][1] * sc[1];
             merge_acc[warp][2 * q][d + 1] = acc[t][2] * sc[0];
@@ -300,6 +422,11 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) attn_decode(DecodeAr
         }
         __syncthreads();  // qfrag and merge_* are rewritten by the next item
     }
+}
+
+extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) attn_decode(DecodeArgs a) { attn_decode_items<KvStep>(a); }
+extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) attn_decode_int8(DecodeArgs a) {
+    attn_decode_items<KvStepInt8>(a);
 }
 
 struct CombineArgs {

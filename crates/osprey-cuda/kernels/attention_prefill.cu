@@ -1,6 +1,9 @@
 // Gated full attention, prefill of a chunk of T tokens at positions P..P+T-1 (model-spec §3.5):
 //   attn_prep_rows — per token and head: q/k RMSNorm, partial RoPE, q to bf16 [T, Hq, D]; K and V
-//                    appended to the bf16 cache. Grid (T, Hq + Hkv), D threads.
+//                    appended to the cache (bf16, or int8 rows with a scale each). Grid
+//                    (T, Hq + Hkv), D threads.
+//   kv_expand_int8 — with the int8 cache: its rows up to the chunk's end as bf16 in a scratch
+//                    buffer the attention then reads in place of the cache.
 //   attn_prefill   — causal flash attention on the tensor cores. A block owns 128 queries of one
 //                    query head (8 warps x 16 rows) and walks the keys 0..P+T-1 of its KV head
 //                    (GQA: Hq/Hkv query heads share a KV head, whose tiles then come from L2;
@@ -37,10 +40,12 @@ struct AttnPrepRowsArgs {
     const float* q_norm;      // [D]
     const float* k_norm;      // [D]
     __nv_bfloat16* q_out;     // [T, Hq, D]
-    __nv_bfloat16* k_cache;   // [max_pos, Hkv, D]
-    __nv_bfloat16* v_cache;
+    void* k_cache;            // [max_pos, Hkv, D]: bf16, or biased int8 codes when k_scale is set
+    void* v_cache;
+    float* k_scale;           // int8 cache: [Hkv, max_pos] row scales (store_int8_row); else null
+    float* v_scale;
     float eps, theta;
-    int start, hq, hkv, rotary;
+    int start, hq, hkv, rotary, max_pos;
 };
 
 extern "C" __global__ void __launch_bounds__(D) attn_prep_rows(AttnPrepRowsArgs a) {
@@ -61,13 +66,51 @@ extern "C" __global__ void __launch_bounds__(D) attn_prep_rows(AttnPrepRowsArgs 
         sincosf((float)pos * inv, &s, &c);
         val = d < half ? x[d] * c - x[d + half] * s : x[d] * c + x[d - half] * s;
     }
+    const float v_val = is_q ? 0.f : a.v[((size_t)t * a.hkv + head) * D + d];
     if (is_q) {
         a.q_out[((size_t)t * a.hq + head) * D + d] = __float2bfloat16(val);
+    } else if (a.k_scale) {
+        const size_t row = ((size_t)pos * a.hkv + head) * D;
+        const size_t at = (size_t)head * a.max_pos + pos;
+        store_int8_row(val, static_cast<uint8_t*>(a.k_cache) + row, a.k_scale + at, scratch);
+        store_int8_row(v_val, static_cast<uint8_t*>(a.v_cache) + row, a.v_scale + at, scratch);
     } else {
         const size_t at = ((size_t)pos * a.hkv + head) * D + d;
-        a.k_cache[at] = __float2bfloat16(val);
-        a.v_cache[at] = __float2bfloat16(a.v[((size_t)t * a.hkv + head) * D + d]);
+        static_cast<__nv_bfloat16*>(a.k_cache)[at] = __float2bfloat16(val);
+        static_cast<__nv_bfloat16*>(a.v_cache)[at] = __float2bfloat16(v_val);
     }
+}
+
+struct KvExpandArgs {
+    const uint8_t* k_cache;   // [max_pos, Hkv, D] biased int8 codes
+    const uint8_t* v_cache;
+    const float* k_scale;     // [Hkv, max_pos]
+    const float* v_scale;
+    __nv_bfloat16* k_out;     // [positions, Hkv, D]
+    __nv_bfloat16* v_out;
+    int positions, hkv, max_pos;
+};
+
+// The int8 cache's first `positions` rows as bf16 for the prefill attention (which reads bf16
+// tiles by TMA): code times its row's scale, rounded to bf16. Grid (ceil(positions·Hkv·D / 8 /
+// 256), 2: K, V), 256 threads, 8 codes a thread (one 8-byte load, one 16-byte store).
+extern "C" __global__ void __launch_bounds__(256) kv_expand_int8(KvExpandArgs a) {
+    const bool is_v = blockIdx.y == 1;
+    const size_t i = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * 8;
+    if (i >= (size_t)a.positions * a.hkv * D) return;
+    const size_t row = i / D;
+    const int pos = (int)(row / a.hkv), head = (int)(row % a.hkv);
+    const float s = (is_v ? a.v_scale : a.k_scale)[(size_t)head * a.max_pos + pos];
+    const uint2 codes = *reinterpret_cast<const uint2*>((is_v ? a.v_cache : a.k_cache) + i);
+    uint4 out;
+    uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const uint32_t w = j < 2 ? codes.x : codes.y, sh = 16 * (j % 2);
+        const float lo = (float)(int)((w >> sh) & 0xFFu) - 128.f, hi = (float)(int)((w >> (sh + 8)) & 0xFFu) - 128.f;
+        o[j] = pack_bf16(lo * s, hi * s);
+    }
+    *reinterpret_cast<uint4*>((is_v ? a.v_out : a.k_out) + i) = out;
 }
 
 struct AttnPrefillArgs {

@@ -1,7 +1,9 @@
 // Shared helpers for Osprey's CUDA kernels (sm_90a). Activations are f32; weights stay in the
-// MLX affine layout (packed u32 codes, bf16 scale and bias per group); KV cache is bf16.
+// MLX affine layout (packed u32 codes, bf16 scale and bias per group); KV cache is bf16, or int8
+// with a scale per row (store_int8_row).
 #pragma once
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <stdint.h>
 
 #define FULL_MASK 0xffffffffu
@@ -29,6 +31,39 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     __syncthreads();
     float t = lane < warps ? scratch[lane] : 0.f;
     return warp_sum(t);
+}
+
+// Maximum over the block; `scratch` holds 32 floats. All threads get the result.
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < warps ? scratch[lane] : -INFINITY;
+    return warp_max(t);
+}
+
+// ---- the int8 KV cache (--kv-cache int8) ----
+// A K or V row (one position, one KV head: the block's blockDim.x values, one a thread) scaled so
+// its largest magnitude is 127, rounded to nearest (ties to even: the CPU backend's
+// round_ties_even), stored biased by 128 (byte = q + 128, so that int8_pair_f16 turns it into f16
+// with one byte permute and one subtraction); the row's scale amax/127 goes to *scale. A zero row
+// stores 128s and scale 0. Every thread of the block calls it.
+__device__ __forceinline__ void store_int8_row(float x, uint8_t* row, float* scale, float* scratch) {
+    const float amax = block_max(fabsf(x), scratch);
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    row[threadIdx.x] = (uint8_t)(__float2int_rn(x * inv) + 128);
+    if (threadIdx.x == 0) *scale = amax / 127.f;
+}
+
+// Bytes `sel` (a __byte_perm selector of the form 0x4Y4X: bytes X and Y of w) of biased int8
+// codes as an exact f16 pair: 0x64 above a byte u is the f16 1024 + u, and 1024 + 128 off that
+// leaves q = u - 128.
+__device__ __forceinline__ uint32_t int8_pair_f16(uint32_t w, uint32_t sel) {
+    const uint32_t biased = __byte_perm(w, 0x64646464u, sel);
+    const __half2 v = __hsub2(*reinterpret_cast<const __half2*>(&biased), __half2half2(__ushort_as_half(0x6480)));
+    return *reinterpret_cast<const uint32_t*>(&v);
 }
 
 // An unsigned key that orders as the float does (larger float, larger key).
@@ -82,6 +117,14 @@ __device__ __forceinline__ void mma_bf16(float* d, uint32_t a0, uint32_t a1, uin
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// The same with f16 A and B (the int8 KV cache's scores: f16 holds its codes exactly).
+__device__ __forceinline__ void mma_f16(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 // D += A·B for one m16n8k32 tile of signed bytes, exact s32 accumulate.
 __device__ __forceinline__ void mma_s8(int* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
     asm volatile(
@@ -92,6 +135,10 @@ __device__ __forceinline__ void mma_s8(int* d, uint32_t a0, uint32_t a1, uint32_
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+__device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
 }
 

@@ -153,12 +153,16 @@ pub struct PrepArgs {
     pub q_out: u64,
     pub k_cache: u64,
     pub v_cache: u64,
+    /// int8 cache: the row scales `[Hkv, max_pos]`; 0 with the bf16 cache.
+    pub k_scale: u64,
+    pub v_scale: u64,
     pub pos: u64,
     pub eps: f32,
     pub theta: f32,
     pub hq: i32,
     pub hkv: i32,
     pub rotary: i32,
+    pub max_pos: i32,
 }
 
 #[repr(C)]
@@ -167,6 +171,8 @@ pub struct DecodeArgs {
     pub q: u64,
     pub k_cache: u64,
     pub v_cache: u64,
+    pub k_scale: u64,
+    pub v_scale: u64,
     pub part_acc: u64,
     pub part_ml: u64,
     pub pos: u64,
@@ -174,6 +180,7 @@ pub struct DecodeArgs {
     pub hq: i32,
     pub hkv: i32,
     pub splits: i32,
+    pub max_pos: i32,
 }
 
 #[repr(C)]
@@ -429,12 +436,31 @@ pub struct AttnPrepRowsArgs {
     pub q_out: u64,
     pub k_cache: u64,
     pub v_cache: u64,
+    /// int8 cache: the row scales `[Hkv, max_pos]`; 0 with the bf16 cache.
+    pub k_scale: u64,
+    pub v_scale: u64,
     pub eps: f32,
     pub theta: f32,
     pub start: i32,
     pub hq: i32,
     pub hkv: i32,
     pub rotary: i32,
+    pub max_pos: i32,
+}
+
+/// attention_prefill.cu `KvExpandArgs`: the int8 cache's first rows as bf16.
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct KvExpandArgs {
+    pub k_cache: u64,
+    pub v_cache: u64,
+    pub k_scale: u64,
+    pub v_scale: u64,
+    pub k_out: u64,
+    pub v_out: u64,
+    pub positions: i32,
+    pub hkv: i32,
+    pub max_pos: i32,
 }
 
 #[repr(C)]
@@ -487,6 +513,7 @@ unsafe impl DeviceRepr for GdnPrefillArgs {}
 unsafe impl DeviceRepr for AttnPrepRowsArgs {}
 unsafe impl DeviceRepr for GdnChunkArgs {}
 unsafe impl DeviceRepr for AttnPrefillArgs {}
+unsafe impl DeviceRepr for KvExpandArgs {}
 unsafe impl DeviceRepr for WgmmaAttnArgs {}
 
 #[cfg(test)]
@@ -512,7 +539,8 @@ mod tests {
             4 * 24 + 8 * 8 + 5 * 4 + 4
         );
         assert_eq!(std::mem::size_of::<GdnArgs>(), 11 * 8 + 3 * 4 + 4);
-        assert_eq!(std::mem::size_of::<PrepArgs>(), 9 * 8 + 20 + 4);
+        assert_eq!(std::mem::size_of::<PrepArgs>(), 11 * 8 + 24);
+        assert_eq!(std::mem::size_of::<DecodeArgs>(), 8 * 8 + 20 + 4);
         assert_eq!(std::mem::size_of::<SampleParams>(), 8 * 4 + 8);
         assert_eq!(std::mem::size_of::<SampleArgs>(), 8 * 8 + 8 + 2 * 8 + 2 * 4);
         assert_eq!(std::mem::size_of::<GemmArgs>(), 14 * 8 + 8 * 4);
@@ -524,7 +552,8 @@ mod tests {
         assert_eq!(std::mem::size_of::<EmbedRowsArgs>(), 5 * 8 + 3 * 4 + 4);
         assert_eq!(std::mem::size_of::<NormArgs>(), 4 * 8 + 4 * 4);
         assert_eq!(std::mem::size_of::<GdnPrefillArgs>(), 12 * 8 + 5 * 4 + 4);
-        assert_eq!(std::mem::size_of::<AttnPrepRowsArgs>(), 8 * 8 + 6 * 4);
+        assert_eq!(std::mem::size_of::<AttnPrepRowsArgs>(), 10 * 8 + 7 * 4 + 4);
+        assert_eq!(std::mem::size_of::<KvExpandArgs>(), 6 * 8 + 3 * 4 + 4);
         assert_eq!(std::mem::size_of::<GdnChunkArgs>(), 11 * 8 + 5 * 4 + 4);
         assert_eq!(std::mem::size_of::<AttnPrefillArgs>(), 5 * 8 + 5 * 4 + 4);
         assert_eq!(std::mem::size_of::<WgmmaAttnArgs>(), 64 + 2 * 128);

@@ -9,7 +9,7 @@ use std::sync::Mutex;
 
 use anyhow::{anyhow, bail, Result};
 use osprey_engine::sampler::Sampler;
-use osprey_engine::{Backend, LogitsFor, SessionState};
+use osprey_engine::{Backend, KvCache, LogitsFor, SessionState};
 use osprey_model::config::ModelConfig;
 use osprey_model::ModelWeights;
 
@@ -39,17 +39,18 @@ unsafe impl Send for Device {}
 
 impl CudaBackend {
     /// Uploads the weights and allocates state for `max_context` positions; prompts run in chunks
-    /// of `prefill_chunk` tokens.
+    /// of `prefill_chunk` tokens; the attention layers keep K/V as `kv` says.
     pub fn new(
         weights: &ModelWeights,
         max_context: usize,
         valid_vocab: usize,
         prefill_chunk: usize,
+        kv: KvCache,
     ) -> Result<Self> {
         if prefill_chunk == 0 {
             bail!("the prefill chunk must be at least 1 token");
         }
-        let decoder = CudaDecoder::new(weights, max_context, valid_vocab)?;
+        let decoder = CudaDecoder::new(weights, max_context, valid_vocab, kv)?;
         Ok(CudaBackend {
             prefill_chunk,
             device_name: decoder.device_name(),

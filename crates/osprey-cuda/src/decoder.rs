@@ -19,6 +19,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 use osprey_engine::sampler::{Sampler, SamplingParams};
+use osprey_engine::KvCache;
 use osprey_model::config::ModelConfig;
 use osprey_model::tensor::{FloatBuf, Linear, Matrix, MatrixData};
 use osprey_model::weights::{GdnProjections, Mixer, ModelWeights};
@@ -339,9 +340,44 @@ enum LayerDev {
         o: DevLinear,
         q_norm: CudaSlice<f32>,
         k_norm: CudaSlice<f32>,
-        k_cache: CudaSlice<u16>,
-        v_cache: CudaSlice<u16>,
+        kv: KvCacheDev,
     },
+}
+
+/// An attention layer's K/V cache `[max_context, Hkv, D]`: bf16, or int8 codes (biased by 128)
+/// with a scale per row.
+struct KvCacheDev {
+    k: CudaSlice<u8>,
+    v: CudaSlice<u8>,
+    /// int8: the row scales `[Hkv, max_context]` of K and V.
+    scales: Option<[CudaSlice<f32>; 2]>,
+}
+
+impl KvCacheDev {
+    fn new(stream: &Arc<CudaStream>, kv: KvCache, rows: usize, d: usize) -> Result<Self> {
+        let bytes = rows * d * kv_value_bytes(kv);
+        Ok(KvCacheDev {
+            k: stream.alloc_zeros(bytes)?,
+            v: stream.alloc_zeros(bytes)?,
+            scales: match kv {
+                KvCache::Bf16 => None,
+                KvCache::Int8 => Some([stream.alloc_zeros(rows)?, stream.alloc_zeros(rows)?]),
+            },
+        })
+    }
+
+    /// Bytes on the device.
+    fn bytes(&self) -> usize {
+        self.k.len() + self.v.len() + self.scales.as_ref().map_or(0, |s| 4 * (s[0].len() + s[1].len()))
+    }
+}
+
+/// Bytes of one cached value.
+fn kv_value_bytes(kv: KvCache) -> usize {
+    match kv {
+        KvCache::Bf16 => 2,
+        KvCache::Int8 => 1,
+    }
 }
 
 struct MoeDev {
@@ -447,6 +483,11 @@ pub struct CudaDecoder {
     /// choice of speed: prefill and set_position set it, steps advance it).
     host_pos: usize,
     pub max_context: usize,
+    /// How the attention layers keep K/V.
+    kv: KvCache,
+    /// int8 cache: the rows a prefill chunk attends to, expanded to bf16 `[max_context, Hkv, D]`
+    /// (K, V) for the prefill attention, which reads bf16 tiles.
+    kv_expanded: Option<[CudaSlice<u8>; 2]>,
     /// Vocabulary ids the argmax may choose (tokenizer size; higher rows are padding).
     valid_vocab: usize,
     memory: Vec<(&'static str, usize)>,
@@ -561,7 +602,7 @@ fn launch_cfg(grid: (u32, u32), block: u32) -> LaunchConfig {
 
 impl CudaDecoder {
     /// Uploads `w` to GPU 0 and allocates the state for `max_context` positions.
-    pub fn new(w: &ModelWeights, max_context: usize, valid_vocab: usize) -> Result<Self> {
+    pub fn new(w: &ModelWeights, max_context: usize, valid_vocab: usize, kv: KvCache) -> Result<Self> {
         if !crate::kernels_built() {
             bail!("this build carries no CUDA kernels (nvcc was not found when it was built; set NVCC or CUDA_HOME and rebuild)");
         }
@@ -613,7 +654,13 @@ impl CudaDecoder {
             down: func("moe", "moe_down")?,
             gdn: func("gdn", "gdn_step")?,
             prep: func("attention", "attn_prep")?,
-            attn: func("attention", "attn_decode")?,
+            attn: func(
+                "attention",
+                match kv {
+                    KvCache::Bf16 => "attn_decode",
+                    KvCache::Int8 => "attn_decode_int8",
+                },
+            )?,
             combine: func("attention", "attn_combine")?,
             embed: func("sample", "embed")?,
             sample: func("sample", "sample_token")?,
@@ -656,8 +703,9 @@ impl CudaDecoder {
                     }
                 }
                 Mixer::Attention(a) => {
-                    let cache = max_context * c.num_key_value_heads * c.head_dim;
-                    kv_bytes += 2 * 2 * cache;
+                    let cache =
+                        KvCacheDev::new(&stream, kv, max_context * c.num_key_value_heads, c.head_dim)?;
+                    kv_bytes += cache.bytes();
                     LayerDev::Attention {
                         q: up.linear(&a.q_proj, "q_proj")?,
                         k: up.linear(&a.k_proj, "k_proj")?,
@@ -665,8 +713,7 @@ impl CudaDecoder {
                         o: up.linear(&a.o_proj, "o_proj")?,
                         q_norm: upload_f32(&stream, &a.q_norm)?,
                         k_norm: upload_f32(&stream, &a.k_norm)?,
-                        k_cache: stream.alloc_zeros(cache)?,
-                        v_cache: stream.alloc_zeros(cache)?,
+                        kv: cache,
                     }
                 }
             };
@@ -821,12 +868,28 @@ impl CudaDecoder {
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
             100,
         )?;
-        let memory = vec![
+        let kv_expanded = match kv {
+            KvCache::Bf16 => None,
+            KvCache::Int8 => {
+                let bytes = 2 * max_context * c.num_key_value_heads * c.head_dim;
+                Some([stream.alloc_zeros(bytes)?, stream.alloc_zeros(bytes)?])
+            }
+        };
+        let mut memory = vec![
             ("weights", weight_bytes),
-            ("kv cache (bf16)", kv_bytes),
+            (
+                match kv {
+                    KvCache::Bf16 => "kv cache (bf16)",
+                    KvCache::Int8 => "kv cache (int8)",
+                },
+                kv_bytes,
+            ),
             ("recurrent + conv state", state_bytes),
             ("scratch", scratch_bytes),
         ];
+        if let Some(e) = &kv_expanded {
+            memory.push(("int8 kv cache expanded for prefill", e[0].len() + e[1].len()));
+        }
         // a routed slot's blocks wait for each other, so all of them must be resident at once
         let resident_experts = f.experts.occupancy_max_active_blocks_per_multiprocessor(
             256,
@@ -850,6 +913,8 @@ impl CudaDecoder {
             graphs: [None, None],
             host_pos: 0,
             max_context,
+            kv,
+            kv_expanded,
             valid_vocab,
             memory,
             sms,
@@ -877,6 +942,16 @@ impl CudaDecoder {
 
     fn p<T>(&self, s: &CudaSlice<T>) -> u64 {
         ptr(s, &self.stream)
+    }
+
+    /// How the attention layers keep K/V.
+    pub fn kv_cache(&self) -> KvCache {
+        self.kv
+    }
+
+    /// The device address of an int8 cache's K (0) or V (1) row scales; 0 for a bf16 cache.
+    fn kv_scale(&self, kv: &KvCacheDev, which: usize) -> u64 {
+        kv.scales.as_ref().map_or(0, |s| self.p(&s[which]))
     }
 
     /// The token choice's parameters: the step's logits, slots and sampling state.
@@ -1274,8 +1349,7 @@ impl CudaDecoder {
                     o,
                     q_norm,
                     k_norm,
-                    k_cache,
-                    v_cache,
+                    kv,
                 } => {
                     let segs = [
                         q.segment(self.p(&s.qg), false, st),
@@ -1299,14 +1373,17 @@ impl CudaDecoder {
                         q_norm: self.p(q_norm),
                         k_norm: self.p(k_norm),
                         q_out: self.p(&s.q),
-                        k_cache: self.p(k_cache),
-                        v_cache: self.p(v_cache),
+                        k_cache: self.p(&kv.k),
+                        v_cache: self.p(&kv.v),
+                        k_scale: self.kv_scale(kv, 0),
+                        v_scale: self.kv_scale(kv, 1),
                         pos: self.p(&s.pos),
                         eps,
                         theta: c.rope_theta as f32,
                         hq: c.num_attention_heads as i32,
                         hkv: c.num_key_value_heads as i32,
                         rotary: c.rotary_dim as i32,
+                        max_pos: self.max_context as i32,
                     };
                     let blocks = (c.num_attention_heads + c.num_key_value_heads) as u32;
                     timed!(
@@ -1321,8 +1398,10 @@ impl CudaDecoder {
                     );
                     let da = DecodeArgs {
                         q: self.p(&s.q),
-                        k_cache: self.p(k_cache),
-                        v_cache: self.p(v_cache),
+                        k_cache: self.p(&kv.k),
+                        v_cache: self.p(&kv.v),
+                        k_scale: self.kv_scale(kv, 0),
+                        v_scale: self.kv_scale(kv, 1),
                         part_acc: self.p(&s.part_acc),
                         part_ml: self.p(&s.part_ml),
                         pos: self.p(&s.pos),
@@ -1330,6 +1409,7 @@ impl CudaDecoder {
                         hq: c.num_attention_heads as i32,
                         hkv: c.num_key_value_heads as i32,
                         splits: SPLITS as i32,
+                        max_pos: self.max_context as i32,
                     };
                     timed!(
                         "attn decode (split-KV)",

@@ -5,6 +5,7 @@
 pub mod cpu;
 pub mod fidelity;
 pub mod generate;
+pub mod kv_cache;
 pub mod sampler;
 pub mod session;
 
@@ -17,6 +18,7 @@ use osprey_model::ModelWeights;
 
 use cpu::forward::CpuModel;
 pub use cpu::forward::{GdnForm, LogitsFor};
+pub use kv_cache::KvCache;
 pub use session::{Session, SessionState};
 
 /// Runs the model over tokens, extending a session's state.
@@ -106,6 +108,12 @@ impl CpuBackend {
     /// Forces one form of the gated delta rule (tests compare the two).
     pub fn with_gdn_form(mut self, form: GdnForm) -> Self {
         self.gdn_form = form;
+        self
+    }
+    /// Keeps the attention layers' K/V as `kv` would (int8: each row rounded as the GPU's int8
+    /// cache stores it; the CPU still holds f32).
+    pub fn with_kv_cache(mut self, kv: KvCache) -> Self {
+        self.model.kv_cache = kv;
         self
     }
     pub fn weights(&self) -> &ModelWeights {

@@ -13,7 +13,7 @@
 
 use std::path::PathBuf;
 
-use osprey_engine::{Backend, CpuBackend, Engine, GdnForm, LogitsFor, SessionState};
+use osprey_engine::{Backend, CpuBackend, Engine, GdnForm, KvCache, LogitsFor, SessionState};
 use osprey_model::ModelWeights;
 use safetensors::SafeTensors;
 
@@ -211,6 +211,25 @@ fn snapshot_restore_branches_reproducibly() {
     assert_eq!(s.position(), 30);
     let b = e.decode(&mut s, tokens[30]).unwrap();
     assert_eq!(a, b);
+}
+
+#[test]
+fn int8_kv_cache_stays_close_to_the_f32_cache() {
+    let tokens = Reference::load().tokens();
+    let exact = backend(GdnForm::Auto);
+    let int8 = backend(GdnForm::Auto).with_kv_cache(KvCache::Int8);
+    let mut se = SessionState::new(exact.config());
+    let mut si = SessionState::new(int8.config());
+    let le = exact.forward(&mut se, &[], &tokens, LogitsFor::All).unwrap();
+    let li = int8.forward(&mut si, &[], &tokens, LogitsFor::All).unwrap();
+    let vocab = exact.config().vocab_size;
+    let (err, spread) = (rms(&le, &li), rms(&le, &vec![0.0; le.len()]));
+    let agree = argmax_agreement(&le, &li, vocab);
+    eprintln!("int8 kv: logits rms error {err} of {spread}, top-1 agreement {agree}");
+    // the rounding is real (the logits move) but small: a value is at most amax/254 off
+    assert!(err > 0.0, "the int8 cache changed nothing");
+    assert!(err < 0.003 * spread, "int8 kv: rms error {err} of {spread}");
+    assert!(agree >= 0.98, "int8 kv: top-1 agreement {agree}");
 }
 
 #[test]

@@ -129,6 +129,7 @@ pub(super) struct PrefillKernels {
     gdn_chunk_state: CudaFunction,
     gdn_chunk_out: CudaFunction,
     attn_prep_rows: CudaFunction,
+    kv_expand_int8: CudaFunction,
     attn_prefill: CudaFunction,
     attn_prefill_wgmma: CudaFunction,
 }
@@ -178,6 +179,7 @@ impl PrefillKernels {
             gdn_chunk_state,
             gdn_chunk_out,
             attn_prep_rows: func("attention_prefill", "attn_prep_rows")?,
+            kv_expand_int8: func("attention_prefill", "kv_expand_int8")?,
             attn_prefill,
             attn_prefill_wgmma,
         })
@@ -890,8 +892,7 @@ impl CudaDecoder {
                     o,
                     q_norm,
                     k_norm,
-                    k_cache,
-                    v_cache,
+                    kv,
                 } => {
                     timed(self, events, "gemm attn q|k|v", |dd| {
                         dd.gemm(&[q], act, t, EPI_STORE, dd.p(&s.proj), 2 * hq * d, None)?;
@@ -905,14 +906,17 @@ impl CudaDecoder {
                         q_norm: self.p(q_norm),
                         k_norm: self.p(k_norm),
                         q_out: self.p(&s.q_bf16),
-                        k_cache: self.p(k_cache),
-                        v_cache: self.p(v_cache),
+                        k_cache: self.p(&kv.k),
+                        v_cache: self.p(&kv.v),
+                        k_scale: self.kv_scale(kv, 0),
+                        v_scale: self.kv_scale(kv, 1),
                         eps: c.rms_norm_eps,
                         theta: c.rope_theta as f32,
                         start: start as i32,
                         hq: hq as i32,
                         hkv: hkv as i32,
                         rotary: c.rotary_dim as i32,
+                        max_pos: self.max_context as i32,
                     };
                     timed(self, events, "attn q/k norm + rope + kv append", |dd| {
                         dd.launch(
@@ -922,10 +926,35 @@ impl CudaDecoder {
                         )?;
                         Ok(())
                     })?;
+                    // the attention reads bf16: an int8 cache's rows up to the chunk's end are
+                    // expanded first
+                    let (k_cache, v_cache) = match &self.kv_expanded {
+                        None => (self.p(&kv.k), self.p(&kv.v)),
+                        Some([k_out, v_out]) => {
+                            let ea = KvExpandArgs {
+                                k_cache: self.p(&kv.k),
+                                v_cache: self.p(&kv.v),
+                                k_scale: self.kv_scale(kv, 0),
+                                v_scale: self.kv_scale(kv, 1),
+                                k_out: self.p(k_out),
+                                v_out: self.p(v_out),
+                                positions: (start + t) as i32,
+                                hkv: hkv as i32,
+                                max_pos: self.max_context as i32,
+                            };
+                            // 8 codes a thread, 256 threads a block; K and V
+                            let blocks = ((start + t) * hkv * d).div_ceil(8 * 256) as u32;
+                            timed(self, events, "attn int8 kv -> bf16", |dd| {
+                                dd.launch(&dd.pk.kv_expand_int8, launch_cfg((blocks, 2), 256), &ea)?;
+                                Ok(())
+                            })?;
+                            (self.p(k_out), self.p(v_out))
+                        }
+                    };
                     let fa = AttnPrefillArgs {
                         q: self.p(&s.q_bf16),
-                        k_cache: self.p(k_cache),
-                        v_cache: self.p(v_cache),
+                        k_cache,
+                        v_cache,
                         qg: self.p(&s.proj),
                         out: self.p(&s.mixed),
                         scale_log2: std::f32::consts::LOG2_E / (d as f32).sqrt(),

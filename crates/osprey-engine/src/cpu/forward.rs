@@ -14,6 +14,7 @@ use rayon::prelude::*;
 use super::gdn::{self, HeadInputs};
 use super::linear::{dot, matmul, row};
 use super::ops::{l2_normalize, rms_norm, rms_normed, sigmoid, silu, softmax, softplus, Rope};
+use crate::kv_cache::{round_through_int8, KvCache};
 use crate::session::{LayerCache, SessionState};
 
 /// Which form of the gated delta rule a multi-token call uses.
@@ -39,6 +40,8 @@ pub struct CpuModel {
     /// Round activations to bf16 after every matrix product, norm and residual add, as a bf16
     /// engine would; used to measure how much bf16 arithmetic moves a model's outputs.
     pub bf16_activations: bool,
+    /// How the attention layers keep K/V (int8: rows rounded through the int8 format).
+    pub kv_cache: KvCache,
 }
 
 impl CpuModel {
@@ -49,6 +52,7 @@ impl CpuModel {
             weights,
             rope,
             bf16_activations: false,
+            kv_cache: KvCache::Bf16,
         }
     }
 
@@ -283,7 +287,7 @@ impl CpuModel {
         let (hq, hkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let qg = self.mm(&a.q_proj, u, t);
         let mut k = self.mm(&a.k_proj, u, t);
-        let v = self.mm(&a.v_proj, u, t);
+        let mut v = self.mm(&a.v_proj, u, t);
 
         let mut q = vec![0.0f32; t * hq * d];
         let mut gate = vec![0.0f32; t * hq * d];
@@ -302,6 +306,10 @@ impl CpuModel {
                 rms_norm(kh, &a.k_norm, c.rms_norm_eps);
                 self.rope.apply(kh, past + tt);
             }
+        }
+        if self.kv_cache == KvCache::Int8 {
+            k.chunks_mut(d).for_each(round_through_int8);
+            v.chunks_mut(d).for_each(round_through_int8);
         }
         k_cache.extend_from_slice(&k);
         v_cache.extend_from_slice(&v);
