@@ -11,8 +11,8 @@ use rand_chacha::ChaCha8Rng;
 use serde_json::json;
 use tracing::info;
 
-use crate::commands::{load_engine, sampling_params};
 use crate::commands::GpuModel;
+use crate::commands::{load_engine, sampling_params};
 use crate::{ModelArgs, SamplingArgs};
 use osprey_engine::sampler::{argmax, Sampler, SamplingParams};
 use osprey_prompt::PromptFormat;
@@ -196,15 +196,13 @@ pub fn run(kind: BenchKind) -> Result<()> {
                 out.as_deref(),
                 timeline,
             ),
-            BenchKind::Prefill { .. } => {
-                cuda_prefill(
+            BenchKind::Prefill { .. } => cuda_prefill(
                 &gpu_model,
                 model.prefill_chunk,
                 &lengths,
                 rounds,
                 out.as_deref(),
-            )
-            }
+            ),
         };
     }
     let (engine, dir) = load_engine(model)?;
@@ -331,7 +329,9 @@ fn cuda_decode(
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (m.dir, m.kv, contexts, steps, rounds, sampling, out, timeline);
+        let _ = (
+            m.dir, m.kv, contexts, steps, rounds, sampling, out, timeline,
+        );
         bail!("this build has no CUDA backend (rebuild with --features cuda)")
     }
 }

@@ -368,7 +368,12 @@ impl KvCacheDev {
 
     /// Bytes on the device.
     fn bytes(&self) -> usize {
-        self.k.len() + self.v.len() + self.scales.as_ref().map_or(0, |s| 4 * (s[0].len() + s[1].len()))
+        self.k.len()
+            + self.v.len()
+            + self
+                .scales
+                .as_ref()
+                .map_or(0, |s| 4 * (s[0].len() + s[1].len()))
     }
 }
 
@@ -602,7 +607,12 @@ fn launch_cfg(grid: (u32, u32), block: u32) -> LaunchConfig {
 
 impl CudaDecoder {
     /// Uploads `w` to GPU 0 and allocates the state for `max_context` positions.
-    pub fn new(w: &ModelWeights, max_context: usize, valid_vocab: usize, kv: KvCache) -> Result<Self> {
+    pub fn new(
+        w: &ModelWeights,
+        max_context: usize,
+        valid_vocab: usize,
+        kv: KvCache,
+    ) -> Result<Self> {
         if !crate::kernels_built() {
             bail!("this build carries no CUDA kernels (nvcc was not found when it was built; set NVCC or CUDA_HOME and rebuild)");
         }
@@ -703,8 +713,12 @@ impl CudaDecoder {
                     }
                 }
                 Mixer::Attention(a) => {
-                    let cache =
-                        KvCacheDev::new(&stream, kv, max_context * c.num_key_value_heads, c.head_dim)?;
+                    let cache = KvCacheDev::new(
+                        &stream,
+                        kv,
+                        max_context * c.num_key_value_heads,
+                        c.head_dim,
+                    )?;
                     kv_bytes += cache.bytes();
                     LayerDev::Attention {
                         q: up.linear(&a.q_proj, "q_proj")?,
@@ -888,7 +902,10 @@ impl CudaDecoder {
             ("scratch", scratch_bytes),
         ];
         if let Some(e) = &kv_expanded {
-            memory.push(("int8 kv cache expanded for prefill", e[0].len() + e[1].len()));
+            memory.push((
+                "int8 kv cache expanded for prefill",
+                e[0].len() + e[1].len(),
+            ));
         }
         // a routed slot's blocks wait for each other, so all of them must be resident at once
         let resident_experts = f.experts.occupancy_max_active_blocks_per_multiprocessor(
@@ -1942,12 +1959,15 @@ impl CudaDecoder {
                     state,
                     ..
                 } => lin(qkv) + lin(z) + lin(b) + lin(a) + lin(out) + 2 * 4 * state.len(),
-                LayerDev::Attention { q, k, v, o, .. } => {
+                LayerDev::Attention { q, k, v, o, kv, .. } => {
+                    // K and V rows (and an int8 cache's row scales)
+                    let per_row = c.head_dim * kv_value_bytes(self.kv)
+                        + if kv.scales.is_some() { 4 } else { 0 };
                     lin(q)
                         + lin(k)
                         + lin(v)
                         + lin(o)
-                        + context * 2 * 2 * c.num_key_value_heads * c.head_dim
+                        + context * 2 * c.num_key_value_heads * per_row
                 }
             };
             let m = &l.moe;

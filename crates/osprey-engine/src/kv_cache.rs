@@ -21,7 +21,9 @@ impl FromStr for KvCache {
         match s {
             "bf16" => Ok(KvCache::Bf16),
             "int8" => Ok(KvCache::Int8),
-            other => Err(format!("unknown KV cache format {other:?}: expected bf16 or int8")),
+            other => Err(format!(
+                "unknown KV cache format {other:?}: expected bf16 or int8"
+            )),
         }
     }
 }
@@ -40,7 +42,10 @@ impl fmt::Display for KvCache {
 pub fn quantize_int8_row(row: &[f32]) -> (Vec<i8>, f32) {
     let amax = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
-    let codes = row.iter().map(|v| (v * inv).round_ties_even() as i8).collect();
+    let codes = row
+        .iter()
+        .map(|v| (v * inv).round_ties_even() as i8)
+        .collect();
     (codes, amax / 127.0)
 }
 
@@ -58,7 +63,9 @@ mod tests {
 
     #[test]
     fn a_row_comes_back_within_half_a_step() {
-        let row: Vec<f32> = (0..256).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013).collect();
+        let row: Vec<f32> = (0..256)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013)
+            .collect();
         let amax = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         let (codes, scale) = quantize_int8_row(&row);
         assert_eq!(scale, amax / 127.0);

@@ -220,7 +220,9 @@ fn int8_kv_cache_stays_close_to_the_f32_cache() {
     let int8 = backend(GdnForm::Auto).with_kv_cache(KvCache::Int8);
     let mut se = SessionState::new(exact.config());
     let mut si = SessionState::new(int8.config());
-    let le = exact.forward(&mut se, &[], &tokens, LogitsFor::All).unwrap();
+    let le = exact
+        .forward(&mut se, &[], &tokens, LogitsFor::All)
+        .unwrap();
     let li = int8.forward(&mut si, &[], &tokens, LogitsFor::All).unwrap();
     let vocab = exact.config().vocab_size;
     let (err, spread) = (rms(&le, &li), rms(&le, &vec![0.0; le.len()]));

@@ -945,7 +945,11 @@ impl CudaDecoder {
                             // 8 codes a thread, 256 threads a block; K and V
                             let blocks = ((start + t) * hkv * d).div_ceil(8 * 256) as u32;
                             timed(self, events, "attn int8 kv -> bf16", |dd| {
-                                dd.launch(&dd.pk.kv_expand_int8, launch_cfg((blocks, 2), 256), &ea)?;
+                                dd.launch(
+                                    &dd.pk.kv_expand_int8,
+                                    launch_cfg((blocks, 2), 256),
+                                    &ea,
+                                )?;
                                 Ok(())
                             })?;
                             (self.p(k_out), self.p(v_out))
