@@ -148,7 +148,6 @@ __device__ __forceinline__ uint32_t word_of(const uint4& u, int w) { return w ==
 // V row 128.
 struct KvStep {
     uint4 k[8], v[8];
-    static constexpr int DEPTH = 2;  // steps a warp has requested while it uses one, plus that one
 };
 // int8 cache (half the bytes, same pattern):
 //   k[u]: 16-byte piece 4u + q of the K row of position p + g (dims 64u + 16q .. +15), u < 4;
@@ -157,9 +156,6 @@ struct KvStep {
 struct KvStepInt8 {
     uint4 k[4], v[4];
     float ks[2], vs[2];
-    // a step is half the bytes of a bf16 one: two in flight while one is used keep as many bytes
-    // in flight per warp
-    static constexpr int DEPTH = 3;
 };
 
 __device__ __forceinline__ void load_kv_step(const DecodeArgs& a, int kvh, int p, int p1, KvStep& b) {
@@ -355,9 +351,8 @@ __device__ __forceinline__ void attn_decode_items(const DecodeArgs& a) {
         // warp w takes steps of PSTEP positions, WARPS·PSTEP apart; its first step's K/V is
         // requested before Q is staged, the next step's is in flight while one is used
         const int stride = WARPS * PSTEP;
-        constexpr int depth = Step::DEPTH;
         int p = p0 + warp * PSTEP;
-        Step buf[depth];
+        Step buf[2];
         if (!waited && p + PSTEP < len) {
             if (p < p1) load_kv_step(a, kvh, p, p1, buf[0]);
             step_inputs_ready();
@@ -366,25 +361,19 @@ __device__ __forceinline__ void attn_decode_items(const DecodeArgs& a) {
             if (p < p1) load_kv_step(a, kvh, p, p1, buf[0]);
         }
         waited = true;
-#pragma unroll
-        for (int i = 1; i + 1 < depth; ++i)
-            if (p + i * stride < p1) load_kv_step(a, kvh, p + i * stride, p1, buf[i]);
         stage_q(a, kvh, buf, qfrag);
         __syncthreads();
         // head g's running maximum (lanes of one g agree) and this lane's share of its sum
         float m = -INFINITY, l = 0.f, acc[16][4];
 #pragma unroll
         for (int t = 0; t < 16; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
-        // `depth` steps per turn so that the buffers take turns without a register copy: step i
-        // is used while steps i + 1 .. i + depth - 1 are in flight
-        for (; p < p1; p += depth * stride) {
-#pragma unroll
-            for (int i = 0; i < depth; ++i) {
-                const int pi = p + i * stride, ahead = pi + (depth - 1) * stride;
-                if (pi >= p1) break;
-                if (ahead < p1) load_kv_step(a, kvh, ahead, p1, buf[(i + depth - 1) % depth]);
-                attend_step(qfrag, buf[i], pi, p1, m, l, acc);
-            }
+        // two steps per turn so that the buffers swap roles without a register copy
+        for (; p < p1; p += 2 * stride) {
+            if (p + stride < p1) load_kv_step(a, kvh, p + stride, p1, buf[1]);
+            attend_step(qfrag, buf[0], p, p1, m, l, acc);
+            if (p + stride >= p1) break;
+            if (p + 2 * stride < p1) load_kv_step(a, kvh, p + 2 * stride, p1, buf[0]);
+            attend_step(qfrag, buf[1], p + stride, p1, m, l, acc);
         }
         // merge the warps: common maximum per head, each warp's share scaled to it, summed in a
         // fixed order through shared memory
