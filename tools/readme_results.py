@@ -76,20 +76,27 @@ def decode():
     sampled_path = os.path.join(RESULTS, "cuda-decode-sampling-full.json")
     sampled = load("cuda-decode-sampling-full.json") if os.path.exists(sampled_path) else None
     by_len = {r["tokens"]: r["tokens_per_s"] for r in sampled["results"]} if sampled else {}
+    int8 = load("cuda-decode-int8kv-full.json")
+    int8_by_len = {r["tokens"]: r for r in int8["results"]}
     if sampled:
         sp = sampled["sampling"]
-        rows = [f"| context | decode tok/s, greedy | sampled (T {sp['temperature']:g}, top-k {sp['top_k']}, top-p {sp['top_p']:.2f}) "
-                "| bytes per step | achieved read rate, greedy (of ~3.7 TB/s) |", "|---|---|---|---|---|"]
+        head = (f"| context | decode tok/s, greedy | sampled (T {sp['temperature']:g}, top-k {sp['top_k']}, top-p {sp['top_p']:.2f}) "
+                "| greedy, `--kv-cache int8` | bytes per step, bf16 / int8 cache | achieved read rate, greedy (of ~3.7 TB/s) |")
+        rows = [head, "|---|---|---|---|---|---|"]
     else:
-        rows = ["| context | decode tok/s | bytes per step | achieved read rate (of ~3.7 TB/s) |", "|---|---|---|---|"]
+        rows = ["| context | decode tok/s | greedy, `--kv-cache int8` | bytes per step, bf16 / int8 cache | achieved read rate (of ~3.7 TB/s) |",
+                "|---|---|---|---|---|"]
     for r in d["results"]:
         s_cell = f" {by_len[r['tokens']]:.1f} |" if r["tokens"] in by_len else (" — |" if sampled else "")
-        rows.append(f"| {r['tokens']:,} | {r['tokens_per_s']:.1f} |{s_cell} {r['bytes_per_step'] / 1e9:.2f} GB | "
+        i8 = int8_by_len.get(r["tokens"])
+        i8_cell = f" {i8['tokens_per_s']:.1f} |" if i8 else " — |"
+        i8_bytes = f" / {i8['bytes_per_step'] / 1e9:.2f}" if i8 else ""
+        rows.append(f"| {r['tokens']:,} | {r['tokens_per_s']:.1f} |{s_cell}{i8_cell} {r['bytes_per_step'] / 1e9:.2f}{i8_bytes} GB | "
                     f"{r['achieved_bytes_per_s'] / 1e12:.2f} TB/s ({100 * r['fraction_of_read_ceiling']:.0f}%) |")
     text = "\n".join(rows) + source(d, "cuda-decode-full.json")
     if sampled:
         text += "<br>" + source(sampled, "cuda-decode-sampling-full.json").strip()
-    return text
+    return text + "<br>" + source(int8, "cuda-decode-int8kv-full.json").strip()
 
 
 def decode_profile():
@@ -170,11 +177,13 @@ def checks():
         ("GPU sampling: total variation vs the host distribution", lambda d: f"{d['gpu_sampling']['total_variation']:.3f}", f"{tiny['gpu_sampling']['limit_total_variation']}"),
         ("passed", lambda d: "yes" if d["pass"] else "NO", ""),
     ]
-    rows = ["| check | tiny | full width, 4 layers | limit |", "|---|---|---|---|"]
-    rows += [f"| {name} | {f(tiny)} | {f(full4)} | {lim} |" for name, f, lim in items]
+    int8 = load("cuda-check-fullwidth-4l-int8kv.json")
+    rows = ["| check | tiny | full width, 4 layers | full width, 4 layers, `--kv-cache int8` | limit |", "|---|---|---|---|---|"]
+    rows += [f"| {name} | {f(tiny)} | {f(full4)} | {f(int8)} | {lim} |" for name, f, lim in items]
+    int8_source = "<br>" + source(int8, "cuda-check-fullwidth-4l-int8kv.json").strip()
     if tiny.get("commit") == full4.get("commit"):
-        return "\n".join(rows) + source(tiny, "cuda-check-*.json")
-    return "\n".join(rows) + source(tiny, "cuda-check-tiny.json") + "<br>" + source(full4, "cuda-check-fullwidth-4l.json").strip()
+        return "\n".join(rows) + source(tiny, "cuda-check-tiny.json, cuda-check-fullwidth-4l.json") + int8_source
+    return "\n".join(rows) + source(tiny, "cuda-check-tiny.json") + "<br>" + source(full4, "cuda-check-fullwidth-4l.json").strip() + int8_source
 
 
 def compare():

@@ -96,6 +96,21 @@ fn synth_inspect_generate_score() {
         "9",
     ];
     assert_eq!(ok(&args).0, ok(&args).0);
+    // the int8 KV cache (the CPU backend rounds K and V as the GPU stores them)
+    let (_, err) = ok(&[
+        "generate",
+        "--model",
+        ms,
+        "--prompt",
+        "Hi",
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0",
+        "--kv-cache",
+        "int8",
+    ]);
+    assert!(err.contains("decode: "), "{err}");
 
     let ids = tmp.path().join("ids.json");
     std::fs::write(&ids, "[1, 2, 3, 248045, 846]").unwrap();
@@ -240,6 +255,8 @@ fn bad_input_gives_clear_errors() {
     assert!(err.contains("top_p"), "{err}");
     let err = fails(&["generate", "--model", ms, "--backend", "tpu"]);
     assert!(err.contains("--backend tpu"), "{err}");
+    let err = fails(&["generate", "--model", ms, "--kv-cache", "fp8"]);
+    assert!(err.contains("fp8") && err.contains("int8"), "{err}");
     let err = fails(&["bench", "prefill", "--model", ms, "--prompt", "12x"]);
     assert!(err.contains("12x"), "{err}");
     // the timeline reads marks that only instrumented CUDA kernels record

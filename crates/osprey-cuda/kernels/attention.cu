@@ -1,6 +1,7 @@
 // Gated full attention, decode (model-spec §3.5):
 //   attn_prep    — q/k RMSNorm (zero-centred, already 1+w), partial RoPE on the first rotary dims,
-//                  K/V appended to the bf16 cache at the device-side position. Grid Hq + Hkv.
+//                  K/V appended to the cache at the device-side position: bf16, or int8 rows
+//                  with a scale each (--kv-cache int8, store_int8_row). Grid Hq + Hkv.
 //   attn_decode  — split-KV (flash-decoding); the splits in use follow the device-side position:
 //                  128 up to 128K positions, then one per 1024 (up to 512). The grid is the
 //                  resident blocks (2 per SM, fixed so the CUDA graph never changes), walking the
@@ -15,7 +16,7 @@
 //                  lanes over dims, 16 splits' loads in flight), applies the sigmoid output gate.
 //                  Grid (Hq, 4): a quarter of a head's dims per block.
 // Shapes: head_dim D = 256, Hq = 16, Hkv = 2 (up to 8 query heads per KV head).
-// Bytes: 2 KiB of K/V per position (bf16), e.g. 8 MB at 4K context, 268 MB at 128K.
+// Bytes: 2 KiB of K/V per position (bf16), e.g. 8 MB at 4K context, 268 MB at 128K; int8 half.
 // Measured (H200, full-size model, inside the decode graph): commit 1c5da43 (a warp per query
 // head, each K/V row read by 8 warps through L1; grid (Hkv, 512)): 22.1 us at 4K; warps over
 // positions on that grid (8 warps, 1 block per SM, so the 256 busy blocks ran in two waves
@@ -32,6 +33,11 @@
 // a step in the graph at 4K (commit 87ba61e, bench/results/cuda-decode-attn-combine.json).
 // attn_prep reads its norm weight and the position and computes the rotation before the wait,
 // and is launched early: the step at 4K 600.4 -> 609.0 tok/s (cuda-decode-early-loads-2.json).
+// attn_decode_int8 (the int8 cache: 1 KiB a position, 134 MB a layer at 128K, plus 1 MB of
+// scales): 41 us a layer at 128K in the graph (3.3 TB/s) against attn_decode's 65 (4.1 TB/s);
+// the step at 128K 451 -> 516 tok/s (commit 45c5c7f, cuda-decode-int8kv-full.json). Two steps
+// in flight a warp, L2 prefetches, 16 positions a step: no faster (the *-ablation.json files
+// named in README).
 #include "common.cuh"
 
 #define D 256
