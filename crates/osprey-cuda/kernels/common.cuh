@@ -22,27 +22,21 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// Sum over the block; `scratch` holds 32 floats. All threads get the result.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
+// A warp's and a block's reduction: `Reduce` folds a warp's values into one with a shuffle,
+// `identity` pads the warps a block does not have; `scratch` holds 32 floats. All threads get the
+// result.
+template <float (*Reduce)(float)>
+__device__ __forceinline__ float block_reduce(float v, float* scratch, float identity) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
-    v = warp_sum(v);
+    v = Reduce(v);
     __syncthreads();
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
-    float t = lane < warps ? scratch[lane] : 0.f;
-    return warp_sum(t);
+    float t = lane < warps ? scratch[lane] : identity;
+    return Reduce(t);
 }
-
-// Maximum over the block; `scratch` holds 32 floats. All threads get the result.
-__device__ __forceinline__ float block_max(float v, float* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    float t = lane < warps ? scratch[lane] : -INFINITY;
-    return warp_max(t);
-}
+__device__ __forceinline__ float block_sum(float v, float* scratch) { return block_reduce<warp_sum>(v, scratch, 0.f); }
+__device__ __forceinline__ float block_max(float v, float* scratch) { return block_reduce<warp_max>(v, scratch, -INFINITY); }
 
 // ---- the int8 KV cache (--kv-cache int8) ----
 // A K or V row (one position, one KV head: the block's blockDim.x values, one a thread) scaled so
