@@ -331,7 +331,7 @@ pub fn inspect(args: &ModelArgs, list_tensors: bool) -> Result<()> {
     println!("  {:<34} {}", "total weights", gib(total));
     let kv = w.config.kv_bytes_per_token();
     println!(
-        "per session: KV cache {} KiB/token (bf16 on GPU, f32 on CPU: twice that)",
+        "per session: KV cache {} KiB/token (bf16 on GPU, f32 on CPU: twice that; --kv-cache int8 on GPU: about half)",
         kv / 1024
     );
     let state = osprey_engine::SessionState::new(&w.config);
