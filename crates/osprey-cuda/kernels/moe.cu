@@ -307,6 +307,10 @@ struct ExpertsArgs {
 // h of one slot (I <= 512) in shared memory, padded, and as the tiles' two-byte form
 #define EXPERTS_MAX_I 512
 
+// Rounds of reading a slot's h before moe_experts gives up on its meeting (each is an L2 round
+// trip, at least ~0.5 us).
+#define MEET_ROUNDS_LIMIT (1u << 21)
+
 // A value of h and its launch's tag in one 64-bit word: single-copy atomic, so a reader that sees
 // the tag sees the value, and reading a slot's h is its meeting.
 __device__ __forceinline__ void store_tagged(unsigned long long* p, float v, unsigned tag) {
@@ -445,11 +449,15 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) 
             const int i = threadIdx.x + 256 * j;
             hv[j] = i < I ? load_tagged(hs + i) : (unsigned long long)tag << 32;
         }
-        for (;;) {
+        for (unsigned rounds = 0;; ++rounds) {
             bool all = true;
 #pragma unroll
             for (int j = 0; j < EXPERTS_MAX_I / 256; ++j) all &= (unsigned)(hv[j] >> 32) == tag;
             if (all) break;
+            // a slot whose blocks cannot all be resident (the host checks occupancy, but another
+            // client may hold SMs) would never meet: after ~1 s of L2 round trips the launch fails
+            // with an error the host reports, instead of hanging the GPU
+            if (rounds == MEET_ROUNDS_LIMIT) __trap();
 #pragma unroll
             for (int j = 0; j < EXPERTS_MAX_I / 256; ++j)
                 if ((unsigned)(hv[j] >> 32) != tag) hv[j] = load_tagged(hs + threadIdx.x + 256 * j);
