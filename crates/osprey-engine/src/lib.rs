@@ -9,7 +9,6 @@ pub mod kv_cache;
 pub mod sampler;
 pub mod session;
 
-use std::path::Path;
 use std::time::Instant;
 
 use anyhow::Result;
@@ -168,13 +167,6 @@ impl Timing {
 }
 
 impl Engine {
-    /// Loads a checkpoint directory onto the CPU backend.
-    pub fn load_cpu(dir: &Path) -> Result<Self> {
-        Ok(Engine::new(Box::new(CpuBackend::new(ModelWeights::load(
-            dir,
-        )?))))
-    }
-
     pub fn new(backend: Box<dyn Backend>) -> Self {
         Engine {
             backend,
