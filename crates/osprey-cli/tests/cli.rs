@@ -81,6 +81,9 @@ fn synth_inspect_generate_score() {
     let (b, _) = ok(&args);
     assert_eq!(a, b);
     assert!(err.contains("decode: ") && err.contains("tok/s"), "{err}");
+    // the int8 KV cache (the CPU backend rounds K and V as the GPU stores them)
+    let (_, err) = ok(&[&args[..], &["--kv-cache", "int8"]].concat());
+    assert!(err.contains("decode: "), "{err}");
     // sampled generation with a seed is reproducible too
     let args = [
         "generate",
@@ -96,21 +99,6 @@ fn synth_inspect_generate_score() {
         "9",
     ];
     assert_eq!(ok(&args).0, ok(&args).0);
-    // the int8 KV cache (the CPU backend rounds K and V as the GPU stores them)
-    let (_, err) = ok(&[
-        "generate",
-        "--model",
-        ms,
-        "--prompt",
-        "Hi",
-        "--max-tokens",
-        "8",
-        "--temperature",
-        "0",
-        "--kv-cache",
-        "int8",
-    ]);
-    assert!(err.contains("decode: "), "{err}");
 
     let ids = tmp.path().join("ids.json");
     std::fs::write(&ids, "[1, 2, 3, 248045, 846]").unwrap();
