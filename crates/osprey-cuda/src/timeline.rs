@@ -68,6 +68,13 @@ pub struct PhaseTime {
     pub last_us: f64,
 }
 
+/// Sorts `v` and returns its upper median (the middle element, or the upper of the two middle
+/// ones); None when empty. Every median of the timeline is this one.
+fn sort_for_median(v: &mut [f64]) -> Option<f64> {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v.get(v.len() / 2).copied()
+}
+
 /// A launch's phases, in mark order.
 pub fn phase_times(l: &Launch) -> Vec<PhaseTime> {
     let origin = l.release_ns.unwrap_or(l.first_start_ns) as f64;
@@ -76,19 +83,18 @@ pub fn phase_times(l: &Launch) -> Vec<PhaseTime> {
     marks.dedup();
     marks
         .into_iter()
-        .map(|mark| {
+        .filter_map(|mark| {
             let mut us: Vec<f64> = l
                 .phases
                 .iter()
                 .filter(|p| p.0 == mark)
                 .map(|p| (p.1 as f64 - origin) / 1e3)
                 .collect();
-            us.sort_by(|a, b| a.total_cmp(b));
-            PhaseTime {
+            Some(PhaseTime {
                 mark,
-                median_us: us[us.len() / 2],
-                last_us: us[us.len() - 1],
-            }
+                median_us: sort_for_median(&mut us)?,
+                last_us: *us.last()?,
+            })
         })
         .collect()
 }
@@ -205,17 +211,15 @@ pub fn family_phases(launches: &[Launch], names: &[&str]) -> Vec<FamilyPhase> {
             }
         }
     }
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(|a, b| a.total_cmp(b));
-        v[v.len() / 2]
-    };
     gathered
         .into_iter()
-        .map(|(kernel, mark, med, last)| FamilyPhase {
-            kernel,
-            mark,
-            median_block_us: median(med),
-            last_block_us: median(last),
+        .filter_map(|(kernel, mark, mut med, mut last)| {
+            Some(FamilyPhase {
+                kernel,
+                mark,
+                median_block_us: sort_for_median(&mut med)?,
+                last_block_us: sort_for_median(&mut last)?,
+            })
         })
         .collect()
 }
@@ -249,8 +253,7 @@ pub fn family_times(launches: &[Launch], names: &[&str]) -> Vec<FamilyTime> {
         prev_end = Some(end);
     }
     for (f, mut r) in out.iter_mut().zip(releases) {
-        r.sort_by(|a, b| a.total_cmp(b));
-        f.median_release_after_predecessor_us = r.get(r.len() / 2).copied();
+        f.median_release_after_predecessor_us = sort_for_median(&mut r);
     }
     out
 }
