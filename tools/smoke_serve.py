@@ -5,10 +5,14 @@ finish reason and decode speed of each. Exits non-zero on any failure.
 
     python3 tools/smoke_serve.py --osprey target/release/osprey --model /tmp/full --backend cuda
 
+With --out FILE it also writes what it printed as JSON (kind "serve", for bench/results).
+
 Needs: requests (no openai client on the GPU machine; CI runs the openai-client tests).
 """
 import argparse
+import datetime
 import json
+import os
 import subprocess
 import sys
 import time
@@ -22,7 +26,9 @@ def main():
     ap.add_argument("--model", required=True)
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--port", type=int, default=8011)
+    ap.add_argument("--out", help="write the results as JSON here")
     a = ap.parse_args()
+    results = []
     server = subprocess.Popen([a.osprey, "serve", "--model", a.model, "--backend", a.backend,
                                "--port", str(a.port), "--max-context", "8192"])
     base = f"http://127.0.0.1:{a.port}"
@@ -61,6 +67,9 @@ def main():
             n = usage.get("completion_tokens", 0)
             print(f"{name:>22}: HTTP {r.status_code}, finish {finish}, {n} tokens in {dt:.2f} s "
                   f"({n / dt:.0f} tok/s incl. prefill) {'ok' if ok else 'FAILED ' + r.text[:300]}")
+            results.append({"request": name, "body": {k: v for k, v in body.items() if k not in ("messages", "tools")},
+                            "status": r.status_code, "finish_reason": finish, "completion_tokens": n,
+                            "seconds": round(dt, 3), "tokens_per_s_incl_prefill": round(n / dt, 1), "ok": ok})
             failed |= not ok
         # streamed: the same greedy reply
         t0 = time.time()
@@ -70,14 +79,36 @@ def main():
         streamed = "".join((json.loads(c)["choices"][0]["delta"].get("content") or "") +
                            (json.loads(c)["choices"][0]["delta"].get("reasoning_content") or "")
                            for c in chunks[:-1] if json.loads(c)["choices"])
-        print(f"{'streamed greedy':>22}: {len(chunks)} events, last {chunks[-1]!r}, {len(streamed)} characters in {time.time() - t0:.2f} s")
+        dt = time.time() - t0
+        print(f"{'streamed greedy':>22}: {len(chunks)} events, last {chunks[-1]!r}, {len(streamed)} characters in {dt:.2f} s")
+        results.append({"request": "streamed greedy", "events": len(chunks), "last_event": chunks[-1],
+                        "characters": len(streamed), "seconds": round(dt, 3), "ok": chunks[-1] == "[DONE]"})
         failed |= chunks[-1] != "[DONE]"
         metrics = requests.get(base + "/metrics", timeout=5).text
-        print("\n".join(l for l in metrics.splitlines() if l.startswith("osprey_") and "bucket" not in l)[:1500])
+        lines = [l for l in metrics.splitlines() if l.startswith("osprey_") and "bucket" not in l]
+        print("\n".join(lines)[:1500])
+        if a.out:
+            write_json(a, results, lines, failed)
         sys.exit(1 if failed else 0)
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def write_json(a, results, metrics, failed):
+    try:
+        device = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                text=True, check=True).stdout.splitlines()[0].strip()
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        device = "unknown"
+    out = {"kind": "serve", "backend": a.backend, "device": device,
+           "commit": os.environ.get("OSPREY_COMMIT", "unknown"),
+           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+           "command": " ".join(["python3", "tools/smoke_serve.py"] + sys.argv[1:]),
+           "note": "wall clock of each HTTP request, including the prefill of its prompt",
+           "pass": not failed, "results": results, "metrics": metrics}
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":
