@@ -9,7 +9,8 @@
 //     cluster, one K half per block (bottom of the file).
 //   gemv_q_resident — launches of only 4-bit group-64 rows, K 2048 or 4096, whose share per block
 //     fits in shared memory (GDN in_proj, attention q|k|v): one block
-//     of 16 warps per SM, its whole run of 16-row tiles requested at once by bulk copies before
+//     of 16 warps per SM (8 behind an early moe_experts: decoder.rs RESIDENT_THREADS_AFTER_EARLY_EXPERTS),
+//     its whole run of 16-row tiles requested at once by bulk copies before
 //     griddepcontrol.wait, multiplied from shared memory (below).
 //   gemv_q_ring — launches of one 4-bit group-64 segment, K 2048 or 4096, too big for that (the
 //     lm_head): a block per SM streams its run of tiles through a ring of shared-memory stages

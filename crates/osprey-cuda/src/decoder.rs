@@ -49,6 +49,12 @@ fn x_bytes_smem(k: usize) -> usize {
 /// other tile of the block's run (measured at 4K: 627.0 -> 629.1 tok/s against 8 warps, three
 /// round sets on one H200 each, bench/results/cuda-decode-session14-ablations.json).
 const RESIDENT_THREADS: u32 = 512;
+/// gemv_q_resident's block in the graph that launches moe_experts early: 8 warps. Its launches
+/// (the next layer's input projections) are early too, but 512 threads x 94 registers fit on an SM only
+/// once both of its moe_experts blocks (256 x 95 each) have left, 256 threads once one has, so
+/// their tile copies go out sooner (4K 667.0 -> 673.5 tok/s; at 128K, moe_experts plain, 8 warps
+/// lose 0.4%: bench/results/cuda-decode-resident-threads-ablation.json).
+const RESIDENT_THREADS_AFTER_EARLY_EXPERTS: u32 = 256;
 /// Just over half of an H200 SM's 228 KB of shared memory (1 KB of each block's is reserved).
 const RESIDENT_MIN_SMEM: usize = 115 * 1024;
 /// gemv_q_resident (gemv.cu) for `tiles` 16-row tiles of `k` inputs (4-bit, group 64) on `sms`
@@ -1098,7 +1104,12 @@ impl CudaDecoder {
         let staged_ok = head_ok && a.normed == 0;
         if segs.iter().all(tileable) && staged_ok && choice == 0 {
             if let Some(launch) = resident_launch(tiles, k, self.sms, self.smem_optin) {
-                return self.launch_staged(&self.f.gemv_resident, a, launch, RESIDENT_THREADS);
+                let threads = if self.experts_early() {
+                    RESIDENT_THREADS_AFTER_EARLY_EXPERTS
+                } else {
+                    RESIDENT_THREADS
+                };
+                return self.launch_staged(&self.f.gemv_resident, a, launch, threads);
             }
         }
         if segs.len() == 1 && segs.iter().all(tileable) && staged_ok {
