@@ -361,7 +361,11 @@ struct KvCacheDev {
 
 impl KvCacheDev {
     fn new(stream: &Arc<CudaStream>, kv: KvCache, rows: usize, d: usize) -> Result<Self> {
-        let bytes = rows * d * kv_value_bytes(kv);
+        let value_bytes = match kv {
+            KvCache::Bf16 => 2,
+            KvCache::Int8 => 1,
+        };
+        let bytes = rows * d * value_bytes;
         Ok(KvCacheDev {
             k: stream.alloc_zeros(bytes)?,
             v: stream.alloc_zeros(bytes)?,
@@ -380,14 +384,6 @@ impl KvCacheDev {
                 .scales
                 .as_ref()
                 .map_or(0, |s| 4 * (s[0].len() + s[1].len()))
-    }
-}
-
-/// Bytes of one cached value.
-fn kv_value_bytes(kv: KvCache) -> usize {
-    match kv {
-        KvCache::Bf16 => 2,
-        KvCache::Int8 => 1,
     }
 }
 
@@ -1971,14 +1967,9 @@ impl CudaDecoder {
                     ..
                 } => lin(qkv) + lin(z) + lin(b) + lin(a) + lin(out) + 2 * 4 * state.len(),
                 LayerDev::Attention { q, k, v, o, kv, .. } => {
-                    // K and V rows (and an int8 cache's row scales)
-                    let per_row = c.head_dim * kv_value_bytes(self.kv)
-                        + if kv.scales.is_some() { 4 } else { 0 };
-                    lin(q)
-                        + lin(k)
-                        + lin(v)
-                        + lin(o)
-                        + context * 2 * c.num_key_value_heads * per_row
+                    // the cache's K and V rows (and an int8 cache's row scales) of `context`
+                    // positions: its bytes are max_context such slices
+                    lin(q) + lin(k) + lin(v) + lin(o) + context * kv.bytes() / self.max_context
                 }
             };
             let m = &l.moe;
