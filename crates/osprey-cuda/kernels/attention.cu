@@ -36,12 +36,15 @@
 // attn_decode_int8 (the int8 cache: 1 KiB a position, 134 MB a layer at 128K, plus 1 MB of
 // scales): 41 us a layer at 128K in the graph (3.3 TB/s) against attn_decode's 65 (4.1 TB/s);
 // the step at 128K 451 -> 516 tok/s (commit 45c5c7f, cuda-decode-int8kv-full.json). Two steps
-// in flight a warp, L2 prefetches, 16 positions a step, the cache head-major: no faster (the
-// *-ablation.json files named in README). What holds it: a warp step is ~300 instructions (32
-// HMMA, 80 PRMT and 64 HADD2 turning bytes into f16, the softmax) in dependent chains, with two
-// warps a scheduler to hide them: ~1.3 us a step against ~0.35 of issue; its loads go out ~350
-// instructions ahead (SASS), so more of them in flight changes nothing. Fewer instructions a
-// position is the lever (the score MMA's rows 8..15 are padding; a transposed S^T = K·Q^T has
+// in flight a warp, L2 prefetches, 16 positions a step, the cache head-major, the score MMAs in 4
+// accumulator chains instead of 2, each warp's steps copied 1-3 ahead into a cp.async ring: no
+// faster (the *-ablation.json files named in README). What holds it: two warps a scheduler. ncu
+// (128K, one launch alone): 45% of the warps' stall cycles wait on the first use of a step's K
+// bytes (long scoreboard), DRAM at 3.2 TB/s; the ring turned that into shared-memory waits and
+// 2.4 TB/s (cuda-decode-int8-kv-ring-ablation.json). A warp step is ~300 instructions (32 HMMA,
+// 80 PRMT and 64 HADD2 turning bytes into f16, the softmax). Untried: more warps an SM (the
+// ring's 164 registers allow 3 blocks with 2 slots: branch wip/int8-kv-ring-3), or fewer
+// instructions a position (the score MMA's rows 8..15 are padding; a transposed S^T = K·Q^T has
 // none, at the cost of moving P between layouts).
 #include "common.cuh"
 
