@@ -107,9 +107,9 @@ extern "C" __global__ void __launch_bounds__(256) kv_expand_int8(KvExpandArgs a)
     uint32_t* o = reinterpret_cast<uint32_t*>(&out);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-        const uint32_t w = j < 2 ? codes.x : codes.y, sh = 16 * (j % 2);
-        const float lo = (float)(int)((w >> sh) & 0xFFu) - 128.f, hi = (float)(int)((w >> (sh + 8)) & 0xFFu) - 128.f;
-        o[j] = pack_bf16(lo * s, hi * s);
+        const uint32_t w = j < 2 ? codes.x : codes.y;
+        const int n = 2 * (j % 2);
+        o[j] = pack_bf16((byte_code(w, n) - 128.f) * s, (byte_code(w, n + 1) - 128.f) * s);
     }
     *reinterpret_cast<uint4*>((is_v ? a.v_out : a.k_out) + i) = out;
 }
