@@ -42,10 +42,11 @@
 // (128K, one launch alone): 45% of the warps' stall cycles wait on the first use of a step's K
 // bytes (long scoreboard), DRAM at 3.2 TB/s; the ring turned that into shared-memory waits and
 // 2.4 TB/s (cuda-decode-int8-kv-ring-ablation.json). A warp step is ~300 instructions (32 HMMA,
-// 80 PRMT and 64 HADD2 turning bytes into f16, the softmax). Untried: more warps an SM (the
-// ring's 164 registers allow 3 blocks with 2 slots: branch wip/int8-kv-ring-3), or fewer
-// instructions a position (the score MMA's rows 8..15 are padding; a transposed S^T = K·Q^T has
-// none, at the cost of moving P between layouts).
+// 80 PRMT and 64 HADD2 turning bytes into f16, the softmax). More warps an SM through the ring
+// (2 slots, 3 blocks an SM at 164 registers, branch wip/int8-kv-ring-3): 128K 523 -> 473
+// (cuda-decode-session20-ablations.json). Untried: fewer instructions a position (the score
+// MMA's rows 8..15 are padding; a transposed S^T = K·Q^T has none, at the cost of moving P
+// between layouts).
 #include "common.cuh"
 
 #define D 256

@@ -288,7 +288,7 @@ extern "C" __global__ void __launch_bounds__(32 * (MAX_TOPK + 1)) moe_down(DownA
 // is k·I/16 blocks, two per SM in one wave. The residual is written while blocks still run, so
 // the normalised input comes from the router launch (its block 0 writes it: GemvArgs.normed).
 // Down rows as the GEMV's 16-row tiles (tiles.cuh tile_load / tile_compute_s8: h as two signed
-// bytes per element), a tile's groups split over 2-4 warps, requested once the expert is known.
+// bytes per element), a tile's groups split over 2-4 warps, requested once the gate/up tiles are multiplied.
 // Measured (H200, 4K context, inside the decode graph, per layer; the pair: gate/up 8.4 us +
 // down 6.6): 16-column slices of the down matrix per block and 32 blocks for the shared expert
 // 22.9 us (4x the L2 sectors: 8 useful bytes of each row's 32; and a second wave); groups of 4
@@ -413,11 +413,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) 
     resident_input(XInput{a.xn, nullptr, nullptr, nullptr, 0.f, H, 0}, xb8, gx, scratch);
     __syncthreads();  // x's bytes, the selection, the barrier's initialisation, the shared h
     step_phase(3);    // x in
-    // the expert is known: its down rows go out while the gate/up tiles arrive
-    const size_t e0 = (size_t)ids[slot] * H;
-    if (routed_warp)
-        tile_load(QRows{a.down.codes + e0 * (I / 8), a.down.scales + e0 * gps, a.down.biases + e0 * gps, H}, I,
-                  r0 + my_tile * 16, g0, g0 + gpw, tb);
     if (shared_tile) build_x_s8(sall, I, sx8, sg);
     mbar_wait(full, 0);
     step_phase(4);  // gate/up tiles in
@@ -429,6 +424,14 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) 
         quad_dot(codes + t * 16 * (H / 2), scales + t * 16 * gpr, biases + t * 16 * gpr, H, gq, X, yA, yB);
         store_quad_sums(part + un * 16, yA, yB);
     }
+    // the expert's down rows go out only now, once its gate/up tiles are in and multiplied: asked
+    // for with the gate/up copies (or right after they landed) they shared DRAM with them and the
+    // tiles landed ~1 us later, while the rows have the h write and the slot's meeting to arrive
+    // (4K 673.5 -> 681.6 tok/s, 128K 455.5 -> 464.5; bench/results/cuda-decode-moe-down-rows-late.json)
+    const size_t e0 = (size_t)ids[slot] * H;
+    if (routed_warp)
+        tile_load(QRows{a.down.codes + e0 * (I / 8), a.down.scales + e0 * gps, a.down.biases + e0 * gps, H}, I,
+                  r0 + my_tile * 16, g0, g0 + gpw, tb);
     __syncthreads();
     if (threadIdx.x < 16) {
         const int r = threadIdx.x;
