@@ -416,13 +416,20 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) 
     if (shared_tile) build_x_s8(sall, I, sx8, sg);
     mbar_wait(full, 0);
     step_phase(4);  // gate/up tiles in
+    // a warp takes one quad of groups of both tiles (gate and up): x's fragments and the lane's
+    // offsets loaded once for the two, no division to find the tile (ncu had this loop at ~600
+    // instructions a warp, issue-bound at 4 warps a scheduler)
     QuadX X;
-    for (int un = warp; un < units; un += 8) {
-        const int t = un / quads, gq = (un % quads) * 4;
+    for (int qd = warp; qd < quads; qd += 8) {
+        const int gq = qd * 4;
         load_quad_x(xb8, gx, gq, X);
-        float yA = 0.f, yB = 0.f;
-        quad_dot(codes + t * 16 * (H / 2), scales + t * 16 * gpr, biases + t * 16 * gpr, H, gq, X, yA, yB);
-        store_quad_sums(part + un * 16, yA, yB);
+        const QuadLane L = quad_lane(H, gq);
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+            float yA = 0.f, yB = 0.f;
+            quad_dot(codes + t * 16 * (H / 2), scales + t * 16 * gpr, biases + t * 16 * gpr, L, X, yA, yB);
+            store_quad_sums(part + (t * quads + qd) * 16, yA, yB);
+        }
     }
     // the expert's down rows go out only now, once its gate/up tiles are in and multiplied: asked
     // for with the gate/up copies (or right after they landed) they shared DRAM with them and the
