@@ -142,8 +142,9 @@ __device__ __forceinline__ QRows rows_of(const Segment& s) { return QRows{s.code
 // of 16-byte loads, so the prologue costs one memory round trip instead of one per loop iteration.
 #define MAX_ELEMS 16
 
+template <int KC>
 __device__ __forceinline__ void load_input(const GemvArgs& a, float* xs, float* chunk_sum, float* scratch) {
-    const int K = a.K, E = max(K / (int)blockDim.x, 4), t = threadIdx.x, base = t * E;
+    const int K = KC ? KC : a.K, E = KC ? max(KC / 256, 4) : max(K / (int)blockDim.x, 4), t = threadIdx.x, base = t * E;
     const bool active = base < K;
     float v[MAX_ELEMS], w[MAX_ELEMS], z[MAX_ELEMS], hw[MAX_ELEMS];
 #pragma unroll
@@ -290,21 +291,25 @@ __device__ __forceinline__ void slot_barrier(int slot) {
 }
 
 // Work units: 16-row tiles for 4-bit group-64 segments, single rows otherwise.
-__device__ __forceinline__ bool tiled(const GemvArgs& a, const Segment& s) { return a.tiles && s.bits == 4 && a.group == 64; }
+// (a row-only launch, gemv_q, has a.tiles == 0: TILES false says so at compile time)
+template <bool TILES>
+__device__ __forceinline__ bool tiled(const GemvArgs& a, const Segment& s) { return TILES && a.tiles && s.bits == 4 && a.group == 64; }
 
 // Work units of the launch's tiled segments (16-row tiles) or of its untiled ones (rows).
+template <bool TILES>
 __device__ __forceinline__ int unit_count(const GemvArgs& a, bool tiles) {
     int n = 0;
     for (int i = 0; i < a.nseg; ++i)
-        if (tiled(a, a.seg[i]) == tiles) n += tiles ? (a.seg[i].rows + 15) / 16 : a.seg[i].rows;
+        if (tiled<TILES>(a, a.seg[i]) == tiles) n += tiles ? (a.seg[i].rows + 15) / 16 : a.seg[i].rows;
     return n;
 }
 
 // Unit u of those: its segment, and its index inside it (`local`).
+template <bool TILES>
 __device__ __forceinline__ int locate_unit(const GemvArgs& a, bool tiles, int u, int& local) {
     int si = 0;
     for (; si < a.nseg; ++si) {
-        if (tiled(a, a.seg[si]) != tiles) continue;
+        if (tiled<TILES>(a, a.seg[si]) != tiles) continue;
         const int n = tiles ? (a.seg[si].rows + 15) / 16 : a.seg[si].rows;
         if (u < n) break;
         u -= n;
@@ -317,8 +322,9 @@ __device__ __forceinline__ int locate_unit(const GemvArgs& a, bool tiles, int u,
 // work units: 16-row tensor-core tiles (4-bit, group 64) or single rows (8-bit, other groups).
 // TILES: the launch has tiles (a.tiles); compiled apart so row-only launches (the router, the
 // output projections) carry none of the tile path's registers through their prologue.
-template <bool TILES>
+template <bool TILES, int KC = 0, int GROUP = 0>
 __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
+    const int K = KC ? KC : a.K, group = GROUP ? GROUP : a.group;
     __shared__ __align__(16) float xs[MAX_K + MAX_K / 8];
     __shared__ float chunk_sum[MAX_K / 16];
     __shared__ uint4 xb8[MAX_K / 64 * 8];
@@ -328,9 +334,9 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
     if (a.prefetch) {
         for (int i = 0; i < a.nseg; ++i) {
             const Segment& s = a.seg[i];
-            prefetch_share_l2(s.codes, (size_t)s.rows * a.K * s.bits / 8);
-            prefetch_share_l2(s.scales, (size_t)s.rows * (a.K / a.group) * 2);
-            prefetch_share_l2(s.biases, (size_t)s.rows * (a.K / a.group) * 2);
+            prefetch_share_l2(s.codes, (size_t)s.rows * K * s.bits / 8);
+            prefetch_share_l2(s.scales, (size_t)s.rows * (K / group) * 2);
+            prefetch_share_l2(s.biases, (size_t)s.rows * (K / group) * 2);
         }
     }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -340,32 +346,32 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
     // Measured at 4K: the router launch 611 -> 619 tok/s; before the prologue but launched in
     // order, 586-608 (with 3 blocks per SM the row spilled to local memory, whose stores waited
     // for the loads); cuda-decode-early-loads-2.json.
-    const int rows_total = unit_count(a, false), first_row = blockIdx.x * 8 + warp;
+    const int rows_total = unit_count<TILES>(a, false), first_row = blockIdx.x * 8 + warp;
     RowLoads first;
     if (!TILES) {
         int fl;
-        const Segment& s = a.seg[locate_unit(a, false, min(first_row, rows_total - 1), fl)];
-        load_row(s, fl, a.K, a.group, first);
+        const Segment& s = a.seg[locate_unit<TILES>(a, false, min(first_row, rows_total - 1), fl)];
+        load_row(s, fl, K, group, first);
     }
     step_inputs_ready();
     unsigned long long best = 0;  // with a.choice: this thread's largest choice_key
     // tiles: slot `slot` of block b takes tiles b·SLOTS + slot, then every gridDim·SLOTS on; warp
     // kp of the slot owns groups [g0, g1) of them. Its first batch of weights is requested before
     // the prologue (weights depend on no earlier kernel), so the prologue hides under that latency.
-    const int total_tiles = unit_count(a, true);
-    const int slot = warp / TILE_KPARTS, kp = warp % TILE_KPARTS, gpr = a.K / 64;
+    const int total_tiles = unit_count<TILES>(a, true);
+    const int slot = warp / TILE_KPARTS, kp = warp % TILE_KPARTS, gpr = K / 64;
     const int g0 = kp * gpr / TILE_KPARTS, g1 = (kp + 1) * gpr / TILE_KPARTS;
     int tile = blockIdx.x * TILE_SLOTS + slot, local;
-    int si = locate_unit(a, true, tile, local), row0 = local * 16;
+    int si = locate_unit<TILES>(a, true, tile, local), row0 = local * 16;
     TileBatch cur, nxt;
-    if (TILES && tile < total_tiles) tile_load(rows_of(a.seg[si]), a.K, row0, g0, g1, cur);
-    load_input(a, xs, chunk_sum, scratch);
+    if (TILES && tile < total_tiles) tile_load(rows_of(a.seg[si]), K, row0, g0, g1, cur);
+    load_input<KC>(a, xs, chunk_sum, scratch);
     if (a.normed && blockIdx.x == 0)
-        for (int i = threadIdx.x; i < a.K; i += blockDim.x) a.normed[i] = xs[pad_idx(i)];
+        for (int i = threadIdx.x; i < K; i += blockDim.x) a.normed[i] = xs[pad_idx(i)];
     step_phase(2);  // x in
 
     if (TILES) {
-        build_x_s8(xs, a.K, xb8, gx);
+        build_x_s8(xs, K, xb8, gx);
         __syncthreads();
         // partial sums of a slot's tiles meet in a double buffer, one slot barrier per tile
         __shared__ float part[2][TILE_SLOTS][TILE_KPARTS][16];
@@ -380,10 +386,10 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
             if (nbi == batches) {
                 nbi = 0;
                 nt += stride;
-                nsi = locate_unit(a, true, nt, local);
+                nsi = locate_unit<TILES>(a, true, nt, local);
                 nrow0 = local * 16;
             }
-            if (nt < total_tiles) tile_load(rows_of(a.seg[nsi]), a.K, nrow0, g0 + nbi * TILE_BATCH, g1, nxt);
+            if (nt < total_tiles) tile_load(rows_of(a.seg[nsi]), K, nrow0, g0 + nbi * TILE_BATCH, g1, nxt);
             tile_compute_s8(cur, g0 + bi * TILE_BATCH, g1, xq, gx, yA, yB);
             if (nbi == 0) {
                 float* mine = part[it & 1][slot][kp];
@@ -408,10 +414,10 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
     }
     // rows: every unit of the untiled segments, one per warp
     for (int u = first_row; u < rows_total; u += gridDim.x * 8) {
-        const Segment& s = a.seg[locate_unit(a, false, u, local)];
+        const Segment& s = a.seg[locate_unit<TILES>(a, false, u, local)];
         RowLoads L = first;
-        if (TILES || u != first_row) load_row(s, local, a.K, a.group, L);
-        const float y = row_dot(s, L, a.K, xs, chunk_sum);
+        if (TILES || u != first_row) load_row(s, local, K, group, L);
+        const float y = row_dot(s, L, K, xs, chunk_sum);
         if (lane == 0) {
             write_row(s, local, y);
             if (a.choice && local < a.choice->n) best = max(best, choice_key(y, local));
@@ -423,7 +429,12 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
 
 // gemv_q at 2 blocks per SM: its first row held across the prologue fits in registers (at 3 it
 // spilled); the router launch needs 161 blocks
+// gemv_q_k2048: the router launch (K 2048, group 64), compiled for that shape: with K and the group
+// known, the prologue's per-thread loops and the row's chunk and group indices fold to constants,
+// and with TILES false no segment is asked whether it is tiled (ncu: 1,350 instructions a warp for
+// its one row, 2/3 of them indexing and the generic prologue).
 extern "C" __global__ void __launch_bounds__(256, 2) gemv_q(GemvArgs a) { gemv_body<false>(a); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q_k2048(GemvArgs a) { gemv_body<false, 2048, 64>(a); }
 extern "C" __global__ void __launch_bounds__(256, 3) gemv_q_tiles(GemvArgs a) { gemv_body<true>(a); }
 
 // ---- resident tiles: a block's whole share in shared memory, requested before the wait ----
@@ -459,7 +470,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) gemv_q_tiles(GemvArgs a) { 
 extern "C" __global__ void __launch_bounds__(2 * RES_KSLICES * 32, 1) gemv_q_resident(GemvArgs a) {
     extern __shared__ __align__(128) char smem[];
     const int K = a.K, gpr = K / 64, S = a.stages;
-    const int total = unit_count(a, true);
+    const int total = unit_count<true>(a, true);
     const int t0 = (int)((long long)blockIdx.x * total / gridDim.x), t1 = (int)((long long)(blockIdx.x + 1) * total / gridDim.x);
     const int n = t1 - t0;
     char* codes = smem;
@@ -477,7 +488,7 @@ extern "C" __global__ void __launch_bounds__(2 * RES_KSLICES * 32, 1) gemv_q_res
         uint32_t bytes = 0;
         for (int t = t0; t < t1;) {
             int local;
-            const Segment& s = a.seg[locate_unit(a, true, t, local)];
+            const Segment& s = a.seg[locate_unit<true>(a, true, t, local)];
             const int run = min(t1 - t, (s.rows + 15) / 16 - local), rows = min(run * 16, s.rows - local * 16);
             bytes += q4_rows_bytes(rows, K);
             t += run;
@@ -485,7 +496,7 @@ extern "C" __global__ void __launch_bounds__(2 * RES_KSLICES * 32, 1) gemv_q_res
         mbar_arrive_expect_bytes(full, bytes);
         for (int t = t0; t < t1;) {
             int local;
-            const Segment& s = a.seg[locate_unit(a, true, t, local)];
+            const Segment& s = a.seg[locate_unit<true>(a, true, t, local)];
             const int run = min(t1 - t, (s.rows + 15) / 16 - local), r0 = local * 16, rows = min(run * 16, s.rows - r0);
             copy_q4_rows(codes, scales, biases, t - t0, s.codes, s.scales, s.biases, r0, rows, K, full);
             t += run;
@@ -528,7 +539,7 @@ extern "C" __global__ void __launch_bounds__(2 * RES_KSLICES * 32, 1) gemv_q_res
     for (int o = threadIdx.x; o < n * 16; o += blockDim.x) {
         const int i = o >> 4, r = o & 15;
         int local;
-        const Segment& s = a.seg[locate_unit(a, true, t0 + i, local)];
+        const Segment& s = a.seg[locate_unit<true>(a, true, t0 + i, local)];
         const int row = local * 16 + r;
         if (row < s.rows) {
             const char* stage = codes + (size_t)i * 16 * (K / 2);

@@ -450,6 +450,8 @@ struct Scratch {
 
 struct Functions {
     gemv: CudaFunction,
+    /// gemv_q compiled for K 2048, group 64 (the router launch)
+    gemv_k2048: CudaFunction,
     gemv_tiles: CudaFunction,
     gemv_resident: CudaFunction,
     gemv_ring: CudaFunction,
@@ -657,6 +659,7 @@ impl CudaDecoder {
         let func = |m: &str, f: &str| -> Result<CudaFunction> { Ok(modules[m].load_function(f)?) };
         let f = Functions {
             gemv: func("gemv", "gemv_q")?,
+            gemv_k2048: func("gemv", "gemv_q_k2048")?,
             gemv_tiles: func("gemv", "gemv_q_tiles")?,
             gemv_resident: func("gemv", "gemv_q_resident")?,
             gemv_ring: func("gemv", "gemv_q_ring")?,
@@ -1136,8 +1139,13 @@ impl CudaDecoder {
         }
         // gemv_q requests each warp's first row before its wait: launched early, it streams
         // under the predecessor
+        let gemv = if k == 2048 && group == 64 {
+            &self.f.gemv_k2048
+        } else {
+            &self.f.gemv
+        };
         self.launch_params(
-            &self.f.gemv,
+            gemv,
             launch_cfg((blocks, 1), 256),
             &mut [&a as *const GemvArgs as *mut c_void],
             self.overlap.early,
