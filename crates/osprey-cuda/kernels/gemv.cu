@@ -467,9 +467,11 @@ extern "C" __global__ void __launch_bounds__(256, 3) gemv_q_tiles(GemvArgs a) { 
 // Block b takes tiles [b·T/grid, (b+1)·T/grid) of the launch's segments; a.stages >= its tile
 // count (the host sizes the dynamic shared memory by it: resident_launch in decoder.rs).
 // Shared memory: codes [stages][16 rows][K/2 B], scales and biases [stages][16][K/64], then x.
-extern "C" __global__ void __launch_bounds__(2 * RES_KSLICES * 32, 1) gemv_q_resident(GemvArgs a) {
-    extern __shared__ __align__(128) char smem[];
-    const int K = a.K, gpr = K / 64, S = a.stages;
+template <int KC>
+__device__ __forceinline__ void gemv_resident_body(const GemvArgs& a) {
+    extern __shared__ __align__(128) char resident_smem[];
+    char* smem = resident_smem;
+    const int K = KC ? KC : a.K, gpr = K / 64, S = a.stages;
     const int total = unit_count<true>(a, true);
     const int t0 = (int)((long long)blockIdx.x * total / gridDim.x), t1 = (int)((long long)(blockIdx.x + 1) * total / gridDim.x);
     const int n = t1 - t0;
@@ -504,7 +506,7 @@ extern "C" __global__ void __launch_bounds__(2 * RES_KSLICES * 32, 1) gemv_q_res
         step_phase(2);  // copies asked for
     }
     step_inputs_ready();
-    resident_input(XInput{a.x, a.norm_weight, a.gate_z, a.head_norm, a.eps, a.K, a.head_dim}, xb8, gx, scratch);
+    resident_input(XInput{a.x, a.norm_weight, a.gate_z, a.head_norm, a.eps, K, a.head_dim}, xb8, gx, scratch);
     __syncthreads();  // also publishes the barrier's initialisation
     step_phase(3);    // x in
     const int warp = threadIdx.x >> 5, kslice = warp % RES_KSLICES, phase = warp / RES_KSLICES;
@@ -550,6 +552,12 @@ extern "C" __global__ void __launch_bounds__(2 * RES_KSLICES * 32, 1) gemv_q_res
         }
     }
 }
+// gemv_q_resident_k2048: K 2048 (the GDN and attention input projections) compiled in
+extern "C" __global__ void __launch_bounds__(2 * RES_KSLICES * 32, 1) gemv_q_resident(GemvArgs a) { gemv_resident_body<0>(a); }
+extern "C" __global__ void __launch_bounds__(2 * RES_KSLICES * 32, 1) gemv_q_resident_k2048(GemvArgs a) {
+    gemv_resident_body<2048>(a);
+}
+
 
 // gemv_q_ring: launches of one 4-bit group-64 segment too big for gemv_q_resident (the lm_head,
 // 15,520 tiles at K 2048): one block per SM takes a contiguous run of 16-row tiles and streams it

@@ -338,13 +338,15 @@ __device__ __forceinline__ unsigned long long load_tagged(const unsigned long lo
 // Dynamic shared memory as moe_gate_up's (gate_up_smem in decoder.rs; the tile pair, x's bytes,
 // the quads' partial sums, scratch, the selection and the barrier); h's forms and the down
 // tiles' partial sums are static.
-extern "C" __global__ void __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) {
-    extern __shared__ __align__(128) char smem[];
+template <int HC, int IC, int KC>
+__device__ __forceinline__ void moe_experts_body(const ExpertsArgs& a) {
+    extern __shared__ __align__(128) char experts_smem[];
+    char* smem = experts_smem;
     __shared__ __align__(16) float hall[EXPERTS_MAX_I + EXPERTS_MAX_I / 8], sall[EXPERTS_MAX_I + EXPERTS_MAX_I / 8];
     __shared__ uint4 hx8[EXPERTS_MAX_I / 64 * 8], sx8[EXPERTS_MAX_I / 64 * 8];
     __shared__ float2 hg[EXPERTS_MAX_I / 64], sg[EXPERTS_MAX_I / 64];
     __shared__ float wpart[8][16], spart[8][16];
-    const int H = a.H, I = a.I, gpr = H / 64, quads = gpr / 4, units = 2 * quads;
+    const int H = HC ? HC : a.H, I = IC ? IC : a.I, k = KC ? KC : a.k, gpr = H / 64, quads = gpr / 4, units = 2 * quads;
     char* codes = smem;  // [gate, up][16 rows][H/2]
     __nv_bfloat16* scales = reinterpret_cast<__nv_bfloat16*>(codes + 2 * 16 * (H / 2));
     __nv_bfloat16* biases = scales + 2 * 16 * gpr;
@@ -386,7 +388,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) 
         }
     }
     if (threadIdx.x < 32) {
-        select_experts(Routing{a.router_logits, a.experts, a.k, a.renorm}, ids, wts, nullptr);
+        select_experts(Routing{a.router_logits, a.experts, k, a.renorm}, ids, wts, nullptr);
         __syncwarp();
         step_phase(8);  // selected
         if (threadIdx.x == 0) {
@@ -491,9 +493,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) 
     __syncthreads();
     step_phase(6);  // the slot met
     // the last of the slot to leave advances its tag for the next launch
-    if (threadIdx.x == 0 && atomicAdd(a.meet + a.k + slot, 1) == fblocks - 1) {
+    if (threadIdx.x == 0 && atomicAdd(a.meet + k + slot, 1) == fblocks - 1) {
         a.meet[slot] = (int)tag;
-        a.meet[a.k + slot] = 0;
+        a.meet[k + slot] = 0;
     }
     build_x_s8(hall, I, hx8, hg);
     __syncthreads();
@@ -524,3 +526,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) 
         atomicAdd(reinterpret_cast<float4*>(a.x + blockIdx.x * 16 + r), make_float4(y[0], y[1], y[2], y[3]));
     }
 }
+
+// moe_experts_h2048: the model's shape (H 2048, I 512, top-8) compiled in, so the block's slot,
+// tile and group indices fold to constants (the router GEMV compiled for its shape: 4K 681.5 ->
+// 705.9 tok/s, bench/results/cuda-decode-shape-specialised.json)
+extern "C" __global__ void __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) { moe_experts_body<0, 0, 0>(a); }
+extern "C" __global__ void __launch_bounds__(256, 2) moe_experts_h2048(ExpertsArgs a) { moe_experts_body<2048, 512, 8>(a); }

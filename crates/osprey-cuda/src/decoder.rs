@@ -454,6 +454,8 @@ struct Functions {
     gemv_k2048: CudaFunction,
     gemv_tiles: CudaFunction,
     gemv_resident: CudaFunction,
+    /// gemv_q_resident compiled for K 2048 (the input projections)
+    gemv_resident_k2048: CudaFunction,
     gemv_ring: CudaFunction,
     gemv_pair: CudaFunction,
     gate_up: CudaFunction,
@@ -662,10 +664,19 @@ impl CudaDecoder {
             gemv_k2048: func("gemv", "gemv_q_k2048")?,
             gemv_tiles: func("gemv", "gemv_q_tiles")?,
             gemv_resident: func("gemv", "gemv_q_resident")?,
+            gemv_resident_k2048: func("gemv", "gemv_q_resident_k2048")?,
             gemv_ring: func("gemv", "gemv_q_ring")?,
             gemv_pair: func("gemv", "gemv_q_pair")?,
             gate_up: func("moe", "moe_gate_up")?,
-            experts: func("moe", "moe_experts")?,
+            // the model's shape compiled in where it matches (moe.cu moe_experts_h2048)
+            experts: if c.hidden_size == 2048
+                && c.moe_intermediate_size == 512
+                && c.num_experts_per_tok == 8
+            {
+                func("moe", "moe_experts_h2048")?
+            } else {
+                func("moe", "moe_experts")?
+            },
             down: func("moe", "moe_down")?,
             gdn: func("gdn", "gdn_step")?,
             prep: func("attention", "attn_prep")?,
@@ -861,10 +872,18 @@ impl CudaDecoder {
             sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
         )? as usize
             - f.gemv_resident.shared_size_bytes()? as usize;
-        f.gemv_resident.set_attribute(
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem_optin as i32,
-        )?;
+        for resident in [&f.gemv_resident, &f.gemv_resident_k2048] {
+            resident.set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem_optin as i32,
+            )?;
+            // all of the unified memory as shared memory: a resident block takes over half of it
+            // and its neighbours' blocks must fit beside it
+            resident.set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                100,
+            )?;
+        }
         f.gemv_ring.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             (smem_optin - RING_STATIC_SMEM) as i32,
@@ -880,12 +899,6 @@ impl CudaDecoder {
         f.gemv_pair.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             pair_launch_smem(smem_optin) as i32,
-        )?;
-        // all of the unified memory as shared memory: a resident block takes over half of it and
-        // its neighbours' blocks must fit beside it
-        f.gemv_resident.set_attribute(
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-            100,
         )?;
         let kv_expanded = match kv {
             KvCache::Bf16 => None,
@@ -1108,7 +1121,12 @@ impl CudaDecoder {
                 } else {
                     RESIDENT_THREADS
                 };
-                return self.launch_staged(&self.f.gemv_resident, a, launch, threads);
+                let resident = if k == 2048 {
+                    &self.f.gemv_resident_k2048
+                } else {
+                    &self.f.gemv_resident
+                };
+                return self.launch_staged(resident, a, launch, threads);
             }
         }
         if segs.len() == 1 && segs.iter().all(tileable) && staged_ok {
