@@ -50,10 +50,13 @@ fn x_bytes_smem(k: usize) -> usize {
 /// round sets on one H200 each, bench/results/cuda-decode-session14-ablations.json).
 const RESIDENT_THREADS: u32 = 512;
 /// gemv_q_resident's block in the graph that launches moe_experts early: 8 warps. Its launches
-/// (the next layer's input projections) are early too, but 512 threads x 94 registers fit on an SM only
-/// once both of its moe_experts blocks (256 x 95 each) have left, 256 threads once one has, so
-/// their tile copies go out sooner (4K 667.0 -> 673.5 tok/s; at 128K, moe_experts plain, 8 warps
-/// lose 0.4%: bench/results/cuda-decode-resident-threads-ablation.json).
+/// (the next layer's input projections) are early too; an SM's 64K registers decide when they
+/// land. Generic kernels: 512 threads x 94 registers only once both moe_experts blocks (256 x 95
+/// then) had left, 256 threads once one had, so their tile copies went out sooner (4K 667.0 ->
+/// 673.5 tok/s; at 128K, moe_experts plain, 8 warps lose 0.4%:
+/// bench/results/cuda-decode-resident-threads-ablation.json). Compiled for the model's shape
+/// (gemv_q_resident_k2048 at 72 registers, moe_experts_h2048 at 80) 256 threads fit beside both
+/// blocks and 512 beside one (cuda-decode-shape-specialised.json); 16 warps there is untried.
 const RESIDENT_THREADS_AFTER_EARLY_EXPERTS: u32 = 256;
 /// Just over half of an H200 SM's 228 KB of shared memory (1 KB of each block's is reserved).
 const RESIDENT_MIN_SMEM: usize = 115 * 1024;
