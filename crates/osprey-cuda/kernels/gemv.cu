@@ -471,8 +471,8 @@ extern "C" __global__ void __launch_bounds__(256, 3) gemv_q_tiles(GemvArgs a) { 
 // Shared memory: codes [stages][16 rows][K/2 B], scales and biases [stages][16][K/64], then x.
 template <int KC>
 __device__ __forceinline__ void gemv_resident_body(const GemvArgs& a) {
-    extern __shared__ __align__(128) char resident_smem[];
-    char* smem = resident_smem;
+    extern __shared__ __align__(128) char resident_dynamic_smem[];
+    char* smem = resident_dynamic_smem;
     const int K = KC ? KC : a.K, gpr = K / 64, S = a.stages;
     const int total = unit_count<true>(a, true);
     const int t0 = (int)((long long)blockIdx.x * total / gridDim.x), t1 = (int)((long long)(blockIdx.x + 1) * total / gridDim.x);

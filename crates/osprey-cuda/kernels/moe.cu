@@ -340,8 +340,8 @@ __device__ __forceinline__ unsigned long long load_tagged(const unsigned long lo
 // tiles' partial sums are static.
 template <int HC, int IC, int KC>
 __device__ __forceinline__ void moe_experts_body(const ExpertsArgs& a) {
-    extern __shared__ __align__(128) char experts_smem[];
-    char* smem = experts_smem;
+    extern __shared__ __align__(128) char experts_dynamic_smem[];
+    char* smem = experts_dynamic_smem;
     __shared__ __align__(16) float hall[EXPERTS_MAX_I + EXPERTS_MAX_I / 8], sall[EXPERTS_MAX_I + EXPERTS_MAX_I / 8];
     __shared__ uint4 hx8[EXPERTS_MAX_I / 64 * 8], sx8[EXPERTS_MAX_I / 64 * 8];
     __shared__ float2 hg[EXPERTS_MAX_I / 64], sg[EXPERTS_MAX_I / 64];
