@@ -144,6 +144,8 @@ __device__ __forceinline__ QRows rows_of(const Segment& s) { return QRows{s.code
 // of 16-byte loads, so the prologue costs one memory round trip instead of one per loop iteration.
 #define MAX_ELEMS 16
 
+// KC: K compiled in (0: the arguments'); its launches (gemv_q_k2048) run 256 threads, as every
+// gemv_body launch does (it also takes 8 warps a block for its rows)
 template <int KC>
 __device__ __forceinline__ void load_input(const GemvArgs& a, float* xs, float* chunk_sum, float* scratch) {
     const int K = KC ? KC : a.K, E = KC ? max(KC / 256, 4) : max(K / (int)blockDim.x, 4), t = threadIdx.x, base = t * E;
@@ -431,11 +433,11 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
 
 // gemv_q at 2 blocks per SM: its first row held across the prologue fits in registers (at 3 it
 // spilled); the router launch needs 161 blocks
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q(GemvArgs a) { gemv_body<false>(a); }
 // gemv_q_k2048: the router launch (K 2048, group 64), compiled for that shape: with K and the group
 // known, the prologue's per-thread loops and the row's chunk and group indices fold to constants,
 // and with TILES false no segment is asked whether it is tiled (ncu: 1,350 instructions a warp for
 // its one row, 2/3 of them indexing and the generic prologue).
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q(GemvArgs a) { gemv_body<false>(a); }
 extern "C" __global__ void __launch_bounds__(256, 2) gemv_q_k2048(GemvArgs a) { gemv_body<false, 2048, 64>(a); }
 extern "C" __global__ void __launch_bounds__(256, 3) gemv_q_tiles(GemvArgs a) { gemv_body<true>(a); }
 
@@ -554,12 +556,12 @@ __device__ __forceinline__ void gemv_resident_body(const GemvArgs& a) {
         }
     }
 }
-// gemv_q_resident_k2048: K 2048 (the GDN and attention input projections) compiled in
+
 extern "C" __global__ void __launch_bounds__(2 * RES_KSLICES * 32, 1) gemv_q_resident(GemvArgs a) { gemv_resident_body<0>(a); }
+// gemv_q_resident_k2048: K 2048 (the GDN and attention input projections) compiled in
 extern "C" __global__ void __launch_bounds__(2 * RES_KSLICES * 32, 1) gemv_q_resident_k2048(GemvArgs a) {
     gemv_resident_body<2048>(a);
 }
-
 
 // gemv_q_ring: launches of one 4-bit group-64 segment too big for gemv_q_resident (the lm_head,
 // 15,520 tiles at K 2048): one block per SM takes a contiguous run of 16-row tiles and streams it

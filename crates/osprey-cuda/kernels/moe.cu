@@ -527,8 +527,9 @@ __device__ __forceinline__ void moe_experts_body(const ExpertsArgs& a) {
     }
 }
 
-// moe_experts_h2048: the model's shape (H 2048, I 512, top-8) compiled in, so the block's slot,
-// tile and group indices fold to constants (the router GEMV compiled for its shape: 4K 681.5 ->
-// 705.9 tok/s, bench/results/cuda-decode-shape-specialised.json)
 extern "C" __global__ void __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) { moe_experts_body<0, 0, 0>(a); }
+// moe_experts_h2048: the model's shape (H 2048, I 512, top-8) compiled in, so the block's slot,
+// tile and group indices fold to constants (decoder.rs picks it when the config matches; with the
+// resident GEMV compiled for K 2048 too, 4K 716.6 -> 720.7 tok/s, 32K and 128K +1.9%:
+// bench/results/cuda-decode-shape-specialised.json)
 extern "C" __global__ void __launch_bounds__(256, 2) moe_experts_h2048(ExpertsArgs a) { moe_experts_body<2048, 512, 8>(a); }
