@@ -576,10 +576,12 @@ extern "C" __global__ void __launch_bounds__(2 * RES_KSLICES * 32, 1) gemv_q_res
 #define RING_TILES 2  // the producer warp's lane l takes row l of a stage: RING_TILES * 16 == 32
 #define RING_CONSUMERS 8
 
-extern "C" __global__ void __launch_bounds__((RING_CONSUMERS + 1) * 32, 1) gemv_q_ring(GemvArgs a) {
-    extern __shared__ __align__(128) char smem[];
+template <int KC>
+__device__ __forceinline__ void gemv_ring_body(const GemvArgs& a) {
+    extern __shared__ __align__(128) char ring_dynamic_smem[];
+    char* smem = ring_dynamic_smem;
     const Segment& s = a.seg[0];
-    const int K = a.K, gpr = K / 64, S = a.stages;
+    const int K = KC ? KC : a.K, gpr = K / 64, S = a.stages;
     const int total = (s.rows + 15) / 16;
     const int t0 = (int)((long long)blockIdx.x * total / gridDim.x), t1 = (int)((long long)(blockIdx.x + 1) * total / gridDim.x);
     const int stages_total = (t1 - t0 + RING_TILES - 1) / RING_TILES;
@@ -612,7 +614,7 @@ extern "C" __global__ void __launch_bounds__((RING_CONSUMERS + 1) * 32, 1) gemv_
         for (int st = 0; st < min(S, stages_total); ++st) fill(st);
     }
     step_inputs_ready();
-    resident_input(XInput{a.x, a.norm_weight, a.gate_z, a.head_norm, a.eps, a.K, a.head_dim}, xb8, gx, scratch);
+    resident_input(XInput{a.x, a.norm_weight, a.gate_z, a.head_norm, a.eps, K, a.head_dim}, xb8, gx, scratch);
     __syncthreads();  // also publishes the barriers' initialisation
     unsigned long long best = 0;  // with a.choice: this thread's largest choice_key
     if (warp == RING_CONSUMERS) {
@@ -662,6 +664,13 @@ extern "C" __global__ void __launch_bounds__((RING_CONSUMERS + 1) * 32, 1) gemv_
     if (a.choice) choose_token(a.choice, best, scratch);
 }
 
+extern "C" __global__ void __launch_bounds__((RING_CONSUMERS + 1) * 32, 1) gemv_q_ring(GemvArgs a) { gemv_ring_body<0>(a); }
+// gemv_q_ring_k2048: K 2048 (the lm_head) compiled in: 93 registers instead of 102, 4K 735.5 ->
+// 737.5 tok/s (bench/results/cuda-decode-shape-specialised-2.json)
+extern "C" __global__ void __launch_bounds__((RING_CONSUMERS + 1) * 32, 1) gemv_q_ring_k2048(GemvArgs a) {
+    gemv_ring_body<2048>(a);
+}
+
 __device__ __forceinline__ unsigned cluster_rank() {
     unsigned r;
     asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
@@ -693,6 +702,9 @@ __device__ __forceinline__ void store_to_peer(float* p, unsigned rank, float v) 
 // trip (gated_half_input): out_proj 144 -> 132 us a step in the graph, the step at 4K 619.9 ->
 // 629.9 tok/s (bench/results/cuda-decode-early-loads-2.json).
 #define PAIR_WARPS 8
+// the only K it takes (decoder.rs PAIR_K), compiled in: 50 registers instead of 70, 4K 734.4 ->
+// 737.5 tok/s (bench/results/cuda-decode-shape-specialised-2.json)
+#define PAIR_K 4096
 
 // The pair's gated prologue over its K half (one 8-element slot per thread: K/2 = 8 x 256): x, z
 // and the head weight requested together and unbranched (resident_input's head-norm path asks
@@ -723,7 +735,7 @@ __device__ __forceinline__ void gated_half_input(const float* x, const float* z,
 
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(PAIR_WARPS * 32, 1) gemv_q_pair(GemvArgs a) {
     extern __shared__ __align__(128) char smem[];
-    const int K = a.K, gpr = K / 64, half_g = gpr / 2, Kh = K / 2;
+    const int K = PAIR_K, gpr = K / 64, half_g = gpr / 2, Kh = K / 2;
     const unsigned rank = cluster_rank();
     const Segment& s = a.seg[0];
     const int r0 = (blockIdx.x / 2) * 16, rows = min(16, s.rows - r0);

@@ -338,7 +338,7 @@ __device__ __forceinline__ unsigned long long load_tagged(const unsigned long lo
 // Dynamic shared memory as moe_gate_up's (gate_up_smem in decoder.rs; the tile pair, x's bytes,
 // the quads' partial sums, scratch, the selection and the barrier); h's forms and the down
 // tiles' partial sums are static.
-template <int HC, int IC, int KC>
+template <int HC, int IC, int KC, int EC>
 __device__ __forceinline__ void moe_experts_body(const ExpertsArgs& a) {
     extern __shared__ __align__(128) char experts_dynamic_smem[];
     char* smem = experts_dynamic_smem;
@@ -388,7 +388,7 @@ __device__ __forceinline__ void moe_experts_body(const ExpertsArgs& a) {
         }
     }
     if (threadIdx.x < 32) {
-        select_experts(Routing{a.router_logits, a.experts, k, a.renorm}, ids, wts, nullptr);
+        select_experts(Routing{a.router_logits, EC ? EC : a.experts, k, a.renorm}, ids, wts, nullptr);
         __syncwarp();
         step_phase(8);  // selected
         if (threadIdx.x == 0) {
@@ -527,9 +527,12 @@ __device__ __forceinline__ void moe_experts_body(const ExpertsArgs& a) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) { moe_experts_body<0, 0, 0>(a); }
-// moe_experts_h2048: the model's shape (H 2048, I 512, top-8) compiled in, so the block's slot,
-// tile and group indices fold to constants (decoder.rs picks it when the config matches; with the
-// resident GEMV compiled for K 2048 too, 4K 716.6 -> 720.7 tok/s, 32K and 128K +1.9%:
-// bench/results/cuda-decode-shape-specialised.json)
-extern "C" __global__ void __launch_bounds__(256, 2) moe_experts_h2048(ExpertsArgs a) { moe_experts_body<2048, 512, 8>(a); }
+extern "C" __global__ void __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) { moe_experts_body<0, 0, 0, 0>(a); }
+// moe_experts_h2048: the model's shape (H 2048, I 512, top-8 of 256 experts) compiled in, so the
+// block's slot, tile and group indices fold to constants (decoder.rs picks it when the config
+// matches; with the resident GEMV compiled for K 2048 too, 4K 716.6 -> 720.7 tok/s, 32K and 128K
+// +1.9%: bench/results/cuda-decode-shape-specialised.json). The 256 experts compiled in leave the
+// selection one unpredicated 8-wide scan (the wider form and the bounds checks drop out): the
+// slot's copies go out ~0.25 us sooner, 4K 716.0 -> 737.5 tok/s, 32K 641.2 -> 652.7, 128K 489.5 ->
+// 495.2 (bench/results/cuda-decode-shape-specialised-2.json).
+extern "C" __global__ void __launch_bounds__(256, 2) moe_experts_h2048(ExpertsArgs a) { moe_experts_body<2048, 512, 8, 256>(a); }

@@ -84,7 +84,8 @@ fn resident_launch(
     (bytes <= smem).then_some((blocks, per_block, bytes.max(RESIDENT_MIN_SMEM).min(smem)))
 }
 
-/// gemv_q_pair (gemv.cu) takes K = 4096 only: each block of a cluster pair multiplies one half.
+/// gemv_q_pair (gemv.cu) takes K = 4096 only (compiled in there, PAIR_K): each block of a cluster
+/// pair multiplies one half.
 const PAIR_K: usize = 4096;
 /// Shared memory of a gemv_q_pair block at least this, so that at most two blocks share an SM
 /// (measured: 5.09 vs 6.68 us per out_proj unpadded, bench/kernels/gemv_pair.cu).
@@ -460,6 +461,8 @@ struct Functions {
     /// gemv_q_resident compiled for K 2048 (the input projections)
     gemv_resident_k2048: CudaFunction,
     gemv_ring: CudaFunction,
+    /// gemv_q_ring compiled for K 2048 (the lm_head)
+    gemv_ring_k2048: CudaFunction,
     gemv_pair: CudaFunction,
     gate_up: CudaFunction,
     experts: CudaFunction,
@@ -669,12 +672,14 @@ impl CudaDecoder {
             gemv_resident: func("gemv", "gemv_q_resident")?,
             gemv_resident_k2048: func("gemv", "gemv_q_resident_k2048")?,
             gemv_ring: func("gemv", "gemv_q_ring")?,
+            gemv_ring_k2048: func("gemv", "gemv_q_ring_k2048")?,
             gemv_pair: func("gemv", "gemv_q_pair")?,
             gate_up: func("moe", "moe_gate_up")?,
             // the model's shape compiled in where it matches (moe.cu moe_experts_h2048)
             experts: if c.hidden_size == 2048
                 && c.moe_intermediate_size == 512
                 && c.num_experts_per_tok == 8
+                && c.num_experts == 256
             {
                 func("moe", "moe_experts_h2048")?
             } else {
@@ -887,10 +892,12 @@ impl CudaDecoder {
                 100,
             )?;
         }
-        f.gemv_ring.set_attribute(
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            (smem_optin - RING_STATIC_SMEM) as i32,
-        )?;
+        for ring in [&f.gemv_ring, &f.gemv_ring_k2048] {
+            ring.set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                (smem_optin - RING_STATIC_SMEM) as i32,
+            )?;
+        }
         f.gate_up.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             gate_up_smem(c.hidden_size) as i32,
@@ -1135,7 +1142,12 @@ impl CudaDecoder {
         if segs.len() == 1 && segs.iter().all(tileable) && staged_ok {
             let smem = self.smem_optin - RING_STATIC_SMEM;
             if let Some(launch) = ring_launch(tiles, k, self.sms, smem) {
-                return self.launch_staged(&self.f.gemv_ring, a, launch, RING_THREADS);
+                let ring = if k == 2048 {
+                    &self.f.gemv_ring_k2048
+                } else {
+                    &self.f.gemv_ring
+                };
+                return self.launch_staged(ring, a, launch, RING_THREADS);
             }
         }
         let fills_gpu = tiles >= 2 * self.sms;
