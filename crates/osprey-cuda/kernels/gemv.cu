@@ -326,7 +326,7 @@ __device__ __forceinline__ int locate_unit(const GemvArgs& a, bool tiles, int u,
 // work units: 16-row tensor-core tiles (4-bit, group 64) or single rows (8-bit, other groups).
 // TILES: the launch has tiles (a.tiles); compiled apart so row-only launches (the router, the
 // output projections) carry none of the tile path's registers through their prologue.
-template <bool TILES, int KC = 0, int GROUP = 0>
+template <bool TILES, int KC = 0, int GROUP = 0, int WARPS = 8>
 __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
     const int K = KC ? KC : a.K, group = GROUP ? GROUP : a.group;
     __shared__ __align__(16) float xs[MAX_K + MAX_K / 8];
@@ -350,7 +350,7 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
     // Measured at 4K: the router launch 611 -> 619 tok/s; before the prologue but launched in
     // order, 586-608 (with 3 blocks per SM the row spilled to local memory, whose stores waited
     // for the loads); cuda-decode-early-loads-2.json.
-    const int rows_total = unit_count<TILES>(a, false), first_row = blockIdx.x * 8 + warp;
+    const int rows_total = unit_count<TILES>(a, false), first_row = blockIdx.x * WARPS + warp;
     RowLoads first;
     if (!TILES) {
         int fl;
@@ -417,7 +417,7 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
         }
     }
     // rows: every unit of the untiled segments, one per warp
-    for (int u = first_row; u < rows_total; u += gridDim.x * 8) {
+    for (int u = first_row; u < rows_total; u += gridDim.x * WARPS) {
         const Segment& s = a.seg[locate_unit<TILES>(a, false, u, local)];
         RowLoads L = first;
         if (TILES || u != first_row) load_row(s, local, K, group, L);
@@ -437,8 +437,16 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemv_q(GemvArgs a) { gemv_b
 // gemv_q_k2048: the router launch (K 2048, group 64), compiled for that shape: with K and the group
 // known, the prologue's per-thread loops and the row's chunk and group indices fold to constants,
 // and with TILES false no segment is asked whether it is tiled (ncu: 1,350 instructions a warp for
-// its one row, 2/3 of them indexing and the generic prologue).
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q_k2048(GemvArgs a) { gemv_body<false, 2048, 64>(a); }
+// its one row, 2/3 of them indexing and the generic prologue). Blocks of GEMV_K2048_WARPS warps, one
+// per SM (the host sizes the grid to the rows, at most one block an SM): the router launch's 1,281
+// rows fill 129 SMs with 10 rows each, where 161 blocks of 8 had 29 SMs taking two blocks (16 rows)
+// and finishing last: 4K 741.7 -> 751.3 tok/s, 128K 500.1 -> 502.0
+// (bench/results/cuda-decode-router-one-block-per-sm.json). Its prologue (load_input<2048>) takes 8
+// elements a thread, so the warps past the eighth only multiply.
+#define GEMV_K2048_WARPS 10
+extern "C" __global__ void __launch_bounds__(GEMV_K2048_WARPS * 32, 1) gemv_q_k2048(GemvArgs a) {
+    gemv_body<false, 2048, 64, GEMV_K2048_WARPS>(a);
+}
 extern "C" __global__ void __launch_bounds__(256, 3) gemv_q_tiles(GemvArgs a) { gemv_body<true>(a); }
 
 // ---- resident tiles: a block's whole share in shared memory, requested before the wait ----

@@ -84,6 +84,9 @@ fn resident_launch(
     (bytes <= smem).then_some((blocks, per_block, bytes.max(RESIDENT_MIN_SMEM).min(smem)))
 }
 
+/// Warps of a gemv_q_k2048 block (gemv.cu GEMV_K2048_WARPS).
+const GEMV_K2048_WARPS: usize = 10;
+
 /// gemv_q_pair (gemv.cu) takes K = 4096 only (compiled in there, PAIR_K): each block of a cluster
 /// pair multiplies one half.
 const PAIR_K: usize = 4096;
@@ -1172,14 +1175,16 @@ impl CudaDecoder {
         }
         // gemv_q requests each warp's first row before its wait: launched early, it streams
         // under the predecessor
-        let gemv = if k == 2048 && group == 64 {
-            &self.f.gemv_k2048
+        let (gemv, blocks, threads) = if k == 2048 && group == 64 {
+            // one block per SM, a row per warp while the rows last (gemv.cu GEMV_K2048_WARPS)
+            let blocks = units.div_ceil(GEMV_K2048_WARPS).min(self.sms) as u32;
+            (&self.f.gemv_k2048, blocks, 32 * GEMV_K2048_WARPS as u32)
         } else {
-            &self.f.gemv
+            (&self.f.gemv, blocks, 256)
         };
         self.launch_params(
             gemv,
-            launch_cfg((blocks, 1), 256),
+            launch_cfg((blocks, 1), threads),
             &mut [&a as *const GemvArgs as *mut c_void],
             self.overlap.early,
         )
