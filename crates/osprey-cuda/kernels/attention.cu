@@ -44,9 +44,10 @@
 // 2.4 TB/s (cuda-decode-int8-kv-ring-ablation.json). A warp step is ~300 instructions (32 HMMA,
 // 80 PRMT and 64 HADD2 turning bytes into f16, the softmax). More warps an SM through the ring
 // (2 slots, 3 blocks an SM at 164 registers, branch wip/int8-kv-ring-3): 128K 523 -> 473
-// (cuda-decode-session20-ablations.json). Untried: fewer instructions a position (the score
-// MMA's rows 8..15 are padding; a transposed S^T = K·Q^T has none, at the cost of moving P
-// between layouts).
+// (cuda-decode-session20-ablations.json). Fewer instructions a position: the scores on the integer
+// tensor cores (Q as two signed bytes a dim, the stored K codes as B fragments: the loop 728 -> 539
+// SASS instructions per two steps) gained 0.5% at 128K and lost 0.9% at 4K (branch wip/s21-imma,
+// cuda-decode-int8-imma-scores-ablation.json): the loads' latency holds it, not the instructions.
 #include "common.cuh"
 
 #define D 256
