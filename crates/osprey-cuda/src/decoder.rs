@@ -87,6 +87,13 @@ fn resident_launch(
 /// Warps of a gemv_q_k2048 block (gemv.cu GEMV_K2048_WARPS).
 const GEMV_K2048_WARPS: usize = 10;
 
+/// gemv_q_k2048's grid for `rows` rows on `sms` SMs: (blocks, threads). At most one block per SM,
+/// a row per warp while the rows last (beyond, the warps loop over the rest).
+fn k2048_row_launch(rows: usize, sms: usize) -> (u32, u32) {
+    let blocks = rows.div_ceil(GEMV_K2048_WARPS).min(sms).max(1);
+    (blocks as u32, (32 * GEMV_K2048_WARPS) as u32)
+}
+
 /// gemv_q_pair (gemv.cu) takes K = 4096 only (compiled in there, PAIR_K): each block of a cluster
 /// pair multiplies one half.
 const PAIR_K: usize = 4096;
@@ -1176,9 +1183,8 @@ impl CudaDecoder {
         // gemv_q requests each warp's first row before its wait: launched early, it streams
         // under the predecessor
         let (gemv, blocks, threads) = if k == 2048 && group == 64 {
-            // one block per SM, a row per warp while the rows last (gemv.cu GEMV_K2048_WARPS)
-            let blocks = units.div_ceil(GEMV_K2048_WARPS).min(self.sms) as u32;
-            (&self.f.gemv_k2048, blocks, 32 * GEMV_K2048_WARPS as u32)
+            let (blocks, threads) = k2048_row_launch(units, self.sms);
+            (&self.f.gemv_k2048, blocks, threads)
         } else {
             (&self.f.gemv, blocks, 256)
         };
@@ -2129,6 +2135,18 @@ fn check_shapes(c: &ModelConfig) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_router_launch_takes_one_block_per_sm_and_a_row_per_warp() {
+        // the model's router launch: 256 router rows, the shared expert's gate logit, 2 x 512
+        // shared gate/up rows
+        let (blocks, threads) = k2048_row_launch(1281, 132);
+        assert_eq!((blocks, threads), (129, 320));
+        assert!(blocks as usize * GEMV_K2048_WARPS >= 1281);
+        // more rows than warps on the GPU: one block per SM, the warps loop
+        assert_eq!(k2048_row_launch(5000, 132).0, 132);
+        assert_eq!(k2048_row_launch(1, 132).0, 1);
+    }
 
     #[test]
     fn the_step_graph_switches_at_the_experts_early_bound() {
