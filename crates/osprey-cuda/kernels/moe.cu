@@ -83,10 +83,10 @@ __device__ __forceinline__ void select_experts_n(const Routing& a, int* ids, flo
     }
     float mx = 0.f, chosen = 0.f, my_p = 0.f;
     int my_id = 0;
-    // the rounds as a loop, not unrolled: moe_experts_h2048 is 192 instructions shorter, and a step
-    // runs a dozen kernels of 1-3K instructions each per layer, so code that stays small loads
-    // sooner (ncu counts instruction-fetch stalls from the first instruction): 4K 753.4 -> 770.0
-    // tok/s, 32K 660.0 -> 671.4, 128K 501.4 -> 511.0 (bench/results/cuda-decode-code-size.json)
+    // the rounds as a loop, not unrolled: moe_experts_h2048 192 instructions shorter, 4K 753.4 ->
+    // 770.0 tok/s, 32K 660.0 -> 671.4, 128K 501.4 -> 511.0 (bench/results/cuda-decode-code-size.json),
+    // more than the selection's own time: likely instruction fetch (a layer runs 5-7 kernels of
+    // 0.7-2.9K instructions, and an isolated launch shows fetch stalls from its first instruction)
 #pragma unroll 1
     for (int r = 0; r < a.k; ++r) {
         uint32_t bk = 0u;
