@@ -144,8 +144,8 @@ __device__ __forceinline__ QRows rows_of(const Segment& s) { return QRows{s.code
 // of 16-byte loads, so the prologue costs one memory round trip instead of one per loop iteration.
 #define MAX_ELEMS 16
 
-// KC: K compiled in (0: the arguments'); its launches (gemv_q_k2048) run 256 threads, as every
-// gemv_body launch does (it also takes 8 warps a block for its rows)
+// KC: K compiled in (0: the arguments'): KC/256 elements a thread, so a launch needs at least 256
+// threads; past the 256th they take no part (gemv_q_k2048 runs 320)
 template <int KC>
 __device__ __forceinline__ void load_input(const GemvArgs& a, float* xs, float* chunk_sum, float* scratch) {
     const int K = KC ? KC : a.K, E = KC ? max(KC / 256, 4) : max(K / (int)blockDim.x, 4), t = threadIdx.x, base = t * E;
@@ -432,7 +432,7 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& a) {
 }
 
 // gemv_q at 2 blocks per SM: its first row held across the prologue fits in registers (at 3 it
-// spilled); the router launch needs 161 blocks
+// spilled)
 extern "C" __global__ void __launch_bounds__(256, 2) gemv_q(GemvArgs a) { gemv_body<false>(a); }
 // gemv_q_k2048: the router launch (K 2048, group 64), compiled for that shape: with K and the group
 // known, the prologue's per-thread loops and the row's chunk and group indices fold to constants,
