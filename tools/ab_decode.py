@@ -5,7 +5,8 @@ alike), into one JSON in the form of bench/results/*-ablation.json.
 
 A variant is NAME or NAME:VAR=VALUE[,VAR=VALUE...]: environment for that run, typically
 OSPREY_KERNELS_DIR=DIR (cubins built from a changed source; the rest embedded) or one of the
-decoder's A/B switches. NAME alone runs the binary as it is.
+decoder's A/B switches. NAME alone runs the binary as it is. OSPREY_BIN=PATH is not passed on:
+that variant runs the binary at PATH instead of --osprey (a change on the host side of the step).
 
     python3 tools/ab_decode.py --osprey target/release/osprey --model /tmp/full --context 4K,32K,128K \\
         --variant main --variant noinline:OSPREY_KERNELS_DIR=/tmp/v/noinline --rounds 2 --out ab.json
@@ -17,6 +18,8 @@ import os
 import subprocess
 import sys
 import tempfile
+
+BIN_VAR = "OSPREY_BIN"
 
 
 def parse_variant(text):
@@ -69,7 +72,8 @@ def main(argv, run=run_variant):
     first = None
     for r in range(a.rounds):
         for name, env in variants:
-            result = run(a.osprey, a.model, a.context, env, extra)
+            osprey = env.get(BIN_VAR, a.osprey)
+            result = run(osprey, a.model, a.context, {k: v for k, v in env.items() if k != BIN_VAR}, extra)
             first = first or result
             rounds[name].append(rates(result))
             print(f"round {r + 1} {name:16s} " + "  ".join(f"{t}: {v}" for t, v in rates(result).items()), flush=True)
@@ -80,7 +84,8 @@ def main(argv, run=run_variant):
         "commit": first.get("commit"),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": " ".join(["python3 tools/ab_decode.py", *argv]),
-        "note": "one machine, one binary, the variants interleaved round by round: compare rows with each other",
+        "note": "one machine, the variants interleaved round by round (one binary unless a variant names its "
+        f"{BIN_VAR}): compare rows with each other",
         "variants": [{"name": n, "env": env, "rounds": rounds[n]} for n, env in variants],
     }
     text = json.dumps(out, indent=1)

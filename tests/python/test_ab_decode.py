@@ -45,3 +45,16 @@ def test_variant_names_must_differ(tmp_path):
     with pytest.raises(SystemExit, match="must differ"):
         ab.main(["--model", "m", "--variant", "a", "--variant", "a", "--out", str(tmp_path / "x.json")],
                 run=lambda *args: None)
+
+
+def test_a_variant_may_run_its_own_binary(tmp_path):
+    calls = []
+
+    def fake_run(osprey, model, context, env, extra):
+        calls.append((osprey, env))
+        return {"device": "NVIDIA H200", "commit": "abc1234", "results": [{"tokens": 4096, "tokens_per_s": 700.0}]}
+
+    out = ab.main(["--osprey", "/b/main", "--model", "m", "--variant", "main", "--variant", "new:OSPREY_BIN=/b/new,X=1",
+                   "--rounds", "1", "--out", str(tmp_path / "ab.json")], run=fake_run)
+    assert calls == [("/b/main", {}), ("/b/new", {"X": "1"})]
+    assert out["variants"][1]["env"] == {"OSPREY_BIN": "/b/new", "X": "1"}
