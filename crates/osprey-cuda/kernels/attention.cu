@@ -15,6 +15,13 @@
 //   attn_combine — merges the splits in one pass (warps over splits with their own running maximum,
 //                  lanes over dims, 16 splits' loads in flight), applies the sigmoid output gate.
 //                  Grid (Hq, 4): a quarter of a head's dims per block.
+//   attn_decode_merge, attn_decode_int8_merge — the same, then the blocks meet (grid_meet) and
+//                  merge the splits themselves (merge_splits): attn_combine's work without its
+//                  launch. The step graph from EXPERTS_EARLY_BELOW (48K) on takes these: 128K
+//                  513.5 -> 520.5 tok/s, int8 cache 595.4 -> 597.9 (cuda-decode-attn-merge-
+//                  last-alloc.json); below it they lost (4K 768 -> 736: with no launch between
+//                  attn_decode and o_proj the next layers' in_proj blocks landed beside the early
+//                  moe_experts and slowed their copies; cuda-decode-attn-merge-in-decode.json).
 // Shapes: head_dim D = 256, Hq = 16, Hkv = 2 (up to 8 query heads per KV head).
 // Bytes: 2 KiB of K/V per position (bf16), e.g. 8 MB at 4K context, 268 MB at 128K; int8 half.
 // Measured (H200, full-size model, inside the decode graph): commit 1c5da43 (a warp per query
@@ -54,7 +61,7 @@
 #define MIN_SPLITS 128
 #define POSITIONS_PER_SPLIT 1024
 
-// Splits in use for `len` visible positions (attn_decode and attn_combine agree through this).
+// Splits in use for `len` visible positions (attn_decode, merge_splits and attn_combine agree).
 __device__ __forceinline__ int splits_in_use(int len, int max_splits) {
     return min(max_splits, max(MIN_SPLITS, (len + POSITIONS_PER_SPLIT - 1) / POSITIONS_PER_SPLIT));
 }
@@ -123,6 +130,9 @@ struct DecodeArgs {
     const float* v_scale;
     float* part_acc;        // [Hq, max splits, D]
     float* part_ml;         // [Hq, max splits, 2]
+    const float* qg;        // the output gate's input at [h, D + d]
+    float* out;             // [Hq, D]: the gated attention output
+    unsigned* meet;         // attn_decode*_merge: the launch's blocks meet on it (grid_meet)
     const int* pos;         // this token's position; positions 0..=pos are visible
     float scale;
     int hq, hkv, splits;    // splits: the grid's (the most in use)
@@ -326,6 +336,97 @@ __device__ __forceinline__ int acc_dim(KvStepInt8*, int t, int g) { return 16 * 
 __device__ __forceinline__ float acc_unscale(KvStep*) { return 1.f; }
 __device__ __forceinline__ float acc_unscale(KvStepInt8*) { return 1.f / V_SCALE_UP; }
 
+// Every block of the launch waits here for all the others (the grid is the resident blocks: the
+// host sizes it by occupancy, so they are all on the GPU at once), the scheme of cooperative
+// groups' grid sync: each block adds 1 and block 0 adds 2^31 - (blocks - 1), so the counter's top
+// bit flips once per launch and its low bits come back to where they were (no reset).
+__device__ __forceinline__ void grid_meet(unsigned* counter) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
+        __threadfence();  // the block's partial results before its arrival
+        const unsigned old = atomicAdd(counter, add);
+        for (unsigned rounds = 0;; ++rounds) {
+            if ((*reinterpret_cast<volatile unsigned*>(counter) ^ old) & 0x80000000u) break;
+            // a block that cannot become resident (another client holding SMs) would never
+            // arrive: after ~1 s the launch fails with an error the host reports, no hang
+            if (rounds == MEET_ROUNDS_LIMIT) __trap();
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+// The splits' merge in attn_decode_merge, once every block has written its partial results
+// (attn_combine's work, whose launch and dependency wait cost ~3.8 us a layer at 4K): slices
+// of MERGE_DIMS dims of one head over the blocks, 256 for 16 heads, so every block of the
+// resident grid takes at most one. Thread t takes dim t mod MERGE_DIMS of the slice and splits
+// t / MERGE_DIMS + 8i, 16 of them in flight at once (each with its own maximum, as the warps of
+// a block merge), then the 8 split lanes meet: lanes l and l ^ 16 by shuffles, the warps in
+// shared memory (`scratch`, 3 x 4 x MERGE_DIMS floats). The sigmoid output gate is applied here.
+#define MERGE_DIMS 16
+#define MERGE_LANES (32 * WARPS / MERGE_DIMS)
+__device__ __forceinline__ void merge_pair(float& M, float& L, float& o, float M2, float L2, float o2) {
+    const float Mn = fmaxf(M, M2);
+    const float c1 = M == -INFINITY ? 0.f : __expf(M - Mn), c2 = M2 == -INFINITY ? 0.f : __expf(M2 - Mn);
+    L = L * c1 + L2 * c2;
+    o = o * c1 + o2 * c2;
+    M = Mn;
+}
+
+__device__ __forceinline__ void merge_splits(const DecodeArgs& a, int used, float* scratch) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int slices = a.hq * (D / MERGE_DIMS), split_lane = threadIdx.x / MERGE_DIMS;
+    for (int sl = blockIdx.x; sl < slices; sl += gridDim.x) {
+        const int h = sl / (D / MERGE_DIMS), d = (sl % (D / MERGE_DIMS)) * MERGE_DIMS + threadIdx.x % MERGE_DIMS;
+        const float gate_in = a.qg[h * 2 * D + D + d];
+        float M = -INFINITY, L = 0.f, o = 0.f;
+        constexpr int BATCH = 16;
+        for (int s0 = split_lane; s0 < used; s0 += MERGE_LANES * BATCH) {
+            float2 ml[BATCH];
+            float u[BATCH];
+#pragma unroll
+            for (int i = 0; i < BATCH; ++i) {
+                // past the splits in use: the last one's loads again, weighed 0 (unpredicated
+                // loads, issued together)
+                const int s = s0 + MERGE_LANES * i;
+                const size_t at = (size_t)h * a.splits + min(s, used - 1);
+                ml[i] = reinterpret_cast<const float2*>(a.part_ml)[at];
+                u[i] = a.part_acc[at * D + d];
+                if (s >= used) ml[i].x = -INFINITY;
+            }
+            float mb = M;
+#pragma unroll
+            for (int i = 0; i < BATCH; ++i) mb = fmaxf(mb, ml[i].x);
+            if (mb == -INFINITY) continue;  // every split so far empty
+            const float c = M == -INFINITY ? 0.f : __expf(M - mb);
+            L *= c;
+            o *= c;
+#pragma unroll
+            for (int i = 0; i < BATCH; ++i) {
+                const float w = ml[i].x == -INFINITY ? 0.f : __expf(ml[i].x - mb);
+                L = fmaf(ml[i].y, w, L);
+                o = fmaf(w, u[i], o);
+            }
+            M = mb;
+        }
+        merge_pair(M, L, o, __shfl_xor_sync(FULL_MASK, M, 16), __shfl_xor_sync(FULL_MASK, L, 16), __shfl_xor_sync(FULL_MASK, o, 16));
+        if (lane < MERGE_DIMS) {
+            scratch[(0 * WARPS + warp) * MERGE_DIMS + lane] = M;
+            scratch[(1 * WARPS + warp) * MERGE_DIMS + lane] = L;
+            scratch[(2 * WARPS + warp) * MERGE_DIMS + lane] = o;
+        }
+        __syncthreads();
+        if (threadIdx.x < MERGE_DIMS) {
+            for (int w2 = 1; w2 < WARPS; ++w2)
+                merge_pair(M, L, o, scratch[(0 * WARPS + w2) * MERGE_DIMS + lane], scratch[(1 * WARPS + w2) * MERGE_DIMS + lane],
+                           scratch[(2 * WARPS + w2) * MERGE_DIMS + lane]);
+            a.out[h * D + d] = o / L * sigmoidf(gate_in);
+        }
+        __syncthreads();  // scratch is rewritten by the next slice
+    }
+}
+
 // The GQA group's scores and weighted values on the tensor cores (mma.sync, f32 accumulate). A
 // dot product or a weighted sum does not depend on the order of its terms, so each operand is
 // read in whatever order its loads deliver, as long as both sides of a product agree.
@@ -345,7 +446,7 @@ __device__ __forceinline__ float acc_unscale(KvStepInt8*) { return 1.f / V_SCALE
 //   and + {2,3}; a score is scaled by its K row's scale. Tile 8j + 2w + h takes V word w of piece
 //   8j + g of both positions, interleaved by bytes so each word holds a dim's two positions (dims
 //   +2h, +2h + 1 of the word); P carries each V row's scale (times V_SCALE_UP).
-template <typename Step>
+template <typename Step, bool MERGE>
 __device__ __forceinline__ void attn_decode_items(const DecodeArgs& a) {
     __shared__ uint2 qfrag[16][32];  // [k step][lane]: Q's a0, a2 (rows 8..15 are zero)
     __shared__ __align__(16) float merge_acc[WARPS][G][D];
@@ -438,11 +539,25 @@ __device__ __forceinline__ void attn_decode_items(const DecodeArgs& a) {
         }
         __syncthreads();  // qfrag and merge_* are rewritten by the next item
     }
+    // MERGE: every split's partial result written, the blocks meet, then merge the splits
+    // (otherwise attn_combine merges them)
+    if (!MERGE) return;
+    if (!waited) step_inputs_ready();  // the gate's input, from the attention in_proj
+    grid_meet(a.meet);
+    merge_splits(a, used, &merge_acc[0][0][0]);
 }
 
-extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) attn_decode(DecodeArgs a) { attn_decode_items<KvStep>(a); }
+extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) attn_decode(DecodeArgs a) { attn_decode_items<KvStep, false>(a); }
 extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) attn_decode_int8(DecodeArgs a) {
-    attn_decode_items<KvStepInt8>(a);
+    attn_decode_items<KvStepInt8, false>(a);
+}
+// The same with the splits' merge and the output gate at the end (attn_combine's work, without
+// its launch): decoder.rs takes these in the step graph from EXPERTS_EARLY_BELOW on.
+extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) attn_decode_merge(DecodeArgs a) {
+    attn_decode_items<KvStep, true>(a);
+}
+extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) attn_decode_int8_merge(DecodeArgs a) {
+    attn_decode_items<KvStepInt8, true>(a);
 }
 
 struct CombineArgs {

@@ -92,6 +92,10 @@ __device__ __forceinline__ void step_overlap_begin() { asm volatile("griddepcont
 __device__ __forceinline__ void step_inputs_ready() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void step_phase(unsigned) {}  // a timeline mark (2..8) in probed builds
 
+// Rounds of polling L2 before a kernel whose blocks meet (moe_experts' slots, attn_decode's grid)
+// gives up on the meeting and traps (each round is an L2 round trip, at least ~0.5 us).
+#define MEET_ROUNDS_LIMIT (1u << 21)
+
 // Asks L2 for this block's 1/gridDim share of [base, base + bytes), one 128-byte line per thread
 // per pass. A hint only: L2 is the GPU's point of coherence, so a prefetch can never yield stale data.
 __device__ __forceinline__ void prefetch_share_l2(const void* base, size_t bytes) {

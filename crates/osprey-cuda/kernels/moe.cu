@@ -324,10 +324,6 @@ struct ExpertsArgs {
 // h of one slot (I <= 512) in shared memory, padded, and as the tiles' two-byte form
 #define EXPERTS_MAX_I 512
 
-// Rounds of reading a slot's h before moe_experts gives up on its meeting (each is an L2 round
-// trip, at least ~0.5 us).
-#define MEET_ROUNDS_LIMIT (1u << 21)
-
 // A value of h and its launch's tag in one 64-bit word: single-copy atomic, so a reader that sees
 // the tag sees the value, and reading a slot's h is its meeting.
 __device__ __forceinline__ void store_tagged(unsigned long long* p, float v, unsigned tag) {

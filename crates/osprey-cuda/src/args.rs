@@ -175,6 +175,9 @@ pub struct DecodeArgs {
     pub v_scale: u64,
     pub part_acc: u64,
     pub part_ml: u64,
+    pub qg: u64,
+    pub out: u64,
+    pub meet: u64,
     pub pos: u64,
     pub scale: f32,
     pub hq: i32,
@@ -540,7 +543,7 @@ mod tests {
         );
         assert_eq!(std::mem::size_of::<GdnArgs>(), 11 * 8 + 3 * 4 + 4);
         assert_eq!(std::mem::size_of::<PrepArgs>(), 11 * 8 + 24);
-        assert_eq!(std::mem::size_of::<DecodeArgs>(), 8 * 8 + 20 + 4);
+        assert_eq!(std::mem::size_of::<DecodeArgs>(), 11 * 8 + 20 + 4);
         assert_eq!(std::mem::size_of::<SampleParams>(), 8 * 4 + 8);
         assert_eq!(std::mem::size_of::<SampleArgs>(), 8 * 8 + 8 + 2 * 8 + 2 * 4);
         assert_eq!(std::mem::size_of::<GemmArgs>(), 14 * 8 + 8 * 4);

@@ -33,6 +33,10 @@ pub use prefill::GdnPrefill;
 /// Most attention splits over the context (flash-decoding; sizes the partial results): the kernel
 /// uses 128 up to 128K positions and one per 1024 beyond (attention.cu), over a fixed grid.
 const SPLITS: usize = 512;
+/// attn_decode's threads a block (attention.cu WARPS warps).
+const ATTN_THREADS: u32 = 128;
+/// attn_decode's blocks an SM when they fit (two: 255 registers a thread).
+const ATTN_BLOCKS_PER_SM: usize = 2;
 /// Shared memory of one 16-row tile of 4-bit group-64 rows at width `k`: codes, scales, biases.
 fn tile_smem(k: usize) -> usize {
     16 * (k / 2 + 2 * (k / 64) * 2)
@@ -434,6 +438,8 @@ struct Scratch {
     o: CudaSlice<f32>,
     part_acc: CudaSlice<f32>,
     part_ml: CudaSlice<f32>,
+    /// attn_decode's meeting counter (attention.cu grid_meet)
+    attn_meet: CudaSlice<u32>,
     router: CudaSlice<f32>,
     shared_gate_logit: CudaSlice<f32>,
     shared_g: CudaSlice<f32>,
@@ -480,6 +486,8 @@ struct Functions {
     gdn: CudaFunction,
     prep: CudaFunction,
     attn: CudaFunction,
+    /// attn_decode with the splits' merge at its end (the graph from EXPERTS_EARLY_BELOW on)
+    attn_merge: CudaFunction,
     combine: CudaFunction,
     embed: CudaFunction,
     sample: CudaFunction,
@@ -520,6 +528,8 @@ pub struct CudaDecoder {
     memory: Vec<(&'static str, usize)>,
     /// Multiprocessors of the device (sizes persistent-style grids).
     sms: usize,
+    /// attn_decode's grid: blocks that are all resident at once (they meet before the merge).
+    attn_blocks: usize,
     /// Shared memory a block may take (opt-in), all of it dynamic for gemv_q_resident.
     smem_optin: usize,
     /// Page-locked host copy of the logits (pageable downloads were slow on the H200 host).
@@ -705,6 +715,13 @@ impl CudaDecoder {
                     KvCache::Int8 => "attn_decode_int8",
                 },
             )?,
+            attn_merge: func(
+                "attention",
+                match kv {
+                    KvCache::Bf16 => "attn_decode_merge",
+                    KvCache::Int8 => "attn_decode_int8_merge",
+                },
+            )?,
             combine: func("attention", "attn_combine")?,
             embed: func("sample", "embed")?,
             sample: func("sample", "sample_token")?,
@@ -850,6 +867,10 @@ impl CudaDecoder {
             choice: stream.clone_htod(&[TokenChoice::default()])?,
             seen: stream.alloc_zeros(c.vocab_size)?,
             output: stream.alloc_zeros(c.vocab_size)?,
+            // allocated last: between part_ml and the MoE buffers it moved those (router logits,
+            // h, the slots' meeting words) and the graph below 48K, which never touches it, lost
+            // 0.9% at 4K; here 4K is unchanged (bench/results/cuda-decode-attn-merge-last-alloc.json)
+            attn_meet: stream.alloc_zeros(1)?,
         };
         let valid_vocab = valid_vocab.min(w.config.vocab_size);
         let choice = TokenChoice {
@@ -952,6 +973,15 @@ impl CudaDecoder {
             None,
         )? as usize
             * sms;
+        // attn_decode's blocks meet before merging the splits: all of them must be resident
+        let attn_per_sm =
+            f.attn
+                .occupancy_max_active_blocks_per_multiprocessor(ATTN_THREADS, 0, None)?
+                as usize;
+        if attn_per_sm == 0 {
+            bail!("attn_decode does not fit on an SM of this GPU");
+        }
+        let attn_blocks = attn_per_sm.min(ATTN_BLOCKS_PER_SM) * sms;
         let fused_experts = experts_fit(&c)
             && resident_experts >= gate_up_blocks(&c)
             && std::env::var(MOE_ENV).as_deref() != Ok("pair");
@@ -973,6 +1003,7 @@ impl CudaDecoder {
             valid_vocab,
             memory,
             sms,
+            attn_blocks,
             smem_optin,
             logits_host,
             token_slots,
@@ -1472,6 +1503,15 @@ impl CudaDecoder {
                             self.overlap.early,
                         )?
                     );
+                    // the splits merged by attn_decode's blocks once they meet (no launch
+                    // between it and o_proj), except in the graph that launches moe_experts
+                    // early: there attn_combine's launch keeps the next layers' in_proj blocks
+                    // from landing beside moe_experts (whose copies they then slow), and the
+                    // merge in attn_decode lost (4K 768 -> 736 tok/s) where it gains from 48K
+                    // (128K 513.5 -> 520.5, int8 cache 595.4 -> 597.9, 4K unchanged:
+                    // bench/results/cuda-decode-attn-merge-last-alloc.json; first measured in
+                    // cuda-decode-attn-merge-in-decode.json)
+                    let merge_in_decode = !self.experts_early();
                     let da = DecodeArgs {
                         q: self.p(&s.q),
                         k_cache: self.p(&kv.k),
@@ -1480,6 +1520,9 @@ impl CudaDecoder {
                         v_scale: self.kv_scale(kv, 1),
                         part_acc: self.p(&s.part_acc),
                         part_ml: self.p(&s.part_ml),
+                        qg: self.p(&s.qg),
+                        out: self.p(&s.o),
+                        meet: self.p(&s.attn_meet),
                         pos: self.p(&s.pos),
                         scale: 1.0 / (c.head_dim as f32).sqrt(),
                         hq: c.num_attention_heads as i32,
@@ -1490,31 +1533,38 @@ impl CudaDecoder {
                     timed!(
                         "attn decode (split-KV)",
                         self.launch_params(
-                            &self.f.attn,
-                            // resident blocks (2 per SM) walking (KV head, split) items
-                            launch_cfg(((self.sms * 2) as u32, 1), 128),
+                            if merge_in_decode {
+                                &self.f.attn_merge
+                            } else {
+                                &self.f.attn
+                            },
+                            // resident blocks walking (KV head, split) items (then meeting to
+                            // merge the splits: all of them must be on the GPU at once)
+                            launch_cfg((self.attn_blocks as u32, 1), ATTN_THREADS),
                             &mut [&da as *const DecodeArgs as *mut c_void],
                             // its first K/V loads (rows of earlier steps) go out before the wait
                             self.overlap.early,
                         )?
                     );
-                    let ca = CombineArgs {
-                        part_acc: self.p(&s.part_acc),
-                        part_ml: self.p(&s.part_ml),
-                        qg: self.p(&s.qg),
-                        out: self.p(&s.o),
-                        pos: self.p(&s.pos),
-                        splits: SPLITS as i32,
-                    };
-                    timed!(
-                        "attn combine + gate",
-                        self.launch_step(
-                            &self.f.combine,
-                            // a quarter of a head's dims per block (attention.cu COMBINE_PARTS)
-                            launch_cfg((c.num_attention_heads as u32, 4), 256),
-                            &ca
-                        )?
-                    );
+                    if !merge_in_decode {
+                        let ca = CombineArgs {
+                            part_acc: self.p(&s.part_acc),
+                            part_ml: self.p(&s.part_ml),
+                            qg: self.p(&s.qg),
+                            out: self.p(&s.o),
+                            pos: self.p(&s.pos),
+                            splits: SPLITS as i32,
+                        };
+                        timed!(
+                            "attn combine + gate",
+                            self.launch_step(
+                                &self.f.combine,
+                                // a quarter of a head's dims per block (attention.cu COMBINE_PARTS)
+                                launch_cfg((c.num_attention_heads as u32, 4), 256),
+                                &ca
+                            )?
+                        );
+                    }
                     timed!(
                         "attn o_proj + residual",
                         self.gemv(
