@@ -85,8 +85,8 @@ __device__ __forceinline__ void select_experts_n(const Routing& a, int* ids, flo
     int my_id = 0;
     // the rounds as a loop, not unrolled: moe_experts_h2048 192 instructions shorter, 4K 753.4 ->
     // 770.0 tok/s, 32K 660.0 -> 671.4, 128K 501.4 -> 511.0 (bench/results/cuda-decode-code-size.json),
-    // more than the selection's own time: likely instruction fetch (a layer runs 5-7 kernels of
-    // 0.7-2.9K instructions, and an isolated launch shows fetch stalls from its first instruction)
+    // more than the selection's own time (not instruction fetch: ncu has fetch stalls at 6% of the
+    // step's warp cycles, bench/results/cuda-decode-ncu-graph-stalls.json)
 #pragma unroll 1
     for (int r = 0; r < a.k; ++r) {
         uint32_t bk = 0u;
