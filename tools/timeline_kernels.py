@@ -1,12 +1,10 @@
 #!/usr/bin/env python3
 """Builds timeline-instrumented copies of Osprey's CUDA kernels.
 
-Every kernel's first thread of each block records the GPU's global clock (%globaltimer) and its
-SM's cycle counter (%clock64) when the block starts (mark 0), when it passes griddepcontrol.wait
-(mark 1: its inputs are ready), at the phases its source marks with step_phase(2..8) (common.cuh;
-nothing in normal builds) and when it ends (mark 9), into per-SM buffers. The global clock moves
-in steps of ~0.26 us on the H200; the host maps each SM's cycle counts onto it (timeline.rs
-refine_times), so the marks keep its origin with the cycle counter's resolution. `osprey bench decode --timeline FILE`, run with
+Every kernel's first thread of each block records the GPU's global clock (%globaltimer) when the
+block starts (mark 0), when it passes griddepcontrol.wait (mark 1: its inputs are ready), at the
+phases its source marks with step_phase(2..8) (common.cuh; nothing in normal builds) and when it
+ends (mark 9), into per-SM buffers. `osprey bench decode --timeline FILE`, run with
 OSPREY_KERNELS_DIR pointing at the cubins built here, replays one decode step and writes each
 launch's real start, release and end, so a kernel's cost is read off the step itself: exit to exit,
 with what it waited for (the in-graph profile issues a family twice, and the second copy finds
@@ -46,7 +44,7 @@ __device__ __forceinline__ void step_phase(unsigned) {}  // a timeline mark (2..
 # L2 and stretched the phases it separated.
 PROBE = '''#ifdef OSPREY_TIMELINE
 struct TimelineRecord {
-    unsigned long long time_ns, clock;
+    unsigned long long time_ns;
     unsigned int mark, block, grid, sm;
 };
 #define TIMELINE_SMS 256
@@ -55,33 +53,31 @@ struct TimelineRecord {
 __device__ TimelineRecord timeline_records[TIMELINE_SMS * TIMELINE_PER_SM];
 __device__ unsigned int timeline_counts[TIMELINE_SMS];
 __shared__ unsigned int timeline_slot;
-__device__ __forceinline__ void timeline_store(unsigned int mark, unsigned long long t, unsigned long long clock) {
+__device__ __forceinline__ void timeline_store(unsigned int mark, unsigned long long t) {
     unsigned int sm;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
     const unsigned int i = timeline_slot;
     if (i + TIMELINE_MARKS <= TIMELINE_PER_SM)
         timeline_records[sm * TIMELINE_PER_SM + i + mark] =
-            TimelineRecord{t, clock, mark, blockIdx.x | (blockIdx.y << 16), gridDim.x | (gridDim.y << 16), sm};
+            TimelineRecord{t, mark, blockIdx.x | (blockIdx.y << 16), gridDim.x | (gridDim.y << 16), sm};
 }
 __device__ __forceinline__ void timeline_begin() {
     if (threadIdx.x != 0 || threadIdx.y != 0) return;
-    unsigned long long t, clock;
+    unsigned long long t;
     unsigned int sm;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    asm volatile("mov.u64 %0, %%clock64;" : "=l"(clock));
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
     const unsigned int i = atomicAdd(&timeline_counts[sm], (unsigned int)TIMELINE_MARKS);
     timeline_slot = i;
     if (i + TIMELINE_MARKS <= TIMELINE_PER_SM)
         for (int m = 1; m < TIMELINE_MARKS; ++m) timeline_records[sm * TIMELINE_PER_SM + i + m].mark = 0xFFFFFFFFu;
-    timeline_store(0, t, clock);
+    timeline_store(0, t);
 }
 __device__ __forceinline__ void timeline_mark(unsigned int mark) {
     if (threadIdx.x != 0 || threadIdx.y != 0) return;
-    unsigned long long t, clock;
+    unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    asm volatile("mov.u64 %0, %%clock64;" : "=l"(clock));
-    timeline_store(mark, t, clock);
+    timeline_store(mark, t);
 }
 #endif
 __device__ __forceinline__ void step_overlap_begin() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }

@@ -1984,7 +1984,7 @@ impl CudaDecoder {
         self.captured_graph()?.launch()?;
         self.host_pos += 1;
         self.synchronize()?;
-        let (mut names, mut raw) = (Vec::new(), Vec::new());
+        let mut marks = Vec::new();
         for (name, m, counts) in &probed {
             // SAFETY: the probe declares `unsigned int timeline_counts[SMS]`
             let counts = self
@@ -2001,28 +2001,17 @@ impl CudaDecoder {
                     tracing::warn!("timeline: SM {sm} of {name} recorded {n} marks, kept {PER_SM}");
                 }
                 for r in &records[sm * PER_SM..sm * PER_SM + (n as usize).min(PER_SM)] {
-                    names.push(*name);
-                    raw.push(*r);
+                    marks.push(Mark {
+                        module: name,
+                        time_ns: r.time_ns,
+                        mark: r.mark,
+                        block: r.block,
+                        grid: r.grid,
+                    });
                 }
             }
         }
-        let coarse = crate::timeline::refine_times(&mut raw);
-        if !coarse.is_empty() {
-            tracing::warn!(
-                "timeline: SMs {coarse:?} keep the global clock's steps (their cycle counts fit no single rate)"
-            );
-        }
-        Ok(names
-            .into_iter()
-            .zip(raw)
-            .map(|(module, r)| Mark {
-                module,
-                time_ns: r.time_ns,
-                mark: r.mark,
-                block: r.block,
-                grid: r.grid,
-            })
-            .collect())
+        Ok(marks)
     }
 
     /// Each kernel family's cost inside the graph: the step is captured again with that family's

@@ -20,8 +20,6 @@ pub(crate) const RECORDS_SYMBOL: &str = "timeline_records";
 #[derive(Clone, Copy, Default, Debug)]
 pub(crate) struct RawRecord {
     pub time_ns: u64,
-    /// The SM's cycle counter (%clock64) at the mark.
-    pub clock: u64,
     pub mark: u32,
     /// blockIdx.x | blockIdx.y << 16
     pub block: u32,
@@ -99,68 +97,6 @@ pub fn phase_times(l: &Launch) -> Vec<PhaseTime> {
             })
         })
         .collect()
-}
-
-/// Largest distance (ns) between an SM's global-clock times and the line fitted through its
-/// cycle counts: the global clock's ~256 ns steps and a little more. Beyond it the SM's cycle
-/// counter did not run at one rate over the step and its records keep their global-clock times.
-const MAX_FIT_ERROR_NS: f64 = 400.0;
-
-/// Replaces each record's global-clock time (steps of ~256 ns on the H200) by its SM's cycle
-/// count mapped onto the global clock: a least-squares line through all of that SM's records
-/// (one step puts hundreds over ~1.4 ms on each SM, so the steps average out). Returns the SMs
-/// left as they were (fewer than two distinct counts, or a fit off by more than
-/// MAX_FIT_ERROR_NS).
-pub(crate) fn refine_times(records: &mut [RawRecord]) -> Vec<u32> {
-    let mut by_sm: HashMap<u32, Vec<usize>> = HashMap::new();
-    for (i, r) in records.iter().enumerate() {
-        by_sm.entry(r.sm).or_default().push(i);
-    }
-    let mut kept = Vec::new();
-    for (sm, idx) in by_sm {
-        // offsets from the SM's first record, so the sums stay exact in f64
-        let (c0, t0) = idx
-            .iter()
-            .map(|&i| (records[i].clock, records[i].time_ns))
-            .min()
-            .unwrap_or_default();
-        let pts: Vec<(f64, f64)> = idx
-            .iter()
-            .map(|&i| {
-                let r = &records[i];
-                (
-                    r.clock.wrapping_sub(c0) as f64,
-                    r.time_ns as f64 - t0 as f64,
-                )
-            })
-            .collect();
-        let n = pts.len() as f64;
-        let (mx, my) = pts
-            .iter()
-            .fold((0.0, 0.0), |(a, b), p| (a + p.0 / n, b + p.1 / n));
-        let (sxy, sxx) = pts.iter().fold((0.0, 0.0), |(a, b), p| {
-            (a + (p.0 - mx) * (p.1 - my), b + (p.0 - mx) * (p.0 - mx))
-        });
-        if sxx == 0.0 {
-            kept.push(sm);
-            continue;
-        }
-        let slope = sxy / sxx;
-        let fit = |x: f64| my + slope * (x - mx);
-        let worst = pts
-            .iter()
-            .map(|p| (fit(p.0) - p.1).abs())
-            .fold(0.0, f64::max);
-        if worst > MAX_FIT_ERROR_NS {
-            kept.push(sm);
-            continue;
-        }
-        for (&i, p) in idx.iter().zip(&pts) {
-            records[i].time_ns = (t0 as f64 + fit(p.0)).round().max(0.0) as u64;
-        }
-    }
-    kept.sort_unstable();
-    kept
 }
 
 /// One start of a block index: whether its release (mark 1) and its end (mark 9) have been seen.
@@ -338,64 +274,8 @@ mod tests {
 
     #[test]
     fn record_layout_matches_the_probe() {
-        // two unsigned long longs + four unsigned ints (tools/timeline_kernels.py)
-        assert_eq!(std::mem::size_of::<RawRecord>(), 32);
-    }
-
-    fn raw(sm: u32, time_ns: u64, clock: u64) -> RawRecord {
-        RawRecord {
-            time_ns,
-            clock,
-            sm,
-            ..Default::default()
-        }
-    }
-
-    #[test]
-    fn cycle_counts_recover_times_finer_than_the_global_clock_steps() {
-        // SM 3 at 1.98 GHz from cycle 10^9, true times 1000 + k * 37.3 ns; the global clock
-        // reports them in 256 ns steps
-        let truth: Vec<f64> = (0..400).map(|k| 1000.0 + k as f64 * 37.3).collect();
-        let mut recs: Vec<RawRecord> = truth
-            .iter()
-            .map(|&t| {
-                let clock = 1_000_000_000 + ((t - 1000.0) * 1.98).round() as u64;
-                raw(3, (t as u64 / 256) * 256, clock)
-            })
-            .collect();
-        assert!(refine_times(&mut recs).is_empty());
-        let worst = recs
-            .iter()
-            .zip(&truth)
-            .map(|(r, &t)| (r.time_ns as f64 - t).abs())
-            .fold(0.0, f64::max);
-        // the steps' mean offset (half a step) is the only error left
-        assert!(worst < 140.0, "{worst}");
-        let gaps: Vec<i64> = recs
-            .windows(2)
-            .map(|w| w[1].time_ns as i64 - w[0].time_ns as i64)
-            .collect();
-        assert!(gaps.iter().all(|&g| (36..=39).contains(&g)), "{gaps:?}");
-    }
-
-    #[test]
-    fn an_sm_whose_counter_changed_rate_keeps_its_global_clock_times() {
-        // SM 1 runs at 2 cycles/ns for 100 us, then at 1; SM 2 has one record
-        let mut recs: Vec<RawRecord> = (0..200u64)
-            .map(|k| {
-                let t = k * 1000;
-                let clock = if t <= 100_000 {
-                    2 * t
-                } else {
-                    200_000 + (t - 100_000)
-                };
-                raw(1, t, clock)
-            })
-            .collect();
-        recs.push(raw(2, 5000, 77));
-        let before: Vec<u64> = recs.iter().map(|r| r.time_ns).collect();
-        assert_eq!(refine_times(&mut recs), vec![1, 2]);
-        assert_eq!(recs.iter().map(|r| r.time_ns).collect::<Vec<_>>(), before);
+        // unsigned long long + four unsigned ints (tools/timeline_kernels.py)
+        assert_eq!(std::mem::size_of::<RawRecord>(), 24);
     }
 
     #[test]
