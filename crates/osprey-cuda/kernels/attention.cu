@@ -374,17 +374,40 @@ __device__ __forceinline__ void merge_pair(float& M, float& L, float& o, float M
     M = Mn;
 }
 
+// One batch of splits into a running merge (maximum M, sum of weights L, weighted values o[N]):
+// the batch's maximum first, then one rescale of the running sums and a weight per split; an
+// empty split (maximum -inf) weighs nothing, and a batch of only empty ones changes nothing.
+template <int BATCH, int N>
+__device__ __forceinline__ void merge_batch(const float2 (&ml)[BATCH], const float (&u)[BATCH][N], float& M, float& L, float (&o)[N]) {
+    float mb = M;
+#pragma unroll
+    for (int i = 0; i < BATCH; ++i) mb = fmaxf(mb, ml[i].x);
+    if (mb == -INFINITY) return;  // every split so far empty
+    const float c = M == -INFINITY ? 0.f : __expf(M - mb);
+    L *= c;
+#pragma unroll
+    for (int n = 0; n < N; ++n) o[n] *= c;
+#pragma unroll
+    for (int i = 0; i < BATCH; ++i) {
+        const float w = ml[i].x == -INFINITY ? 0.f : __expf(ml[i].x - mb);
+        L = fmaf(ml[i].y, w, L);
+#pragma unroll
+        for (int n = 0; n < N; ++n) o[n] = fmaf(w, u[i][n], o[n]);
+    }
+    M = mb;
+}
+
 __device__ __forceinline__ void merge_splits(const DecodeArgs& a, int used, float* scratch) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int slices = a.hq * (D / MERGE_DIMS), split_lane = threadIdx.x / MERGE_DIMS;
     for (int sl = blockIdx.x; sl < slices; sl += gridDim.x) {
         const int h = sl / (D / MERGE_DIMS), d = (sl % (D / MERGE_DIMS)) * MERGE_DIMS + threadIdx.x % MERGE_DIMS;
         const float gate_in = a.qg[h * 2 * D + D + d];
-        float M = -INFINITY, L = 0.f, o = 0.f;
+        float M = -INFINITY, L = 0.f, ov[1] = {0.f};
         constexpr int BATCH = 16;
         for (int s0 = split_lane; s0 < used; s0 += MERGE_LANES * BATCH) {
             float2 ml[BATCH];
-            float u[BATCH];
+            float u[BATCH][1];
 #pragma unroll
             for (int i = 0; i < BATCH; ++i) {
                 // past the splits in use: the last one's loads again, weighed 0 (unpredicated
@@ -392,24 +415,12 @@ __device__ __forceinline__ void merge_splits(const DecodeArgs& a, int used, floa
                 const int s = s0 + MERGE_LANES * i;
                 const size_t at = (size_t)h * a.splits + min(s, used - 1);
                 ml[i] = reinterpret_cast<const float2*>(a.part_ml)[at];
-                u[i] = a.part_acc[at * D + d];
+                u[i][0] = a.part_acc[at * D + d];
                 if (s >= used) ml[i].x = -INFINITY;
             }
-            float mb = M;
-#pragma unroll
-            for (int i = 0; i < BATCH; ++i) mb = fmaxf(mb, ml[i].x);
-            if (mb == -INFINITY) continue;  // every split so far empty
-            const float c = M == -INFINITY ? 0.f : __expf(M - mb);
-            L *= c;
-            o *= c;
-#pragma unroll
-            for (int i = 0; i < BATCH; ++i) {
-                const float w = ml[i].x == -INFINITY ? 0.f : __expf(ml[i].x - mb);
-                L = fmaf(ml[i].y, w, L);
-                o = fmaf(w, u[i], o);
-            }
-            M = mb;
+            merge_batch(ml, u, M, L, ov);
         }
+        float o = ov[0];
         merge_pair(M, L, o, __shfl_xor_sync(FULL_MASK, M, 16), __shfl_xor_sync(FULL_MASK, L, 16), __shfl_xor_sync(FULL_MASK, o, 16));
         if (lane < MERGE_DIMS) {
             scratch[(0 * WARPS + warp) * MERGE_DIMS + lane] = M;
@@ -586,11 +597,12 @@ extern "C" __global__ void __launch_bounds__(256) attn_combine(CombineArgs a) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     // the output gate's input with the first splits' loads, not one more round trip at the end
     const float gate_in = threadIdx.x < COMBINE_DIMS ? a.qg[h * 2 * D + D + d0 + threadIdx.x] : 0.f;
-    float M = -INFINITY, L = 0.f, o0 = 0.f, o1 = 0.f;
+    float M = -INFINITY, L = 0.f, o[2] = {0.f, 0.f};
     // 16 splits a warp at a time: every load of the batch issued before the first is used
     constexpr int BATCH = 16;
     for (int s0 = warp; s0 < used; s0 += 8 * BATCH) {
-        float2 ml[BATCH], u[BATCH];
+        float2 ml[BATCH];
+        float u[BATCH][2];
 #pragma unroll
         for (int i = 0; i < BATCH; ++i) {
             // past the splits in use: the last one's loads again, weighed 0 (unpredicated loads
@@ -599,30 +611,15 @@ extern "C" __global__ void __launch_bounds__(256) attn_combine(CombineArgs a) {
             const int s = s0 + 8 * i;
             const size_t at = (size_t)h * a.splits + min(s, used - 1);
             ml[i] = reinterpret_cast<const float2*>(a.part_ml)[at];
-            u[i] = reinterpret_cast<const float2*>(a.part_acc + at * D + d0)[lane];
+            const float2 v = reinterpret_cast<const float2*>(a.part_acc + at * D + d0)[lane];
+            u[i][0] = v.x;
+            u[i][1] = v.y;
             if (s >= used) ml[i].x = -INFINITY;
         }
-        // the batch's maximum first, then one rescale of the running sums and a weight per split
-        float mb = M;
-#pragma unroll
-        for (int i = 0; i < BATCH; ++i) mb = fmaxf(mb, ml[i].x);
-        if (mb == -INFINITY) continue;  // every split so far empty
-        const float c = M == -INFINITY ? 0.f : __expf(M - mb);
-        L *= c;
-        o0 *= c;
-        o1 *= c;
-#pragma unroll
-        for (int i = 0; i < BATCH; ++i) {
-            // an empty split has maximum -inf and weighs nothing
-            const float w = ml[i].x == -INFINITY ? 0.f : __expf(ml[i].x - mb);
-            L = fmaf(ml[i].y, w, L);
-            o0 = fmaf(w, u[i].x, o0);
-            o1 = fmaf(w, u[i].y, o1);
-        }
-        M = mb;
+        merge_batch(ml, u, M, L, o);
     }
-    sums[warp][lane * 2] = o0;
-    sums[warp][lane * 2 + 1] = o1;
+    sums[warp][lane * 2] = o[0];
+    sums[warp][lane * 2 + 1] = o[1];
     if (lane == 0) {
         warp_ml[warp][0] = M;
         warp_ml[warp][1] = L;
