@@ -973,13 +973,14 @@ impl CudaDecoder {
             None,
         )? as usize
             * sms;
-        // attn_decode's blocks meet before merging the splits: all of them must be resident
-        let attn_per_sm =
-            f.attn
-                .occupancy_max_active_blocks_per_multiprocessor(ATTN_THREADS, 0, None)?
-                as usize;
+        // attn_decode_merge's blocks meet before merging the splits: all of them must be
+        // resident, so its occupancy sizes the grid (attn_decode, which does not meet, shares it)
+        let attn_per_sm = f
+            .attn_merge
+            .occupancy_max_active_blocks_per_multiprocessor(ATTN_THREADS, 0, None)?
+            as usize;
         if attn_per_sm == 0 {
-            bail!("attn_decode does not fit on an SM of this GPU");
+            bail!("attn_decode_merge does not fit on an SM of this GPU");
         }
         let attn_blocks = attn_per_sm.min(ATTN_BLOCKS_PER_SM) * sms;
         let fused_experts = experts_fit(&c)
