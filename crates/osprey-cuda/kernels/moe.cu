@@ -434,14 +434,6 @@ __device__ __forceinline__ void moe_experts_body(const ExpertsArgs& a) {
             store_quad_sums(part + (t * quads + qd) * 16, yA, yB);
         }
     }
-    // the expert's down rows go out only now, once its gate/up tiles are in and multiplied: asked
-    // for with the gate/up copies (or right after they landed) they shared DRAM with them and the
-    // tiles landed ~1 us later, while the rows have the h write and the slot's meeting to arrive
-    // (4K 673.5 -> 681.6 tok/s, 128K 455.5 -> 464.5; bench/results/cuda-decode-moe-down-rows-late.json)
-    const size_t e0 = (size_t)ids[slot] * H;
-    if (routed_warp)
-        tile_load(QRows{a.down.codes + e0 * (I / 8), a.down.scales + e0 * gps, a.down.biases + e0 * gps, H}, I,
-                  r0 + my_tile * 16, g0, g0 + gpw, tb);
     __syncthreads();
     if (threadIdx.x < 16) {
         const int r = threadIdx.x;
@@ -461,6 +453,18 @@ __device__ __forceinline__ void moe_experts_body(const ExpertsArgs& a) {
             spart[warp][(lane >> 2) + 8] = yB;
         }
     }
+    // the expert's down rows go out only now, once its gate/up tiles are in and multiplied and
+    // this block's h is written: asked for with the gate/up copies (or right after they landed)
+    // they shared DRAM with them and the tiles landed ~1 us later (4K 673.5 -> 681.6 tok/s, 128K
+    // 455.5 -> 464.5; bench/results/cuda-decode-moe-down-rows-late.json); asked for before the h
+    // sums, the 16 threads' shared-memory reads and the shared tile waited behind their ~3K
+    // loads a block: h written 7.9 -> 6.9 us after the release, 4K 768.1 -> 772.1 tok/s, 32K
+    // +0.6%, 128K +0.4% (bench/results/cuda-decode-moe-down-rows-after-h.json). They still have
+    // the slot's meeting to arrive.
+    const size_t e0 = (size_t)ids[slot] * H;
+    if (routed_warp)
+        tile_load(QRows{a.down.codes + e0 * (I / 8), a.down.scales + e0 * gps, a.down.biases + e0 * gps, H}, I,
+                  r0 + my_tile * 16, g0, g0 + gpw, tb);
     // the slot's whole h, from its fblocks blocks
     __syncthreads();
     step_phase(5);  // this block's h written
