@@ -528,11 +528,29 @@ __device__ __forceinline__ void gemv_resident_body(const GemvArgs& a) {
     if (quads == 1) load_quad_x(xb8, gx, g0, X);
     mbar_wait(full, 0);
     step_phase(4);  // tiles in
-    // tile by tile (unrolled over tiles the code outgrows the instruction cache); a warp leaves
-    // its 16 partial sums of a tile in the first 64 bytes of its own K-slice of the tile's codes,
-    // which only it reads
+    // a warp leaves its 16 partial sums of a tile in the first 64 bytes of its own K-slice of the
+    // tile's codes, which only it reads. Tiles go two at a time (unrolled over all tiles the code
+    // outgrows the instruction cache): a warp's quad_dot is a chain of shared-memory loads, mma
+    // and conversions that one tile alone leaves mostly waiting at 4 warps a scheduler (GDN
+    // in_proj's median block multiplied 2.05 -> 1.79 us after its tiles are in; 4K 772.8 -> 777.5
+    // tok/s, 32K +0.4%, 128K -0.1%: bench/results/cuda-decode-resident-tile-pairs.json)
+    int i = phase;
+    if (quads == 1) {
 #pragma unroll 1
-    for (int i = phase; i < n; i += phases) {
+        for (; i + phases < n; i += 2 * phases) {
+            char* s0 = codes + (size_t)i * 16 * (K / 2);
+            char* s1 = s0 + (size_t)phases * 16 * (K / 2);
+            const size_t o0 = (size_t)i * 16 * gpr, o1 = o0 + (size_t)phases * 16 * gpr;
+            float a0 = 0.f, b0 = 0.f, a1 = 0.f, b1 = 0.f;
+            quad_dot(s0, scales + o0, biases + o0, L0, X, a0, b0);
+            quad_dot(s1, scales + o1, biases + o1, L0, X, a1, b1);
+            __syncwarp();
+            store_quad_sums(reinterpret_cast<float*>(s0 + g0 * 32), a0, b0);
+            store_quad_sums(reinterpret_cast<float*>(s1 + g0 * 32), a1, b1);
+        }
+    }
+#pragma unroll 1
+    for (; i < n; i += phases) {
         char* stage = codes + (size_t)i * 16 * (K / 2);
         const __nv_bfloat16* sc = scales + (size_t)i * 16 * gpr;
         const __nv_bfloat16* bi = biases + (size_t)i * 16 * gpr;
