@@ -448,9 +448,9 @@ struct Scratch {
     topk: CudaSlice<i32>,
     /// The MoE block's normalised input (the router launch writes it for moe_experts).
     xn: CudaSlice<f32>,
-    /// moe_experts' meeting words: per routed slot, the last launch's tag for its values of h,
-    /// then its blocks that have left. Zeroed only here (as is h): tags only grow, so a value
-    /// left by an earlier launch never carries the current one's.
+    /// moe_experts' meeting words: per routed slot, the last launch's tag for its values of h.
+    /// Zeroed only here (as is h): tags only grow, so a value left by an earlier launch never
+    /// carries the current one's.
     meet: CudaSlice<i32>,
     logits: CudaSlice<f32>,
     token: CudaSlice<i32>,
@@ -855,7 +855,7 @@ impl CudaDecoder {
             )?,
             topk: stream.alloc_zeros(32)?,
             xn: stream.alloc_zeros(c.hidden_size)?,
-            meet: stream.alloc_zeros(2 * c.num_experts_per_tok)?,
+            meet: stream.alloc_zeros(c.num_experts_per_tok)?,
             logits: stream.alloc_zeros(c.vocab_size)?,
             token: stream.alloc_zeros(1)?,
             pos: stream.alloc_zeros(1)?,
