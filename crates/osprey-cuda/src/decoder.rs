@@ -181,6 +181,9 @@ fn experts_fit(c: &ModelConfig) -> bool {
     gps.is_multiple_of(wpt) && gpw <= 4 && gpw.is_multiple_of(2) && h / 16 <= k * fblocks
 }
 
+/// Words of an embedding row per thread of sample.cu embed (its EMBED_WORDS).
+const EMBED_WORDS: usize = 4;
+
 /// `OSPREY_DECODE_MOE=pair` runs the decode step's experts as two launches (moe_gate_up, then
 /// moe_down once all of h is written) instead of moe_experts, for ablation.
 const MOE_ENV: &str = "OSPREY_DECODE_MOE";
@@ -735,6 +738,16 @@ impl CudaDecoder {
             bytes: 0,
         };
         let embed = up.matrix(&w.embed_tokens.matrix, "embed_tokens")?;
+        // sample.cu embed: 256 threads of at most EMBED_WORDS words of the row each
+        let (ebits, egroup) = (embed.bits as usize, embed.group);
+        if c.hidden_size * ebits > 32 * 256 * EMBED_WORDS || egroup < 32 / ebits {
+            bail!(
+                "embed_tokens: {}-bit rows of {} in groups of {} are past the CUDA embed kernel",
+                embed.bits,
+                c.hidden_size,
+                embed.group
+            );
+        }
         let lm_head = up.linear(&w.lm_head, "lm_head")?;
         let mut state_bytes = 0usize;
         let mut kv_bytes = 0usize;
