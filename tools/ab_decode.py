@@ -59,6 +59,7 @@ def main(argv, run=run_variant):
     p.add_argument("--rounds", type=int, default=2, help="passes over the variants (default 2)")
     p.add_argument("--bench-rounds", default="2", help="osprey bench decode --rounds of each run (default 2)")
     p.add_argument("--kv-cache", default="bf16")
+    p.add_argument("--sample", action="store_true", help="osprey bench decode --sample (the checkpoint's sampling settings)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     try:
@@ -67,7 +68,7 @@ def main(argv, run=run_variant):
         sys.exit(str(e))
     if len({n for n, _ in variants}) != len(variants):
         sys.exit("variant names must differ")
-    extra = ["--rounds", a.bench_rounds, "--kv-cache", a.kv_cache]
+    extra = ["--rounds", a.bench_rounds, "--kv-cache", a.kv_cache, *(["--sample"] if a.sample else [])]
     rounds = {n: [] for n, _ in variants}
     first = None
     for r in range(a.rounds):

@@ -58,3 +58,16 @@ def test_a_variant_may_run_its_own_binary(tmp_path):
                    "--rounds", "1", "--out", str(tmp_path / "ab.json")], run=fake_run)
     assert calls == [("/b/main", {}), ("/b/new", {"X": "1"})]
     assert out["variants"][1]["env"] == {"OSPREY_BIN": "/b/new", "X": "1"}
+
+
+def test_sample_times_the_sampled_step(tmp_path):
+    extras = []
+
+    def fake_run(osprey, model, context, env, extra):
+        extras.append(extra)
+        return {"device": "d", "commit": "c", "results": [{"tokens": 4096, "tokens_per_s": 1.0}]}
+
+    ab.main(["--model", "m", "--variant", "a", "--rounds", "1", "--out", str(tmp_path / "x.json")], run=fake_run)
+    ab.main(["--model", "m", "--variant", "a", "--rounds", "1", "--sample", "--out", str(tmp_path / "y.json")],
+            run=fake_run)
+    assert "--sample" not in extras[0] and extras[1][-1] == "--sample"

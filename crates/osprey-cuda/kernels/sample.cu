@@ -121,10 +121,8 @@ __device__ __forceinline__ float uniform01(unsigned long long seed, unsigned lon
 
 // The sampler's penalties on one logit (repetition on every seen token, presence and frequency
 // on generated ones), as crates/osprey-engine/src/sampler.rs applies them.
-__device__ __forceinline__ float penalised(const SampleParams& P, const SampleArgs& a, int i) {
-    float l = a.logits[i];
-    if (P.repetition != 1.f && a.seen[i] > 0) l = l > 0.f ? l / P.repetition : l * P.repetition;
-    const int o = a.output[i];
+__device__ __forceinline__ float penalised(const SampleParams& P, float l, int seen, int o) {
+    if (P.repetition != 1.f && seen > 0) l = l > 0.f ? l / P.repetition : l * P.repetition;
     if (o > 0) l -= P.presence + P.frequency * (float)o;
     return l;
 }
@@ -144,6 +142,9 @@ __device__ __forceinline__ void warp_best(float& best, int& bi) {
 // The k-th largest of `count` keys (key(i), i < count), one byte at a time from the top: four
 // histogram passes by the whole block (warp-aggregated shared-memory atomics), each narrowing the
 // prefix. Every key at or above the returned one is among the k largest or tied with the k-th.
+// Each pass's bin is found by warp 0 (8 bins a lane from the top, a shuffle scan of the lanes'
+// counts): one thread walking the 256 bins took ~4 us a pass, most of a sampled step's 55 us
+// of token choice (bench/results/cuda-decode-sampler-scan.json).
 template <class Key>
 __device__ unsigned kth_largest_key(int count, int k, Key key, unsigned* hist, unsigned* s_prefix, int* s_k) {
     const int tid = threadIdx.x, lane = tid & 31;
@@ -162,17 +163,37 @@ __device__ unsigned kth_largest_key(int count, int k, Key key, unsigned* hist, u
             if (bin < 256 && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
         }
         __syncthreads();
-        if (tid == 0) {
-            int above = 0;
-            *s_prefix = prefix;
-            *s_k = k;
-            for (int b = 255; b >= 0; --b) {
-                if (above + (int)hist[b] >= k) {
-                    *s_prefix = prefix | ((unsigned)b << shift);
-                    *s_k = k - above;
-                    break;
+        if (tid < 32) {
+            // lane l: bins 255 - 8l down to 248 - 8l; fewer than k keys in all: the prefix stays
+            int c[8], sum = 0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                c[j] = (int)hist[255 - 8 * lane - j];
+                sum += c[j];
+            }
+            int incl = sum;
+#pragma unroll
+            for (int off = 1; off < 32; off <<= 1) {
+                const int t = __shfl_up_sync(FULL_MASK, incl, off);
+                if (lane >= off) incl += t;
+            }
+            const unsigned reach = __ballot_sync(FULL_MASK, incl >= k);
+            if (lane == 0) {
+                *s_prefix = prefix;
+                *s_k = k;
+            }
+            __syncwarp();
+            if (reach && lane == __ffs(reach) - 1) {
+                int above = incl - sum;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    if (above + c[j] >= k) {
+                        *s_prefix = prefix | ((unsigned)(255 - 8 * lane - j) << shift);
+                        *s_k = k - above;
+                        break;
+                    }
+                    above += c[j];
                 }
-                above += hist[b];
             }
         }
         __syncthreads();
@@ -324,11 +345,29 @@ extern "C" __global__ void __launch_bounds__(PREPASS_THREADS) sample_prepass(Sam
     int* out_i = a.cand_i + (size_t)b * stride;
     float best = -INFINITY;
     int bi = 0x7fffffff;
-    for (int j = tid; j < len; j += PREPASS_THREADS) {
-        const float l = penalised(P, a, lo + j);
-        a.logits[lo + j] = l;
-        sl[j] = l;
-        if (before(l, lo + j, best, bi)) { best = l; bi = lo + j; }
+    // every logit and count of the thread's share requested before any is penalised and stored
+    // (stored as it went, each of the 8 rounds waited for the last one's loads)
+    constexpr int PER_THREAD = PREPASS_MAX_SLICE / PREPASS_THREADS;
+    float lv[PER_THREAD];
+    int seen[PER_THREAD], outc[PER_THREAD];
+#pragma unroll
+    for (int r = 0; r < PER_THREAD; ++r) {
+        const int j = tid + r * PREPASS_THREADS;
+        if (j < len) {
+            lv[r] = a.logits[lo + j];
+            seen[r] = P.repetition != 1.f ? a.seen[lo + j] : 0;
+            outc[r] = a.output[lo + j];
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < PER_THREAD; ++r) {
+        const int j = tid + r * PREPASS_THREADS;
+        if (j < len) {
+            const float l = penalised(P, lv[r], seen[r], outc[r]);
+            a.logits[lo + j] = l;
+            sl[j] = l;
+            if (before(l, lo + j, best, bi)) { best = l; bi = lo + j; }
+        }
     }
     warp_best(best, bi);
     if (lane == 0) { red_v[warp] = best; red_i[warp] = bi; }
