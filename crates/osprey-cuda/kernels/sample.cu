@@ -15,13 +15,16 @@
 //                    One block of 1024 threads, over the candidates sample_prepass left.
 //   sample_prepass — the first pass over the vocabulary spread over 128 blocks: penalties, then
 //                    each slice's top-k candidates (see the kernel).
-// Measured (H200, commit e06983b): embed 19 us (one block, latency-bound), a two-pass argmax
+// Measured (H200): embed 1.5 us of the 4K step's timeline (7.9 with its loads a round trip per
+// 256 elements, commit 2797367); commit e06983b: a two-pass argmax
 // kernel pair 24 us over the 1 MB of logits launched alone (fused into the lm_head since: no
 // measurable change to the step, bench/results/cuda-decode-lm-head-argmax-fused.json). Sampling (top-k 20, top-p 0.95), launched alone with events:
 // 410 us when sample_token read the whole vocabulary in one block, 90 us with the prepass
 // (4K-context decode with sampling 330 -> 370 tok/s, commit 14b6745), 62 us with k candidates
 // per prepass block instead of 256 slots (529.8 -> 540.2 tok/s, commit d237fc7,
-// bench/results/cuda-decode-sampler-candidates.json).
+// bench/results/cuda-decode-sampler-candidates.json); in the step's timeline the prepass 9.5 us
+// and sample_token 15.9 after their releases, 25.6 and 29.7 before each radix pass's bin was
+// found by a warp scan (752.7 -> 768.9 tok/s, commit ef84881, cuda-decode-sampler-scan.json).
 #include "common.cuh"
 
 struct EmbedArgs {
