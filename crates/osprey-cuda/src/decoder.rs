@@ -184,6 +184,15 @@ fn experts_fit(c: &ModelConfig) -> bool {
 /// Words of an embedding row per thread of sample.cu embed (its EMBED_WORDS).
 const EMBED_WORDS: usize = 4;
 
+/// Whether sample.cu embed takes the embedding's rows: 256 threads of at most EMBED_WORDS words
+/// each, a word's elements inside one group.
+fn check_embed(hidden: usize, bits: usize, group: usize) -> Result<()> {
+    if hidden * bits > 32 * 256 * EMBED_WORDS || group < 32 / bits {
+        bail!("embed_tokens: {bits}-bit rows of {hidden} in groups of {group} are past the CUDA embed kernel");
+    }
+    Ok(())
+}
+
 /// `OSPREY_DECODE_MOE=pair` runs the decode step's experts as two launches (moe_gate_up, then
 /// moe_down once all of h is written) instead of moe_experts, for ablation.
 const MOE_ENV: &str = "OSPREY_DECODE_MOE";
@@ -738,16 +747,7 @@ impl CudaDecoder {
             bytes: 0,
         };
         let embed = up.matrix(&w.embed_tokens.matrix, "embed_tokens")?;
-        // sample.cu embed: 256 threads of at most EMBED_WORDS words of the row each
-        let (ebits, egroup) = (embed.bits as usize, embed.group);
-        if c.hidden_size * ebits > 32 * 256 * EMBED_WORDS || egroup < 32 / ebits {
-            bail!(
-                "embed_tokens: {}-bit rows of {} in groups of {} are past the CUDA embed kernel",
-                embed.bits,
-                c.hidden_size,
-                embed.group
-            );
-        }
+        check_embed(c.hidden_size, embed.bits as usize, embed.group)?;
         let lm_head = up.linear(&w.lm_head, "lm_head")?;
         let mut state_bytes = 0usize;
         let mut kv_bytes = 0usize;
@@ -2320,6 +2320,15 @@ mod tests {
     #[test]
     fn the_model_shape_is_supported() {
         check_shapes(&qwen36()).expect("Qwen3.6-35B-A3B runs on the CUDA kernels");
+    }
+
+    #[test]
+    fn the_embed_kernel_takes_the_model_rows_and_names_wider_ones() {
+        check_embed(2048, 4, 64).unwrap();
+        check_embed(4096, 8, 64).unwrap();
+        let err = check_embed(8192, 8, 64).unwrap_err().to_string();
+        assert!(err.contains("8-bit rows of 8192"), "{err}");
+        assert!(check_embed(2048, 4, 4).is_err());
     }
 
     #[test]
