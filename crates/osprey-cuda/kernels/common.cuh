@@ -192,6 +192,11 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
 // ---- bulk copies into shared memory (Hopper TMA, no tensor map) behind mbarriers ----
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
+// orders this thread's generic-proxy shared-memory accesses (stores, cp.async copies, loads) before
+// its later async-proxy ones (the tensor cores' reads, bulk copies' writes); a barrier first
+// publishes everyone's
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t arrivals) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(arrivals) : "memory");
 }

@@ -1,5 +1,7 @@
-// Sparse MoE decode. The step runs moe_experts (bottom of the file): selection, gate/up + SwiGLU
-// and the down projections of the routed and shared experts in one launch. The two-launch form
+// Sparse MoE decode. The step runs moe_routed_experts below 48K positions and, after the router
+// launch, moe_experts from there (bottom of the file): the router's rows (moe_routed_experts
+// only), selection, gate/up + SwiGLU and the down projections of the routed and shared experts in
+// one launch. The two-launch form
 // stays for ablation (OSPREY_DECODE_MOE=pair) and for shapes moe_experts does not take: routed
 // experts' gate+up+SwiGLU for the top-k slots, then one "virtual" GEMV for the down projections of
 // all k experts plus the shared expert, with the routing weights and the shared expert's sigmoid
@@ -71,16 +73,13 @@ struct Routing {
 // PER_LANE logits a lane (E <= 32·PER_LANE): each round scans PER_LANE keys, so 256 experts take
 // the 8-wide form, not MAX_E's 16 (half of them padding): the step at 4K 657 -> 668 tok/s
 // (bench/results/cuda-decode-select-experts-8-per-lane.json).
+// (lv: the lane's logits, lane + 32·i; those at E and past it are ignored)
 template <int PER_LANE>
-__device__ __forceinline__ void select_experts_n(const Routing& a, int* ids, float* wts, TopK* out) {
+__device__ __forceinline__ void select_from(const float (&lv)[PER_LANE], const Routing& a, int* ids, float* wts, TopK* out) {
     const int lane = threadIdx.x & 31, E = a.experts;
-    float lv[PER_LANE];
     uint32_t key[PER_LANE];  // 0: not a candidate (no finite logit has key 0)
 #pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) {
-        lv[i] = lane + 32 * i < E ? a.logits[lane + 32 * i] : -INFINITY;
-        key[i] = lane + 32 * i < E ? order_key(lv[i]) : 0u;
-    }
+    for (int i = 0; i < PER_LANE; ++i) key[i] = lane + 32 * i < E ? order_key(lv[i]) : 0u;
     float mx = 0.f, chosen = 0.f, my_p = 0.f;
     int my_id = 0;
     // the rounds as a loop, not unrolled: moe_experts_h2048 192 instructions shorter, 4K 753.4 ->
@@ -131,6 +130,15 @@ __device__ __forceinline__ void select_experts_n(const Routing& a, int* ids, flo
             out->w[lane] = w;
         }
     }
+}
+
+template <int PER_LANE>
+__device__ __forceinline__ void select_experts_n(const Routing& a, int* ids, float* wts, TopK* out) {
+    const int lane = threadIdx.x & 31;
+    float lv[PER_LANE];
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) lv[i] = lane + 32 * i < a.experts ? a.logits[lane + 32 * i] : -INFINITY;
+    select_from(lv, a, ids, wts, out);
 }
 
 __device__ __forceinline__ void select_experts(const Routing& a, int* ids, float* wts, TopK* out) {
@@ -306,6 +314,17 @@ extern "C" __global__ void __launch_bounds__(32 * (MAX_TOPK + 1)) moe_down(DownA
 // Its gate/up part repeats moe_gate_up's on purpose: written once as shared helpers, this kernel
 // compiled differently (95 registers instead of 107) and the step lost 2% (555.6 -> 543.5 tok/s
 // at 4K, commit cffab1f).
+// One of the route matrices moe_routed_experts multiplies: 4- or 8-bit rows of H in groups of 64.
+struct RouteMatrix {
+    const uint32_t* codes;
+    const __nv_bfloat16* scales;
+    const __nv_bfloat16* biases;
+    int rows, bits;
+};
+#define ROUTE_MATRICES 4
+// route rows a block takes at most (row b, b + grid, ...: the host checks)
+#define ROUTE_MAX_ROWS 16
+
 struct ExpertsArgs {
     ExpertStack gate, up;       // routed [E*I, H]
     ExpertStack down;           // routed [E*H, I]
@@ -319,6 +338,12 @@ struct ExpertsArgs {
     float* h;                   // [k, I] (value, tag) pairs: each block's 16 values of h, for the rest of its slot
     int* meet;                  // [k]: each slot's last tag (only grows)
     int experts, renorm, H, I, k;
+    // moe_routed_experts only (the router launch's rows, computed by this launch's blocks)
+    RouteMatrix route[ROUTE_MATRICES];  // the router [E], the shared expert's gate logit [1], gate and up [I]
+    const float* norm_weight;           // the MoE block's input RMSNorm
+    unsigned long long* routed;         // [E + 1 + 2I] (value, tag): the route matrices' rows, in that order
+    int* route_meet;                    // the last launch's tag for them (only grows)
+    float eps;
 };
 
 // h of one slot (I <= 512) in shared memory, padded, and as the tiles' two-byte form
@@ -336,10 +361,85 @@ __device__ __forceinline__ unsigned long long load_tagged(const unsigned long lo
     return w;
 }
 
+// Reads the tagged words at(i) (i < N; a null pointer: none) until each carries `tag` (other blocks
+// of the launch store them, reaching L2 in any order), all requested at once and again for those
+// still missing; their values into v (-inf where at(i) is null). A launch whose writers cannot all
+// be resident would never finish: after MEET_ROUNDS_LIMIT rounds it traps, an error the host reports.
+template <int N, typename At>
+__device__ __forceinline__ void await_tagged(At at, unsigned tag, float (&v)[N]) {
+    unsigned long long w[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const unsigned long long* p = at(i);
+        w[i] = p ? load_tagged(p) : ((unsigned long long)tag << 32) | __float_as_uint(-INFINITY);
+    }
+    for (unsigned rounds = 0;; ++rounds) {
+        bool all = true;
+#pragma unroll
+        for (int i = 0; i < N; ++i) all &= (unsigned)(w[i] >> 32) == tag;
+        if (all) break;
+        if (rounds == MEET_ROUNDS_LIMIT) __trap();
+#pragma unroll
+        for (int i = 0; i < N; ++i)
+            if ((unsigned)(w[i] >> 32) != tag) w[i] = load_tagged(at(i));
+    }
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = __uint_as_float((unsigned)w[i]);
+}
+
+// Which route matrix row r (of all four, in order) is in; r becomes its row there.
+__device__ __forceinline__ int route_matrix(const ExpertsArgs& a, int& r) {
+    int m = 0;
+    while (m < ROUTE_MATRICES - 1 && r >= a.route[m].rows) r -= a.route[m].rows, ++m;
+    return m;
+}
+
+// Row r of a route matrix into shared memory by cp.async (16 bytes a thread at a time).
+__device__ __forceinline__ void copy_route_row(const RouteMatrix& m, int r, int H, char* codes, __nv_bfloat16* scales,
+                                               __nv_bfloat16* biases) {
+    const int gpr = H / 64, cchunks = H * m.bits / 128, schunks = gpr / 8;
+    const char* c = reinterpret_cast<const char*>(m.codes) + (size_t)r * (H * m.bits / 8);
+    for (int i = threadIdx.x; i < cchunks + 2 * schunks; i += blockDim.x) {
+        if (i < cchunks) {
+            cp_async16(codes + 16 * i, c + 16 * i, true);
+        } else {
+            const int o = (i - cchunks) % schunks, t = (i - cchunks) / schunks;
+            cp_async16((t ? biases : scales) + 8 * o, (t ? m.biases : m.scales) + (size_t)r * gpr + 8 * o, true);
+        }
+    }
+}
+
+// The thread's part of a staged route row's dot product with its slots' values of x (f32: the
+// selection compares these logits, so they are not taken through x's byte form); vs: the sums
+// of those values, slot by slot. The experts kernels' 256 threads compiled in: with K known, a
+// second slot that no thread has leaves no code (the unrolled rows outgrew the instruction cache).
+__device__ __forceinline__ float route_dot(const char* codes, const __nv_bfloat16* sc, const __nv_bfloat16* bi, bool wide,
+                                           const float (&v)[2][8], const float (&vs)[2], int K) {
+    float p = 0.f;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int idx = threadIdx.x + r * 256;
+        if (r * 256 >= K / 8 || idx >= K / 8) break;
+        const int e0 = slot_first_element(idx), g = e0 >> 6;
+        float qv = 0.f;
+        if (wide) {
+            const uint2 w = *reinterpret_cast<const uint2*>(codes + e0);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) qv += byte_code(w.x, j) * v[r][j] + byte_code(w.y, j) * v[r][4 + j];
+        } else {
+            const uint32_t w = *reinterpret_cast<const uint32_t*>(codes + e0 / 2);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) qv += nib(w, j) * v[r][j];
+        }
+        p += bf16_to_f32(sc[g]) * qv + bf16_to_f32(bi[g]) * vs[r];
+    }
+    return p;
+}
+
 // Dynamic shared memory as moe_gate_up's (gate_up_smem in decoder.rs; the tile pair, x's bytes,
 // the quads' partial sums, scratch, the selection and the barrier); h's forms and the down
 // tiles' partial sums are static.
-template <int HC, int IC, int KC, int EC>
+template <bool ROUTE, int HC, int IC, int KC, int EC>
 __device__ __forceinline__ void moe_experts_body(const ExpertsArgs& a) {
     extern __shared__ __align__(128) char experts_dynamic_smem[];
     char* smem = experts_dynamic_smem;
@@ -368,18 +468,73 @@ __device__ __forceinline__ void moe_experts_body(const ExpertsArgs& a) {
     // the shared expert's tile (blocks below H/16): warps 0 .. gps/2 - 1, two groups each
     const bool shared_tile = (int)blockIdx.x < H / 16, shared_warp = shared_tile && warp < gps / 2;
     TileBatch tb, sb;
+    // moe_routed_experts: this block's route rows (b, b + grid, ...), staged where the gate/up
+    // tiles go: their copies are asked for only once the rows are multiplied
+    const int E = EC ? EC : a.experts;
+    const int route_rows = ROUTE ? a.route[0].rows + a.route[1].rows + a.route[2].rows + a.route[3].rows : 0;
+    const int my_routes = (int)blockIdx.x < route_rows ? (route_rows - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
     step_overlap_begin();
     // weights no kernel writes: requested before the wait
     if (shared_warp)
         tile_load(QRows{a.shared_down.codes, a.shared_down.scales, a.shared_down.biases, H}, I, blockIdx.x * 16, 2 * warp,
                   2 * warp + 2, sb);
+    unsigned wide = 0;  // bit j: route row j has 8-bit codes
+    float nw[2][8];     // the MoE norm's weight at the thread's slots of x
+    if constexpr (ROUTE) {
+        for (int j = 0; j < my_routes; ++j) {
+            int r = blockIdx.x + j * gridDim.x;
+            const int m = route_matrix(a, r);
+            copy_route_row(a.route[m], r, H, codes + j * H, scales + j * gpr, biases + j * gpr);
+            if (a.route[m].bits == 8) wide |= 1u << j;
+        }
+        cp_async_commit();
+        load_norm_slots(a.norm_weight, H, nw);
+    }
     step_inputs_ready();
     // this launch's tag for its slot's values of h: one past the last launch's
     const unsigned tag = (unsigned)__ldcg(a.meet + slot) + 1u;
-    // the shared expert's h inputs requested at once (each value waited for in turn before:
-    // five round trips ahead of the selection's logits in the shared-tile blocks)
+    // and for the route rows (moe_routed_experts)
+    const unsigned rtag = ROUTE ? (unsigned)__ldcg(a.route_meet) + 1u : 0u;
     float sgate = 0.f, sgp[EXPERTS_MAX_I / 256], sup[EXPERTS_MAX_I / 256];
-    if (shared_tile) {
+    float v[2][8];  // moe_routed_experts: x's normalised values at the thread's slots
+    if constexpr (ROUTE) {
+        // the route rows: every block normalises x, multiplies its rows and publishes them tagged;
+        // the slot's meeting below reads x's new values only after every block's first row is in
+        // (the selection waits for rows 0 .. max(E, grid) - 1), so no block adds into x before
+        // all have read it
+        resident_values(XInput{a.x, a.norm_weight, nullptr, nullptr, a.eps, H, 0}, v, scratch, nw);
+        float vs[2] = {0.f, 0.f};
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) vs[r] += v[r][j];
+        cp_async_wait<0>();
+        __syncthreads();  // every thread's copies of the rows
+        // all rows' products, then all their warp sums: independent chains side by side (one
+        // row after another, each waiting on its own sums, took ~2.3 us)
+        constexpr int RC = HC ? (EC + 1 + 2 * IC + KC * IC / 16 - 1) / (KC * IC / 16) : ROUTE_MAX_ROWS;
+        float p[RC];
+#pragma unroll
+        for (int j = 0; j < RC; ++j)
+            p[j] = j < my_routes ? route_dot(codes + j * H, scales + j * gpr, biases + j * gpr, (wide >> j) & 1u, v, vs, H) : 0.f;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+            for (int j = 0; j < RC; ++j) p[j] += __shfl_xor_sync(FULL_MASK, p[j], o);
+        if (lane == 0) {
+#pragma unroll
+            for (int j = 0; j < RC; ++j)
+                if (j < my_routes) wpart[warp][j] = p[j];
+        }
+        __syncthreads();
+        if ((int)threadIdx.x < my_routes) {
+            float y = 0.f;
+            for (int w = 0; w < 8; ++w) y += wpart[w][threadIdx.x];
+            store_tagged(a.routed + blockIdx.x + threadIdx.x * gridDim.x, y, rtag);
+        }
+    } else if (shared_tile) {
+        // the shared expert's h inputs requested at once (each value waited for in turn before:
+        // five round trips ahead of the selection's logits in the shared-tile blocks)
         sgate = a.shared_gate_logit[0];
 #pragma unroll
         for (int j = 0; j < EXPERTS_MAX_I / 256; ++j) {
@@ -389,11 +544,22 @@ __device__ __forceinline__ void moe_experts_body(const ExpertsArgs& a) {
         }
     }
     if (threadIdx.x < 32) {
-        select_experts(Routing{a.router_logits, EC ? EC : a.experts, k, a.renorm}, ids, wts, nullptr);
+        if constexpr (ROUTE) {
+            float lv[8];
+            const int seen = max(E, (int)gridDim.x);
+            await_tagged([&](int i) { return lane + 32 * i < seen ? a.routed + lane + 32 * i : nullptr; }, rtag, lv);
+            select_from(lv, Routing{nullptr, E, k, a.renorm}, ids, wts, nullptr);
+            // every block has read the old tag (each wrote its first row with the new one): the
+            // next launch's tag may go up
+            if (threadIdx.x == 0 && blockIdx.x == 0) a.route_meet[0] = (int)rtag;
+        } else {
+            select_experts(Routing{a.router_logits, E, k, a.renorm}, ids, wts, nullptr);
+        }
         __syncwarp();
         step_phase(8);  // selected
         if (threadIdx.x == 0) {
             const size_t row0 = (size_t)ids[slot] * I + f0;
+            if constexpr (ROUTE) fence_proxy_async();  // the route rows' reads before the copies' writes
             mbar_init(full, 1);
             mbar_init_fence();
             mbar_arrive_expect_bytes(full, 2 * q4_rows_bytes(16, H));
@@ -405,6 +571,28 @@ __device__ __forceinline__ void moe_experts_body(const ExpertsArgs& a) {
             step_phase(2);  // gate/up copies asked for
         }
     }
+    // x's bytes (warp 0 once it has asked for the tiles) and the shared expert's inputs, needed
+    // only once x and the selection are in
+    if constexpr (ROUTE) {
+        write_slots(v, H, xb8, gx);
+        if (shared_tile) {
+            float in[1 + 2 * (EXPERTS_MAX_I / 256)];
+            const unsigned long long* sh = a.routed + E;
+            await_tagged(
+                [&](int i) {
+                    if (i == 0) return sh;
+                    const int f = threadIdx.x + 256 * ((i - 1) % (EXPERTS_MAX_I / 256));
+                    return f < I ? sh + 1 + ((i - 1) / (EXPERTS_MAX_I / 256)) * I + f : nullptr;
+                },
+                rtag, in);
+            sgate = in[0];
+#pragma unroll
+            for (int j = 0; j < EXPERTS_MAX_I / 256; ++j) {
+                sgp[j] = in[1 + j];
+                sup[j] = in[1 + EXPERTS_MAX_I / 256 + j];
+            }
+        }
+    }
     if (shared_tile) {
         const float gate = sigmoidf(sgate);
 #pragma unroll
@@ -413,7 +601,7 @@ __device__ __forceinline__ void moe_experts_body(const ExpertsArgs& a) {
             if (i < I) sall[pad_idx(i)] = gate * siluf(sgp[j]) * sup[j];
         }
     }
-    resident_input(XInput{a.xn, nullptr, nullptr, nullptr, 0.f, H, 0}, xb8, gx, scratch);
+    if constexpr (!ROUTE) resident_input(XInput{a.xn, nullptr, nullptr, nullptr, 0.f, H, 0}, xb8, gx, scratch);
     __syncthreads();  // x's bytes, the selection, the barrier's initialisation, the shared h
     step_phase(3);    // x in
     if (shared_tile) build_x_s8(sall, I, sx8, sg);
@@ -471,29 +659,15 @@ __device__ __forceinline__ void moe_experts_body(const ExpertsArgs& a) {
     {
         // the thread's I/256 values (256 threads), all requested at once and again until each
         // carries this launch's tag (from L2: other blocks wrote them)
+        // (a slot whose blocks cannot all be resident, the host checks occupancy but another
+        // client may hold SMs, would never meet: the wait traps after ~1 s of L2 round trips, an
+        // error the host reports, instead of hanging the GPU)
         const unsigned long long* hs = reinterpret_cast<const unsigned long long*>(a.h) + slot * I;
-        unsigned long long hv[EXPERTS_MAX_I / 256];
-#pragma unroll
-        for (int j = 0; j < EXPERTS_MAX_I / 256; ++j) {
-            const int i = threadIdx.x + 256 * j;
-            hv[j] = i < I ? load_tagged(hs + i) : (unsigned long long)tag << 32;
-        }
-        for (unsigned rounds = 0;; ++rounds) {
-            bool all = true;
-#pragma unroll
-            for (int j = 0; j < EXPERTS_MAX_I / 256; ++j) all &= (unsigned)(hv[j] >> 32) == tag;
-            if (all) break;
-            // a slot whose blocks cannot all be resident (the host checks occupancy, but another
-            // client may hold SMs) would never meet: after ~1 s of L2 round trips the launch fails
-            // with an error the host reports, instead of hanging the GPU
-            if (rounds == MEET_ROUNDS_LIMIT) __trap();
-#pragma unroll
-            for (int j = 0; j < EXPERTS_MAX_I / 256; ++j)
-                if ((unsigned)(hv[j] >> 32) != tag) hv[j] = load_tagged(hs + threadIdx.x + 256 * j);
-        }
+        float hv[EXPERTS_MAX_I / 256];
+        await_tagged([&](int j) { return (int)threadIdx.x + 256 * j < I ? hs + threadIdx.x + 256 * j : nullptr; }, tag, hv);
 #pragma unroll
         for (int j = 0; j < EXPERTS_MAX_I / 256; ++j)
-            if (threadIdx.x + 256 * j < I) hall[pad_idx(threadIdx.x + 256 * j)] = __uint_as_float((unsigned)hv[j]);
+            if (threadIdx.x + 256 * j < I) hall[pad_idx(threadIdx.x + 256 * j)] = hv[j];
     }
     __syncthreads();
     step_phase(6);  // the slot met
@@ -534,7 +708,7 @@ __device__ __forceinline__ void moe_experts_body(const ExpertsArgs& a) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) { moe_experts_body<0, 0, 0, 0>(a); }
+extern "C" __global__ void __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) { moe_experts_body<false, 0, 0, 0, 0>(a); }
 // moe_experts_h2048: the model's shape (H 2048, I 512, top-8 of 256 experts) compiled in, so the
 // block's slot, tile and group indices fold to constants (decoder.rs picks it when the config
 // matches; with the resident GEMV compiled for K 2048 too, 4K 716.6 -> 720.7 tok/s, 32K and 128K
@@ -542,4 +716,24 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_experts(ExpertsArgs a) 
 // selection one unpredicated 8-wide scan (the wider form and the bounds checks drop out): the
 // slot's copies go out ~0.25 us sooner, 4K 716.0 -> 737.5 tok/s, 32K 641.2 -> 652.7, 128K 489.5 ->
 // 495.2 (bench/results/cuda-decode-shape-specialised-2.json).
-extern "C" __global__ void __launch_bounds__(256, 2) moe_experts_h2048(ExpertsArgs a) { moe_experts_body<2048, 512, 8, 256>(a); }
+extern "C" __global__ void __launch_bounds__(256, 2) moe_experts_h2048(ExpertsArgs a) { moe_experts_body<false, 2048, 512, 8, 256>(a); }
+
+// moe_routed_experts: moe_experts with the router launch's rows (the router, the shared expert's
+// gate logit, gate and up projections) computed by its own blocks: before the wait each block
+// copies its rows b, b + grid, ... (5, block 0 6, at the model's shape) into the space its gate/up
+// tiles take later, and its slots of the norm weight into registers; after it, every block
+// normalises x itself, multiplies its rows in f32 (side by side), publishes them tagged, and
+// warp 0 selects once rows 0 .. max(E, grid) - 1 carry this launch's tag (the shared tile blocks
+// wait for the shared expert's rows later, when they need them). One launch and one hand-over a
+// layer fewer; the logits take one L2 round trip instead of a grid's completion.
+// Measured (H200, full-size model, A/B against the router launch + moe_experts on one machine,
+// bench/results/cuda-decode-routed-experts.json): 4K 742.6 -> 764.7 tok/s (+3.0%), 32K 662.5 ->
+// 667.3; the rows one after another (each waiting on its own warp sums) 756.6. Timeline at 4K:
+// selected 5.6 us after the release (x normalised 1.8, rows multiplied and published 3.6, the
+// logits seen 5.1), where the router launch's form selected ~5.9 us after the out projection's
+// release. Launched plain (the graph from 48K), its route rows' copies and its launch are no
+// longer under a predecessor: 128K 521.2 -> 494.3, so that graph keeps the router launch.
+extern "C" __global__ void __launch_bounds__(256, 2) moe_routed_experts(ExpertsArgs a) { moe_experts_body<true, 0, 0, 0, 0>(a); }
+extern "C" __global__ void __launch_bounds__(256, 2) moe_routed_experts_h2048(ExpertsArgs a) {
+    moe_experts_body<true, 2048, 512, 8, 256>(a);
+}

@@ -109,6 +109,12 @@ __device__ __forceinline__ void write_slot(const float* v, int idx, bool active,
     }
 }
 
+// The first of the 8 elements that fragment slot idx takes.
+__device__ __forceinline__ int slot_first_element(int idx) {
+    const int G = idx >> 3, T = (idx >> 2) & 1, q = idx & 3;
+    return G * 64 + 8 * (2 * q + T);
+}
+
 __device__ __forceinline__ void build_x_s8(const float* xs, int K, uint4* xb8, float2* gx) {
     // 8 consecutive threads per group: thread (T, q) of group G holds the 8 elements its fragments
     // take; the passes are block-uniform so every lane of a warp meets the shuffles
@@ -116,7 +122,7 @@ __device__ __forceinline__ void build_x_s8(const float* xs, int K, uint4* xb8, f
     for (int pass = 0; pass < items; pass += blockDim.x) {
         const int idx = pass + threadIdx.x;
         const bool active = idx < items;
-        const int T = (idx >> 2) & 1, q = idx & 3, e0 = (idx >> 3) * 64 + 8 * (2 * q + T);
+        const int e0 = slot_first_element(idx);
         float v[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) v[j] = active ? xs[pad_idx(e0 + j)] : 0.f;
@@ -313,20 +319,39 @@ struct XInput {
     int head_dim;
 };
 
-__device__ __forceinline__ void resident_input(const XInput& a, uint4* xb8, float2* gx, float* scratch) {
+// The norm weight's values at the thread's slots, for resident_values: a kernel may ask for them
+// before its wait (the weight is no kernel's output).
+__device__ __forceinline__ void load_norm_slots(const float* w, int K, float (&nw)[2][8]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int idx = threadIdx.x + r * blockDim.x, e0 = slot_first_element(idx);
+        const float4 w0 = idx < K / 8 ? *reinterpret_cast<const float4*>(w + e0) : make_float4(0.f, 0.f, 0.f, 0.f);
+        const float4 w1 = idx < K / 8 ? *reinterpret_cast<const float4*>(w + e0 + 4) : make_float4(0.f, 0.f, 0.f, 0.f);
+        nw[r][0] = w0.x; nw[r][1] = w0.y; nw[r][2] = w0.z; nw[r][3] = w0.w;
+        nw[r][4] = w1.x; nw[r][5] = w1.y; nw[r][6] = w1.z; nw[r][7] = w1.w;
+    }
+}
+
+// The values of the thread's slots (threadIdx.x and threadIdx.x + blockDim.x), normalised as `a`
+// says (with the norm weight's values from nw where given: load_norm_slots); zero past K/8 slots.
+__device__ __forceinline__ void resident_values(const XInput& a, float (&v)[2][8], float* scratch,
+                                                const float (*nw)[8] = nullptr) {
     const int K = a.K, items = K / 8;
-    float v[2][8], ss[2] = {0.f, 0.f};
+    float ss[2] = {0.f, 0.f};
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int idx = threadIdx.x + r * blockDim.x;
-        const int G = idx >> 3, T = (idx >> 2) & 1, q = idx & 3, e0 = G * 64 + 8 * (2 * q + T);
+        const int e0 = slot_first_element(idx);
         if (idx < items) {
             const float4 x0 = *reinterpret_cast<const float4*>(a.x + e0), x1 = *reinterpret_cast<const float4*>(a.x + e0 + 4);
             v[r][0] = x0.x; v[r][1] = x0.y; v[r][2] = x0.z; v[r][3] = x0.w;
             v[r][4] = x1.x; v[r][5] = x1.y; v[r][6] = x1.z; v[r][7] = x1.w;
 #pragma unroll
             for (int j = 0; j < 8; ++j) ss[r] += v[r][j] * v[r][j];
-            if (a.norm_weight) {
+            if (a.norm_weight && nw) {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) v[r][j] *= nw[r][j];
+            } else if (a.norm_weight) {
                 const float4 w0 = *reinterpret_cast<const float4*>(a.norm_weight + e0);
                 const float4 w1 = *reinterpret_cast<const float4*>(a.norm_weight + e0 + 4);
                 v[r][0] *= w0.x; v[r][1] *= w0.y; v[r][2] *= w0.z; v[r][3] *= w0.w;
@@ -359,10 +384,21 @@ __device__ __forceinline__ void resident_input(const XInput& a, uint4* xb8, floa
             for (int j = 0; j < 8; ++j) v[r][j] *= inv;
         }
     }
+}
+
+// The thread's slots of x's two-signed-byte form from their values.
+__device__ __forceinline__ void write_slots(const float (&v)[2][8], int K, uint4* xb8, float2* gx) {
+    const int items = K / 8;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int idx = threadIdx.x + r * blockDim.x;
         if (r * (int)blockDim.x >= items) break;  // block-uniform: every lane meets the shuffles
         write_slot(v[r], idx, idx < items, xb8, gx);
     }
+}
+
+__device__ __forceinline__ void resident_input(const XInput& a, uint4* xb8, float2* gx, float* scratch) {
+    float v[2][8];
+    resident_values(a, v, scratch);
+    write_slots(v, a.K, xb8, gx);
 }

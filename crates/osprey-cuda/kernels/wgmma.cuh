@@ -61,9 +61,6 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// makes this thread's generic-proxy shared-memory writes (cp.async copies, stores) visible to the
-// tensor cores' async-proxy reads; a barrier then publishes everyone's
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int PENDING>

@@ -108,6 +108,26 @@ pub struct ExpertsArgs {
     pub hidden: i32,
     pub inter: i32,
     pub k: i32,
+    /// moe_routed_experts only: the router, the shared expert's gate logit, gate and up rows
+    pub route: [RouteMatrix; ROUTE_MATRICES],
+    pub norm_weight: u64,
+    pub routed: u64,
+    pub route_meet: u64,
+    pub eps: f32,
+}
+
+/// moe.cu ROUTE_MATRICES and ROUTE_MAX_ROWS.
+pub const ROUTE_MATRICES: usize = 4;
+pub const ROUTE_MAX_ROWS: usize = 16;
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct RouteMatrix {
+    pub codes: u64,
+    pub scales: u64,
+    pub biases: u64,
+    pub rows: i32,
+    pub bits: i32,
 }
 
 #[repr(C)]
@@ -537,9 +557,10 @@ mod tests {
             2 * 24 + 3 * 8 + 8 + 8 + 2 * 4 + 4 * 8 + 4 * 4
         );
         assert_eq!(std::mem::size_of::<DownArgs>(), 2 * 24 + 3 * 8 + 3 * 4 + 4);
+        assert_eq!(std::mem::size_of::<RouteMatrix>(), 3 * 8 + 2 * 4);
         assert_eq!(
             std::mem::size_of::<ExpertsArgs>(),
-            4 * 24 + 8 * 8 + 5 * 4 + 4
+            4 * 24 + 8 * 8 + 5 * 4 + 4 + 4 * 32 + 3 * 8 + 4 + 4
         );
         assert_eq!(std::mem::size_of::<GdnArgs>(), 11 * 8 + 3 * 4 + 4);
         assert_eq!(std::mem::size_of::<PrepArgs>(), 11 * 8 + 24);

@@ -1,10 +1,11 @@
 //! The batch-1 decode step on the GPU. Per Gated DeltaNet layer: 3 kernels for the mixer (fused
 //! input projections with the RMSNorm prologue, the fused recurrent step, out_proj with the
-//! residual add) and 2 for the MoE (router + shared-expert projections, then the routed and
-//! shared experts in one launch: selection, gate/up/SwiGLU and, once a slot's blocks have met,
-//! each block's rows of its expert's down projection added into the residual;
-//! `OSPREY_DECODE_MOE=pair` splits the last into gate/up and down). Attention layers use 5 for
-//! the mixer. The step ends with the lm_head GEMV, whose last block writes the greedy choice into
+//! residual add) and 1 for the MoE below 48K positions (moe_routed_experts: the router's and the
+//! shared expert's rows, selection, gate/up/SwiGLU and, once a slot's blocks have met, each
+//! block's rows of its expert's down projection added into the residual), 2 from there (the router
+//! + shared-expert projections, then the rest as moe_experts; `OSPREY_DECODE_MOE=router` runs that
+//! form at every position, `=pair` also splits the last into gate/up and down). Attention
+//! layers use 5 for the mixer. The step ends with the lm_head GEMV, whose last block writes the greedy choice into
 //! the input slot and advances the position, so replaying the captured graph generates with no
 //! host round trip.
 
@@ -181,6 +182,25 @@ fn experts_fit(c: &ModelConfig) -> bool {
     gps.is_multiple_of(wpt) && gpw <= 4 && gpw.is_multiple_of(2) && h / 16 <= k * fblocks
 }
 
+/// Rows moe_routed_experts computes in place of the router launch: the router's logits, the
+/// shared expert's gate logit, then its gate and up projections.
+fn route_rows(c: &ModelConfig) -> usize {
+    c.num_experts + 1 + 2 * c.shared_expert_intermediate_size
+}
+
+/// Whether moe_routed_experts takes this shape (moe.cu): block b takes rows b, b + grid, ...
+/// (at most ROUTE_MAX_ROWS), every block at least one, so that warp 0, seeing rows
+/// 0 .. max(E, grid) - 1 (at most 256, 8 a lane) with this launch's tag, knows that every block
+/// has read x and the old tag; the shared expert as wide as a routed one.
+fn routed_fit(c: &ModelConfig) -> bool {
+    let (rows, blocks) = (route_rows(c), gate_up_blocks(c));
+    experts_fit(c)
+        && c.shared_expert_intermediate_size == c.moe_intermediate_size
+        && c.num_experts.max(blocks) <= 256
+        && rows >= blocks
+        && rows.div_ceil(blocks) <= ROUTE_MAX_ROWS
+}
+
 /// Words of an embedding row per thread of sample.cu embed (its EMBED_WORDS).
 const EMBED_WORDS: usize = 4;
 
@@ -193,9 +213,35 @@ fn check_embed(hidden: usize, bits: usize, group: usize) -> Result<()> {
     Ok(())
 }
 
-/// `OSPREY_DECODE_MOE=pair` runs the decode step's experts as two launches (moe_gate_up, then
-/// moe_down once all of h is written) instead of moe_experts, for ablation.
+/// How the decode step runs a MoE block: one launch, moe_routed_experts (the default where the
+/// shape fits); `OSPREY_DECODE_MOE=router` the router launch, then moe_experts; `=pair` the
+/// router launch, then moe_gate_up and moe_down once all of h is written. The last two stay for
+/// ablation and for shapes the one launch does not take.
 const MOE_ENV: &str = "OSPREY_DECODE_MOE";
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum MoeForm {
+    Routed,
+    Router,
+    Pair,
+}
+
+impl MoeForm {
+    /// The form `env` (OSPREY_DECODE_MOE) asks for, or the fastest that fits.
+    fn choose(env: Option<&str>, experts: bool, routed: bool) -> Result<MoeForm> {
+        let best = match (experts, routed) {
+            (true, true) => MoeForm::Routed,
+            (true, false) => MoeForm::Router,
+            _ => MoeForm::Pair,
+        };
+        Ok(match env {
+            None | Some("") | Some("routed") => best,
+            Some("router") if experts => MoeForm::Router,
+            Some("router") | Some("pair") => MoeForm::Pair,
+            Some(other) => bail!("{MOE_ENV}={other}: expected routed, router or pair"),
+        })
+    }
+}
 
 /// Largest GEMV whose weights are prefetched into L2 (60 MB) while its predecessor drains.
 const PREFETCH_MAX_BYTES: usize = 32 << 20;
@@ -340,6 +386,18 @@ struct DevLinear {
 }
 
 impl DevLinear {
+    /// The projection as one of moe_routed_experts' route matrices.
+    fn route(&self, stream: &CudaStream) -> RouteMatrix {
+        let s = self.m.at(self.row0, stream);
+        RouteMatrix {
+            codes: s.codes,
+            scales: s.scales,
+            biases: s.biases,
+            rows: self.rows as i32,
+            bits: self.m.bits as i32,
+        }
+    }
+
     fn segment(&self, out: u64, accumulate: bool, stream: &CudaStream) -> Segment {
         let s = self.m.at(self.row0, stream);
         Segment {
@@ -464,6 +522,10 @@ struct Scratch {
     /// Zeroed only here (as is h): tags only grow, so a value left by an earlier launch never
     /// carries the current one's.
     meet: CudaSlice<i32>,
+    /// moe_routed_experts' route rows, (value, tag) pairs: the router's logits, the shared
+    /// expert's gate logit, gate and up projections; and their last launch's tag (only grows).
+    routed: CudaSlice<u64>,
+    route_meet: CudaSlice<i32>,
     logits: CudaSlice<f32>,
     token: CudaSlice<i32>,
     pos: CudaSlice<i32>,
@@ -494,6 +556,7 @@ struct Functions {
     gemv_pair: CudaFunction,
     gate_up: CudaFunction,
     experts: CudaFunction,
+    routed_experts: CudaFunction,
     down: CudaFunction,
     gdn: CudaFunction,
     prep: CudaFunction,
@@ -559,7 +622,7 @@ pub struct CudaDecoder {
     /// The loaded kernel families, for the timeline probe's symbols (`record_timeline`).
     modules: HashMap<&'static str, Arc<CudaModule>>,
     /// The MoE block's experts in one launch (moe_experts), or as the gate/up and down pair.
-    fused_experts: bool,
+    moe_form: MoeForm,
 }
 
 fn upload_f32(stream: &Arc<CudaStream>, v: &[f32]) -> Result<CudaSlice<f32>> {
@@ -697,6 +760,11 @@ impl CudaDecoder {
             );
         }
         let func = |m: &str, f: &str| -> Result<CudaFunction> { Ok(modules[m].load_function(f)?) };
+        // the model's shape compiled in where it matches (moe.cu moe_experts_h2048)
+        let model_shape = c.hidden_size == 2048
+            && c.moe_intermediate_size == 512
+            && c.num_experts_per_tok == 8
+            && c.num_experts == 256;
         let f = Functions {
             gemv: func("gemv", "gemv_q")?,
             gemv_k2048: func("gemv", "gemv_q_k2048")?,
@@ -707,16 +775,22 @@ impl CudaDecoder {
             gemv_ring_k2048: func("gemv", "gemv_q_ring_k2048")?,
             gemv_pair: func("gemv", "gemv_q_pair")?,
             gate_up: func("moe", "moe_gate_up")?,
-            // the model's shape compiled in where it matches (moe.cu moe_experts_h2048)
-            experts: if c.hidden_size == 2048
-                && c.moe_intermediate_size == 512
-                && c.num_experts_per_tok == 8
-                && c.num_experts == 256
-            {
-                func("moe", "moe_experts_h2048")?
-            } else {
-                func("moe", "moe_experts")?
-            },
+            experts: func(
+                "moe",
+                if model_shape {
+                    "moe_experts_h2048"
+                } else {
+                    "moe_experts"
+                },
+            )?,
+            routed_experts: func(
+                "moe",
+                if model_shape {
+                    "moe_routed_experts_h2048"
+                } else {
+                    "moe_routed_experts"
+                },
+            )?,
             down: func("moe", "moe_down")?,
             gdn: func("gdn", "gdn_step")?,
             prep: func("attention", "attn_prep")?,
@@ -884,6 +958,9 @@ impl CudaDecoder {
             // h, the slots' meeting words) and the graph below 48K, which never touches it, lost
             // 0.9% at 4K; here 4K is unchanged (bench/results/cuda-decode-attn-merge-last-alloc.json)
             attn_meet: stream.alloc_zeros(1)?,
+            // last as well, for the same reason
+            routed: stream.alloc_zeros(route_rows(&c))?,
+            route_meet: stream.alloc_zeros(1)?,
         };
         let valid_vocab = valid_vocab.min(w.config.vocab_size);
         let choice = TokenChoice {
@@ -946,10 +1023,13 @@ impl CudaDecoder {
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             gate_up_smem(c.hidden_size) as i32,
         )?;
-        f.experts.set_attribute(
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            gate_up_smem(c.hidden_size) as i32,
-        )?;
+        // (with their static shared memory past the 48 KB a launch may take without asking)
+        for experts in [&f.experts, &f.routed_experts] {
+            experts.set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                gate_up_smem(c.hidden_size) as i32,
+            )?;
+        }
         f.gemv_pair.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             pair_launch_smem(smem_optin) as i32,
@@ -996,9 +1076,31 @@ impl CudaDecoder {
             bail!("attn_decode_merge does not fit on an SM of this GPU");
         }
         let attn_blocks = attn_per_sm.min(ATTN_BLOCKS_PER_SM) * sms;
-        let fused_experts = experts_fit(&c)
-            && resident_experts >= gate_up_blocks(&c)
-            && std::env::var(MOE_ENV).as_deref() != Ok("pair");
+        let resident_routed = f
+            .routed_experts
+            .occupancy_max_active_blocks_per_multiprocessor(
+                256,
+                gate_up_smem(c.hidden_size),
+                None,
+            )? as usize
+            * sms;
+        let route_formats = layers.iter().all(|l| {
+            let m = &l.moe;
+            [
+                &m.router,
+                &m.shared_gate_logit,
+                &m.shared_gate,
+                &m.shared_up,
+            ]
+            .iter()
+            .all(|d| d.m.group == 64 && matches!(d.m.bits, 4 | 8))
+        });
+        let experts = experts_fit(&c) && resident_experts >= gate_up_blocks(&c);
+        let moe_form = MoeForm::choose(
+            std::env::var(MOE_ENV).ok().as_deref(),
+            experts,
+            experts && routed_fit(&c) && route_formats && resident_routed >= gate_up_blocks(&c),
+        )?;
         Ok(CudaDecoder {
             ctx,
             stream,
@@ -1027,7 +1129,7 @@ impl CudaDecoder {
             wgmma: prefill::Wgmma::from_env(),
             overlap: StepOverlap::from_env(),
             modules,
-            fused_experts,
+            moe_form,
         })
     }
 
@@ -1592,26 +1694,30 @@ impl CudaDecoder {
                 }
             }
             let m = &l.moe;
-            let segs = [
-                m.router.segment(self.p(&s.router), false, st),
-                m.shared_gate_logit
-                    .segment(self.p(&s.shared_gate_logit), false, st),
-                m.shared_gate.segment(self.p(&s.shared_g), false, st),
-                m.shared_up.segment(self.p(&s.shared_u), false, st),
-            ];
-            let router_norm = if self.fused_experts {
-                Prologue::RmsNormPublished {
-                    weight: self.p(&l.post_norm),
-                    out: self.p(&s.xn),
-                }
-            } else {
-                Prologue::RmsNorm(self.p(&l.post_norm))
-            };
-            timed!(
-                "moe router + shared gate/up",
-                self.gemv(&segs, x, router_norm, h, m.router.m.group)?
-            );
-            if self.fused_experts {
+            let moe_form = self.moe_form_here();
+            if moe_form != MoeForm::Routed {
+                let segs = [
+                    m.router.segment(self.p(&s.router), false, st),
+                    m.shared_gate_logit
+                        .segment(self.p(&s.shared_gate_logit), false, st),
+                    m.shared_gate.segment(self.p(&s.shared_g), false, st),
+                    m.shared_up.segment(self.p(&s.shared_u), false, st),
+                ];
+                let router_norm = if moe_form == MoeForm::Router {
+                    Prologue::RmsNormPublished {
+                        weight: self.p(&l.post_norm),
+                        out: self.p(&s.xn),
+                    }
+                } else {
+                    Prologue::RmsNorm(self.p(&l.post_norm))
+                };
+                timed!(
+                    "moe router + shared gate/up",
+                    self.gemv(&segs, x, router_norm, h, m.router.m.group)?
+                );
+            }
+            if moe_form != MoeForm::Pair {
+                let routed = moe_form == MoeForm::Routed;
                 let ea = ExpertsArgs {
                     gate: m.gate.at(0, st),
                     up: m.up.at(0, st),
@@ -1630,6 +1736,16 @@ impl CudaDecoder {
                     hidden: h as i32,
                     inter: c.moe_intermediate_size as i32,
                     k: c.num_experts_per_tok as i32,
+                    route: [
+                        m.router.route(st),
+                        m.shared_gate_logit.route(st),
+                        m.shared_gate.route(st),
+                        m.shared_up.route(st),
+                    ],
+                    norm_weight: self.p(&l.post_norm),
+                    routed: self.p(&s.routed),
+                    route_meet: self.p(&s.route_meet),
+                    eps,
                 };
                 let cfg = LaunchConfig {
                     grid_dim: (gate_up_blocks(c) as u32, 1, 1),
@@ -1637,9 +1753,17 @@ impl CudaDecoder {
                     shared_mem_bytes: gate_up_smem(h) as u32,
                 };
                 timed!(
-                    "moe experts (top-k, gate/up, swiglu, down) + residual",
+                    if routed {
+                        "moe router + experts (top-k, gate/up, swiglu, down) + residual"
+                    } else {
+                        "moe experts (top-k, gate/up, swiglu, down) + residual"
+                    },
                     self.launch_params(
-                        &self.f.experts,
+                        if routed {
+                            &self.f.routed_experts
+                        } else {
+                            &self.f.experts
+                        },
                         cfg,
                         &mut [&ea as *const ExpertsArgs as *mut c_void],
                         self.experts_early(),
@@ -1774,6 +1898,17 @@ impl CudaDecoder {
         self.graphs[graph_slot(self.host_pos)]
             .as_ref()
             .ok_or_else(|| anyhow!("no decode graph"))
+    }
+
+    /// How this position's step runs its MoE blocks: the one-launch form only in the graph that
+    /// launches the experts early (below EXPERTS_EARLY_BELOW); from there on, launched plain, its
+    /// route rows' copies and the launch itself are no longer hidden behind a predecessor, and
+    /// the router launch + moe_experts measured faster.
+    fn moe_form_here(&self) -> MoeForm {
+        match self.moe_form {
+            MoeForm::Routed if !self.experts_early() => MoeForm::Router,
+            form => form,
+        }
     }
 
     /// Whether this position's step launches moe_experts early (see EXPERTS_EARLY_BELOW).
@@ -2296,6 +2431,44 @@ mod tests {
         c.hidden_size = 2048;
         c.moe_intermediate_size = 1024;
         assert!(!experts_fit(&c));
+    }
+
+    #[test]
+    fn the_routed_experts_launch_takes_the_real_and_tiny_shapes() {
+        let mut c = qwen36();
+        // 256 blocks, 1,281 rows: 6 for block 0, 5 for the rest, every block a router row
+        assert_eq!((route_rows(&c), gate_up_blocks(&c)), (1281, 256));
+        assert!(routed_fit(&c));
+        // the tiny preset: 16 experts, top-4, hidden 512: 128 blocks of 1,041 rows
+        c.num_experts = 16;
+        c.num_experts_per_tok = 4;
+        c.hidden_size = 512;
+        assert!(routed_fit(&c));
+        // 32 blocks for 1,041 rows: 33 a block, past the staging space
+        c.num_experts_per_tok = 1;
+        assert!(!routed_fit(&c));
+        // more than 256 experts: warp 0 holds 8 logits a lane
+        let mut c = qwen36();
+        c.num_experts = 512;
+        assert!(!routed_fit(&c));
+        let mut c = qwen36();
+        c.shared_expert_intermediate_size = 1024;
+        assert!(!routed_fit(&c));
+    }
+
+    #[test]
+    fn the_moe_form_follows_the_environment_within_what_fits() {
+        use MoeForm::*;
+        assert_eq!(MoeForm::choose(None, true, true).unwrap(), Routed);
+        assert_eq!(MoeForm::choose(Some("router"), true, true).unwrap(), Router);
+        assert_eq!(MoeForm::choose(Some("pair"), true, true).unwrap(), Pair);
+        assert_eq!(MoeForm::choose(None, true, false).unwrap(), Router);
+        assert_eq!(MoeForm::choose(Some("routed"), false, false).unwrap(), Pair);
+        assert_eq!(MoeForm::choose(Some("router"), false, false).unwrap(), Pair);
+        let err = MoeForm::choose(Some("fused"), true, true)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("OSPREY_DECODE_MOE=fused"), "{err}");
     }
 
     #[test]
