@@ -143,6 +143,8 @@ PHASES = {
     "moe router + shared gate/up": {2: "x in", 3: "rows written"},
     "moe experts (top-k, gate/up, swiglu, down) + residual": {
         8: "selected", 2: "gate/up asked", 3: "x in", 4: "gate/up in", 5: "h written", 6: "slot met", 7: "down multiplied"},
+    "moe router + experts (top-k, gate/up, swiglu, down) + residual": {
+        8: "selected", 2: "gate/up asked", 3: "x in", 4: "gate/up in", 5: "h written", 6: "slot met", 7: "down multiplied"},
 }
 
 
