@@ -284,6 +284,17 @@ extern "C" __global__ void __launch_bounds__(32 * (MAX_TOPK + 1)) moe_down(DownA
     }
 }
 
+// One of the route matrices moe_routed_experts multiplies: 4- or 8-bit rows of H in groups of 64.
+struct RouteMatrix {
+    const uint32_t* codes;
+    const __nv_bfloat16* scales;
+    const __nv_bfloat16* biases;
+    int rows, bits;
+};
+#define ROUTE_MATRICES 4
+// route rows a block takes at most (row b, b + grid, ...: the host checks)
+#define ROUTE_MAX_ROWS 16
+
 // ---- moe_experts: the routed and shared experts in one launch -----------------------------------
 // The down projection without waiting for all of h: the 32 blocks of a routed slot (each a
 // 16-row gate/up tile pair of its expert, as moe_gate_up) write their 16 values of h to global
@@ -297,7 +308,8 @@ extern "C" __global__ void __launch_bounds__(32 * (MAX_TOPK + 1)) moe_down(DownA
 // 8 slots and the shared expert). Every block is resident at once (the host checks the
 // occupancy, else it runs the pair), so the wait cannot starve. The first H/16 blocks also take
 // a 16-row tile of the shared expert's down matrix (its gate and up projections come from the
-// router launch; such a block computes the shared h itself), requested before the wait. The grid
+// router launch, or in moe_routed_experts from the launch's own blocks; such a block computes the
+// shared h itself), requested before the wait. The grid
 // is k·I/16 blocks, two per SM in one wave. The residual is written while blocks still run, so
 // the normalised input comes from the router launch (its block 0 writes it: GemvArgs.normed).
 // Down rows as the GEMV's 16-row tiles (tiles.cuh tile_load / tile_compute_s8: h as two signed
@@ -314,17 +326,6 @@ extern "C" __global__ void __launch_bounds__(32 * (MAX_TOPK + 1)) moe_down(DownA
 // Its gate/up part repeats moe_gate_up's on purpose: written once as shared helpers, this kernel
 // compiled differently (95 registers instead of 107) and the step lost 2% (555.6 -> 543.5 tok/s
 // at 4K, commit cffab1f).
-// One of the route matrices moe_routed_experts multiplies: 4- or 8-bit rows of H in groups of 64.
-struct RouteMatrix {
-    const uint32_t* codes;
-    const __nv_bfloat16* scales;
-    const __nv_bfloat16* biases;
-    int rows, bits;
-};
-#define ROUTE_MATRICES 4
-// route rows a block takes at most (row b, b + grid, ...: the host checks)
-#define ROUTE_MAX_ROWS 16
-
 struct ExpertsArgs {
     ExpertStack gate, up;       // routed [E*I, H]
     ExpertStack down;           // routed [E*H, I]
