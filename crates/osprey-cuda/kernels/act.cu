@@ -18,17 +18,9 @@ struct EmbedRowsArgs {
     int H, group, bits;
 };
 
+// 256 threads a block (common.cuh embed_row), a block per token.
 extern "C" __global__ void embed_rows(EmbedRowsArgs a) {
-    const size_t row = (size_t)a.tokens[blockIdx.x];
-    const int per_word = 32 / a.bits, wpr = a.H / per_word, gpr = a.H / a.group;
-    const uint32_t mask = (1u << a.bits) - 1;
-    float* x = a.x + (size_t)blockIdx.x * a.H;
-    for (int i = threadIdx.x; i < a.H; i += blockDim.x) {
-        const uint32_t w = a.codes[row * wpr + i / per_word];
-        const float q = (float)((w >> ((i % per_word) * a.bits)) & mask);
-        const int g = i / a.group;
-        x[i] = bf16_to_f32(a.scales[row * gpr + g]) * q + bf16_to_f32(a.biases[row * gpr + g]);
-    }
+    embed_row(a.codes, a.scales, a.biases, (size_t)a.tokens[blockIdx.x], a.H, a.group, a.bits, a.x + (size_t)blockIdx.x * a.H);
 }
 
 struct NormArgs {

@@ -80,6 +80,40 @@ __device__ __forceinline__ float byte_code(uint32_t w, int n) {
 // reading consecutive 32-element chunks with float4 loads hit distinct banks.
 __device__ __forceinline__ int pad_idx(int i) { return i + ((i >> 5) << 2); }
 
+// ---- embedding rows ----
+// A thread's words of an embedding row (H / (32 / bits) words over a block of 256 threads; H at
+// most 4096 at 8 bits: decoder.rs check_embed).
+#define EMBED_WORDS 4
+
+// Embedding row `row` (bits-wide codes, bf16 scale and bias per group) dequantised into x[0, H).
+// Every word, scale and bias is requested before any is used: one memory round trip (a loop that
+// stored each element before its next loads went round trip after round trip: 7.9 us of the
+// decode step at 4K, bench/results/cuda-decode-embed-one-trip.json).
+__device__ __forceinline__ void embed_row(const uint32_t* codes, const __nv_bfloat16* scales, const __nv_bfloat16* biases,
+                                          size_t row, int H, int group, int bits, float* x) {
+    const int per_word = 32 / bits, wpr = H / per_word, gpr = H / group;
+    const uint32_t mask = (1u << bits) - 1;
+    uint32_t w[EMBED_WORDS];
+    __nv_bfloat16 sc[EMBED_WORDS], bi[EMBED_WORDS];
+#pragma unroll
+    for (int j = 0; j < EMBED_WORDS; ++j) {
+        const int wi = threadIdx.x + j * blockDim.x, g = wi * per_word / group;
+        if (wi < wpr) {
+            w[j] = codes[row * wpr + wi];
+            sc[j] = scales[row * gpr + g];
+            bi[j] = biases[row * gpr + g];
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < EMBED_WORDS; ++j) {
+        const int wi = threadIdx.x + j * blockDim.x;
+        if (wi < wpr) {
+            const float s = bf16_to_f32(sc[j]), b = bf16_to_f32(bi[j]);
+            for (int e = 0; e < per_word; ++e) x[wi * per_word + e] = s * (float)((w[j] >> (e * bits)) & mask) + b;
+        }
+    }
+}
+
 // ---- programmatic dependent launch (Hopper) ----
 // With OSPREY_CUDA_OVERLAP=1 or =pdl the decode step's kernels are launched with programmatic stream
 // serialization (decoder.rs): a kernel may be scheduled while its predecessor drains. Each one

@@ -36,37 +36,10 @@ struct EmbedArgs {
     int H, group, bits;
 };
 
-// A thread's words of the row (H / (32 / bits) words over 256 threads; H <= 4096 at 8 bits)
-#define EMBED_WORDS 4
-
 extern "C" __global__ void embed(EmbedArgs a) {
     step_overlap_begin();
     step_inputs_ready();
-    const size_t row = (size_t)*a.token;
-    const int per_word = 32 / a.bits, wpr = a.H / per_word, gpr = a.H / a.group;
-    const uint32_t mask = (1u << a.bits) - 1;
-    // every word, scale and bias requested before any is used: one memory round trip after the
-    // token's (a loop that stored each element before its next loads went round trip after
-    // round trip: 7.9 us of the step at 4K, bench/results/cuda-decode-embed-one-trip.json)
-    uint32_t w[EMBED_WORDS];
-    __nv_bfloat16 sc[EMBED_WORDS], bi[EMBED_WORDS];
-#pragma unroll
-    for (int j = 0; j < EMBED_WORDS; ++j) {
-        const int wi = threadIdx.x + j * blockDim.x, g = wi * per_word / a.group;
-        if (wi < wpr) {
-            w[j] = a.codes[row * wpr + wi];
-            sc[j] = a.scales[row * gpr + g];
-            bi[j] = a.biases[row * gpr + g];
-        }
-    }
-#pragma unroll
-    for (int j = 0; j < EMBED_WORDS; ++j) {
-        const int wi = threadIdx.x + j * blockDim.x;
-        if (wi < wpr) {
-            const float s = bf16_to_f32(sc[j]), b = bf16_to_f32(bi[j]);
-            for (int e = 0; e < per_word; ++e) a.x[wi * per_word + e] = s * (float)((w[j] >> (e * a.bits)) & mask) + b;
-        }
-    }
+    embed_row(a.codes, a.scales, a.biases, (size_t)*a.token, a.H, a.group, a.bits, a.x);
 }
 
 struct SampleParams {

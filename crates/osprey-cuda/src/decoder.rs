@@ -201,10 +201,11 @@ fn routed_fit(c: &ModelConfig) -> bool {
         && rows.div_ceil(blocks) <= ROUTE_MAX_ROWS
 }
 
-/// Words of an embedding row per thread of sample.cu embed (its EMBED_WORDS).
+/// Words of an embedding row per thread of common.cuh embed_row (its EMBED_WORDS): sample.cu embed
+/// (decode) and act.cu embed_rows (prefill).
 const EMBED_WORDS: usize = 4;
 
-/// Whether sample.cu embed takes the embedding's rows: 256 threads of at most EMBED_WORDS words
+/// Whether embed_row takes the embedding's rows: 256 threads of at most EMBED_WORDS words
 /// each, a word's elements inside one group.
 fn check_embed(hidden: usize, bits: usize, group: usize) -> Result<()> {
     if hidden * bits > 32 * 256 * EMBED_WORDS || group < 32 / bits {
