@@ -191,10 +191,12 @@ fn route_rows(c: &ModelConfig) -> usize {
 /// Whether moe_routed_experts takes this shape (moe.cu): block b takes rows b, b + grid, ...
 /// (at most ROUTE_MAX_ROWS), every block at least one, so that warp 0, seeing rows
 /// 0 .. max(E, grid) - 1 (at most 256, 8 a lane) with this launch's tag, knows that every block
-/// has read x and the old tag; the shared expert as wide as a routed one.
+/// has read x and the old tag; a row's scales and biases copied 16 bytes at a time (the hidden
+/// size a multiple of 512); the shared expert as wide as a routed one.
 fn routed_fit(c: &ModelConfig) -> bool {
     let (rows, blocks) = (route_rows(c), gate_up_blocks(c));
     experts_fit(c)
+        && c.hidden_size.is_multiple_of(512)
         && c.shared_expert_intermediate_size == c.moe_intermediate_size
         && c.num_experts.max(blocks) <= 256
         && rows >= blocks
@@ -622,7 +624,8 @@ pub struct CudaDecoder {
     overlap: StepOverlap,
     /// The loaded kernel families, for the timeline probe's symbols (`record_timeline`).
     modules: HashMap<&'static str, Arc<CudaModule>>,
-    /// The MoE block's experts in one launch (moe_experts), or as the gate/up and down pair.
+    /// How the MoE blocks run where the shape and the environment allow (moe_form_here: at a
+    /// position).
     moe_form: MoeForm,
 }
 
@@ -2455,6 +2458,12 @@ mod tests {
         let mut c = qwen36();
         c.shared_expert_intermediate_size = 1024;
         assert!(!routed_fit(&c));
+        // (experts of 384 rows admit a hidden size of 768: its rows' scales are 24 bytes)
+        let mut c = qwen36();
+        c.moe_intermediate_size = 384;
+        c.shared_expert_intermediate_size = 384;
+        c.hidden_size = 768;
+        assert!(experts_fit(&c) && !routed_fit(&c));
     }
 
     #[test]
