@@ -134,6 +134,9 @@ def decode_profile():
     return "\n".join(rows + [last])
 
 
+# The experts kernels' marks (moe.cu moe_experts_body: moe_experts and moe_routed_experts).
+EXPERTS_PHASES = {8: "selected", 2: "gate/up asked", 3: "x in", 4: "gate/up in", 5: "h written", 6: "slot met", 7: "down multiplied"}
+
 # What each phase mark means (step_phase calls in crates/osprey-cuda/kernels), per family.
 PHASES = {
     "gdn in_proj (norm + qkv|z|b|a)": {2: "copies asked", 3: "x in", 4: "tiles in", 5: "multiplied"},
@@ -141,10 +144,8 @@ PHASES = {
     "gdn gated norm + out_proj + residual": {2: "x in", 3: "tile in"},
     "attn o_proj + residual": {2: "x in", 3: "tile in"},
     "moe router + shared gate/up": {2: "x in", 3: "rows written"},
-    "moe experts (top-k, gate/up, swiglu, down) + residual": {
-        8: "selected", 2: "gate/up asked", 3: "x in", 4: "gate/up in", 5: "h written", 6: "slot met", 7: "down multiplied"},
-    "moe router + experts (top-k, gate/up, swiglu, down) + residual": {
-        8: "selected", 2: "gate/up asked", 3: "x in", 4: "gate/up in", 5: "h written", 6: "slot met", 7: "down multiplied"},
+    "moe experts (top-k, gate/up, swiglu, down) + residual": EXPERTS_PHASES,
+    "moe router + experts (top-k, gate/up, swiglu, down) + residual": EXPERTS_PHASES,
 }
 
 

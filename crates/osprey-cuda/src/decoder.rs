@@ -1064,12 +1064,15 @@ impl CudaDecoder {
             ));
         }
         // a routed slot's blocks wait for each other, so all of them must be resident at once
-        let resident_experts = f.experts.occupancy_max_active_blocks_per_multiprocessor(
-            256,
-            gate_up_smem(c.hidden_size),
-            None,
-        )? as usize
-            * sms;
+        let resident = |experts: &CudaFunction| -> Result<usize> {
+            Ok(experts.occupancy_max_active_blocks_per_multiprocessor(
+                256,
+                gate_up_smem(c.hidden_size),
+                None,
+            )? as usize
+                * sms)
+        };
+        let resident_experts = resident(&f.experts)?;
         // attn_decode_merge's blocks meet before merging the splits: all of them must be
         // resident, so its occupancy sizes the grid (attn_decode, which does not meet, shares it)
         let attn_per_sm = f
@@ -1080,14 +1083,7 @@ impl CudaDecoder {
             bail!("attn_decode_merge does not fit on an SM of this GPU");
         }
         let attn_blocks = attn_per_sm.min(ATTN_BLOCKS_PER_SM) * sms;
-        let resident_routed = f
-            .routed_experts
-            .occupancy_max_active_blocks_per_multiprocessor(
-                256,
-                gate_up_smem(c.hidden_size),
-                None,
-            )? as usize
-            * sms;
+        let resident_routed = resident(&f.routed_experts)?;
         let route_formats = layers.iter().all(|l| {
             let m = &l.moe;
             [
