@@ -53,6 +53,13 @@ double graph_us(cudaStream_t st, int launches, Launch launch) {
     return us;
 }
 
+// The GPU's global clock, nanoseconds (for times measured inside a kernel).
+__device__ __forceinline__ unsigned long long now_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
 // An arrival counter and a generation flag in global memory (zeroed before the launch).
 struct GridBarrier {
     unsigned* count;

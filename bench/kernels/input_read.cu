@@ -24,12 +24,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) chained_value(float* x, int
 }
 
 // (each thread 8 consecutive floats: 2 x float4, as tiles.cuh resident_values)
-__device__ __forceinline__ unsigned long long now_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
 // (spent: each block's nanoseconds from its start to its sum, when given)
 extern "C" __global__ void __launch_bounds__(256, 2) read_input(float* x, int replicas, int* sink, unsigned* spent) {
     __shared__ float scratch[32];
