@@ -2,6 +2,7 @@
 // grid-wide barrier for resident launches, and random quantised weights and activations.
 #pragma once
 #include "../../crates/osprey-cuda/kernels/common.cuh"
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <cuda.h>
@@ -58,6 +59,31 @@ __device__ __forceinline__ unsigned long long now_ns() {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
+}
+
+// The input-read chain (input_read.cu, loader_sms.cu): thread t's 8 consecutive floats of an
+// H-wide vector (two float4, as tiles.cuh resident_values) and the block's sum of their squares;
+// then, for the next launch, those values scaled by 1/sqrt(total/H + 1) into dst.
+__device__ __forceinline__ float read_slots_sum_squares(const float* src, float4& a, float4& b, float* scratch) {
+    a = reinterpret_cast<const float4*>(src)[2 * threadIdx.x];
+    b = reinterpret_cast<const float4*>(src)[2 * threadIdx.x + 1];
+    const float ss = a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + b.x * b.x + b.y * b.y + b.z * b.z + b.w * b.w;
+    return block_sum(ss, scratch);
+}
+__device__ __forceinline__ void write_slots_scaled(float* dst, float4 a, float4 b, float total, int H) {
+    float4* d = reinterpret_cast<float4*>(dst) + 2 * threadIdx.x;
+    const float s = 1.f / sqrtf(total / H + 1.f);
+    d[0] = make_float4(a.x * s, a.y * s, a.z * s, a.w * s);
+    d[1] = make_float4(b.x * s, b.y * s, b.z * s, b.w * s);
+}
+
+// `n` per-block nanoseconds on the device: their median and maximum, microseconds.
+static void median_max_us(const unsigned* spent, int n, double& median, double& max) {
+    std::vector<unsigned> ns(n);
+    CK(cudaMemcpy(ns.data(), spent, n * 4, cudaMemcpyDeviceToHost));
+    std::sort(ns.begin(), ns.end());
+    median = ns[n / 2] * 1e-3;
+    max = ns[n - 1] * 1e-3;
 }
 
 // An arrival counter and a generation flag in global memory (zeroed before the launch).

@@ -11,7 +11,6 @@
 // Run on the GPU machine:  nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 \
 //     bench/kernels/input_read.cu -o /tmp/input_read && /tmp/input_read
 #include "harness.cuh"
-#include <algorithm>
 
 #define H 2048
 
@@ -23,22 +22,14 @@ extern "C" __global__ void __launch_bounds__(256, 2) chained_value(float* x, int
     if (got == -1.f) sink[0] = 1;
 }
 
-// (each thread 8 consecutive floats: 2 x float4, as tiles.cuh resident_values)
 // (spent: each block's nanoseconds from its start to its sum, when given)
 extern "C" __global__ void __launch_bounds__(256, 2) read_input(float* x, int replicas, int* sink, unsigned* spent) {
     __shared__ float scratch[32];
     const unsigned long long t0 = now_ns();
-    const float4* src = reinterpret_cast<const float4*>(x + (size_t)(blockIdx.x % replicas) * H) + 2 * threadIdx.x;
-    const float4 a = src[0], b = src[1];
-    const float ss = a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + b.x * b.x + b.y * b.y + b.z * b.z + b.w * b.w;
-    const float total = block_sum(ss, scratch);
+    float4 a, b;
+    const float total = read_slots_sum_squares(x + (size_t)(blockIdx.x % replicas) * H, a, b, scratch);
     if (spent && threadIdx.x == 0) spent[blockIdx.x] = (unsigned)(now_ns() - t0);
-    if ((int)blockIdx.x < replicas) {
-        float4* dst = reinterpret_cast<float4*>(x + (size_t)blockIdx.x * H) + 2 * threadIdx.x;
-        const float s = 1.f / sqrtf(total / H + 1.f);
-        dst[0] = make_float4(a.x * s, a.y * s, a.z * s, a.w * s);
-        dst[1] = make_float4(b.x * s, b.y * s, b.z * s, b.w * s);
-    }
+    if ((int)blockIdx.x < replicas) write_slots_scaled(x + (size_t)blockIdx.x * H, a, b, total, H);
     if (total == -1.f) sink[0] = 1;
 }
 
@@ -59,11 +50,10 @@ int main() {
         // one more launch behind a chained one, timed inside: start to sum, per block
         chained_value<<<grid, 256, 0, st>>>(x, sink);
         read_input<<<grid, 256, 0, st>>>(x, r, sink, spent);
-        std::vector<unsigned> ns(grid);
-        CK(cudaMemcpy(ns.data(), spent, grid * 4, cudaMemcpyDeviceToHost));
-        std::sort(ns.begin(), ns.end());
+        double median, max;
+        median_max_us(spent, grid, median, max);
         printf("x read, %3d copies       %6.2f us a launch; in the kernel, start to sum: median %.2f us, max %.2f\n", r, us,
-               ns[grid / 2] * 1e-3, ns[grid - 1] * 1e-3);
+               median, max);
     }
     return 0;
 }

@@ -8,8 +8,9 @@
 //            loader leaves), each reading all of x (8 KB, L2 hits) and summing its squares; also
 //            each block its own cold 8 KB (DRAM);
 //   loader — launched first on its own stream: 16 blocks of 1,024 threads and all of an SM's
-//            shared memory (so no reader block lands beside one), streaming 4 GB by cp.async.bulk.prefetch.L2 (into L2 only), or
-//            by bulk copies into shared memory, for the whole chain.
+//            shared memory (so no reader block lands beside one), streaming 4 GB by
+//            cp.async.bulk.prefetch.L2 (into L2 only), or by bulk copies into shared memory, for
+//            the whole chain.
 // Reported: the chain's microseconds a launch and, inside one launch timed while the loader runs,
 // each block's start-to-sum time.
 // Ran on the H200 at e3212fa (bench/results/cuda-loader-sms-h200.json): L2-hit reads 0.61 us start to
@@ -17,7 +18,6 @@
 // Run on the GPU machine:  nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 \
 //     bench/kernels/loader_sms.cu -o /tmp/loader_sms && /tmp/loader_sms
 #include "harness.cuh"
-#include <algorithm>
 
 #define H 2048
 #define LOADERS 16
@@ -60,17 +60,10 @@ extern "C" __global__ void __launch_bounds__(1024, 1) loader(const char* src, si
 extern "C" __global__ void __launch_bounds__(256, 2) reader(float* x, const float* own, int* sink, unsigned* spent) {
     __shared__ float scratch[32];
     const unsigned long long t0 = now_ns();
-    const float* src = own ? own + (size_t)blockIdx.x * H : x;
-    const float4 a = reinterpret_cast<const float4*>(src)[2 * threadIdx.x], b = reinterpret_cast<const float4*>(src)[2 * threadIdx.x + 1];
-    const float ss = a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + b.x * b.x + b.y * b.y + b.z * b.z + b.w * b.w;
-    const float total = block_sum(ss, scratch);
+    float4 a, b;
+    const float total = read_slots_sum_squares(own ? own + (size_t)blockIdx.x * H : x, a, b, scratch);
     if (spent && threadIdx.x == 0) spent[blockIdx.x] = (unsigned)(now_ns() - t0);
-    if (blockIdx.x == 0) {
-        float4* dst = reinterpret_cast<float4*>(x) + 2 * threadIdx.x;
-        const float s = 1.f / sqrtf(total / H + 1.f);
-        dst[0] = make_float4(a.x * s, a.y * s, a.z * s, a.w * s);
-        dst[1] = make_float4(b.x * s, b.y * s, b.z * s, b.w * s);
-    }
+    if (blockIdx.x == 0) write_slots_scaled(x, a, b, total, H);
     if (total == -1.f) sink[0] = 1;
 }
 
@@ -115,14 +108,12 @@ int main() {
                 CK(cudaEventSynchronize(e1));
                 float ms;
                 CK(cudaEventElapsedTime(&ms, e0, e1));
-                std::vector<unsigned> ns(grid);
-                CK(cudaMemcpy(ns.data(), spent, grid * 4, cudaMemcpyDeviceToHost));
-                std::sort(ns.begin(), ns.end());
+                double median, max;
+                median_max_us(spent, grid, median, max);
                 CK(cudaStreamSynchronize(sl));
                 if (rep == 1)
                     printf("%-12s %-30s %6.2f us a launch; start to sum median %.2f us, max %.2f\n",
-                           cold_reads ? "own cold 8KB" : "shared x", loads[mode + 1], ms * 1e3 / N, ns[grid / 2] * 1e-3,
-                           ns[grid - 1] * 1e-3);
+                           cold_reads ? "own cold 8KB" : "shared x", loads[mode + 1], ms * 1e3 / N, median, max);
             }
         }
     }
