@@ -40,8 +40,9 @@ def short_name(kernel):
 
 
 def layers(timeline):
-    """[(kind, [(name, us since the previous launch's end, mark 2's median after release or None)])]
-    per layer, in step order; launches outside the layers (embed, lm_head, sampling) are left out."""
+    """[(kind, [(name, us since the previous launch's end, mark 2's median after release or None,
+    "N/BLOCKS" of its blocks started before the previous launch's end or None)])] per layer, in step
+    order; launches outside the layers (embed, lm_head, sampling) are left out."""
     out, prev_end = [], None
     for launch in timeline["launches"]:
         end = launch["end_us"]
@@ -51,7 +52,9 @@ def layers(timeline):
                 out.append(("attn" if launch["kernel"].startswith("attn") else "gdn", []))
             if out:
                 mark2 = next((p["median_us"] for p in launch["phases"] if p["mark"] == 2), None)
-                out[-1][1].append((name, end - prev_end, mark2))
+                early = launch.get("blocks_started_before_predecessor_end")
+                landed = None if early is None else f"{early}/{launch['blocks']}"
+                out[-1][1].append((name, end - prev_end, mark2, landed))
         if end is not None:
             prev_end = end
     return out
@@ -59,31 +62,35 @@ def layers(timeline):
 
 def render(a, b=None):
     """Rows of text: per layer its kind and each launch's time (A, or A -> B with two timelines of
-    the same layers; a launch only one of them has shows "-" for the other), in_proj's mark 2 when
-    it has one, and the layer's total."""
+    the same layers; a launch only one of them has shows "-" for the other), in_proj's mark 2 and
+    its blocks that landed before the previous launch ended when the timeline has them, and the
+    layer's total."""
     la = layers(a)
     lb = layers(b) if b is not None else None
     if lb is not None and [k for k, _ in la] != [k for k, _ in lb]:
         raise ValueError("the two timelines do not have the same layers")
     rows = []
     for i, (kind, launches) in enumerate(la):
-        total = sum(us for _, us, _ in launches)
+        total = sum(us for _, us, _, _ in launches)
         if lb is None:
             cells = [f"{name} {us:5.2f}" + (f" (copies {m2:+.1f})" if name == "in_proj" and m2 is not None else "")
-                     for name, us, m2 in launches]
+                     + (f" (landed early {e})" if name == "in_proj" and e is not None else "")
+                     for name, us, m2, e in launches]
             rows.append(f"{i:2d} {kind:4s} " + "  ".join(cells) + f"  = {total:6.2f}")
             continue
-        mine = {name: (us, m2) for name, us, m2 in launches}
-        theirs = {name: (us, m2) for name, us, m2 in lb[i][1]}
-        names = [n for n, _, _ in launches] + [n for n, _, _ in lb[i][1] if n not in mine]
+        mine = {name: (us, m2, e) for name, us, m2, e in launches}
+        theirs = {name: (us, m2, e) for name, us, m2, e in lb[i][1]}
+        names = [n for n, _, _, _ in launches] + [n for n, _, _, _ in lb[i][1] if n not in mine]
         cells = []
         for name in names:
             x, y = mine.get(name), theirs.get(name)
             cell = f"{name} {f'{x[0]:5.2f}' if x else '    -'}->{f'{y[0]:5.2f}' if y else '-'}"
             if name == "in_proj" and x and y and x[1] is not None and y[1] is not None:
                 cell += f" (copies {x[1]:+.1f}->{y[1]:+.1f})"
+            if name == "in_proj" and x and y and x[2] is not None and y[2] is not None:
+                cell += f" (landed early {x[2]}->{y[2]})"
             cells.append(cell)
-        other = sum(us for _, us, _ in lb[i][1])
+        other = sum(us for _, us, _, _ in lb[i][1])
         rows.append(f"{i:2d} {kind:4s} " + "  ".join(cells) + f"  = {total:6.2f}->{other:6.2f}")
     return rows
 

@@ -427,6 +427,15 @@ fn write_timeline(
             json!({"kernel": p.kernel, "mark": p.mark, "median_block_us": p.median_block_us, "last_block_us": p.last_block_us})
         })
         .collect();
+    // each launch's blocks that started before its predecessor's last block ended
+    let early: Vec<Option<usize>> = launches
+        .iter()
+        .enumerate()
+        .map(|(i, l)| {
+            let prev_end = launches[..i].last()?.last_end_ns?;
+            Some(timeline::started_before(l, prev_end))
+        })
+        .collect();
     let report = json!({
         "kind": "decode-timeline", "backend": "cuda", "kv_cache": gpu.kv_cache().to_string(), "device": gpu.device_name(), "commit": git_commit(),
         "date": utc_now(), "command": command,
@@ -438,9 +447,10 @@ fn write_timeline(
             "median_release_after_predecessor_us": f.median_release_after_predecessor_us})).collect::<Vec<_>>(),
         "phases_note": "marks 2-8 are the phases a kernel's source marks with step_phase (their meaning is beside each call); times are after the launch's release, the median over the family's launches of its median block and its last block",
         "phases": phase_rows,
-        "launches": launches.iter().zip(&kernels).map(|(l, kernel)| json!({
+        "launches": launches.iter().zip(&kernels).zip(&early).map(|((l, kernel), early)| json!({
             "kernel": kernel,
             "file": l.module, "grid": [l.grid & 0xFFFF, l.grid >> 16], "blocks": l.blocks,
+            "blocks_started_before_predecessor_end": early,
             "start_us": us(Some(l.first_start_ns)), "release_us": us(l.release_ns), "end_us": us(l.last_end_ns),
             "phases": timeline::phase_times(l).iter().map(|p| json!({"mark": p.mark, "median_us": p.median_us, "last_us": p.last_us})).collect::<Vec<_>>()})).collect::<Vec<_>>(),
     });

@@ -52,6 +52,8 @@ pub struct Launch {
     pub grid: u32,
     pub blocks: usize,
     pub first_start_ns: u64,
+    /// Every block's start.
+    pub starts: Vec<u64>,
     /// The first block past its wait: the predecessor had finished and flushed.
     pub release_ns: Option<u64>,
     pub last_end_ns: Option<u64>,
@@ -66,6 +68,12 @@ pub struct PhaseTime {
     pub mark: u32,
     pub median_us: f64,
     pub last_us: f64,
+}
+
+/// How many of a launch's blocks started before `t_ns` (before its predecessor's last block
+/// ended: landed beside that launch's blocks, under programmatic dependent launch).
+pub fn started_before(l: &Launch, t_ns: u64) -> usize {
+    l.starts.iter().filter(|&&t| t < t_ns).count()
 }
 
 /// Sorts `v` and returns its upper median (the middle element, or the upper of the two middle
@@ -143,6 +151,7 @@ pub fn launches(marks: &[Mark]) -> Vec<Launch> {
                 grid: m.grid,
                 blocks: 0,
                 first_start_ns: m.time_ns,
+                starts: Vec::new(),
                 release_ns: None,
                 last_end_ns: None,
                 phases: Vec::new(),
@@ -151,6 +160,7 @@ pub fn launches(marks: &[Mark]) -> Vec<Launch> {
             0 => {
                 l.blocks += 1;
                 l.first_start_ns = l.first_start_ns.min(m.time_ns);
+                l.starts.push(m.time_ns);
             }
             1 => l.release_ns = Some(l.release_ns.map_or(m.time_ns, |t| t.min(m.time_ns))),
             9 => l.last_end_ns = Some(l.last_end_ns.map_or(m.time_ns, |t| t.max(m.time_ns))),
@@ -311,6 +321,12 @@ mod tests {
             (l[2].module, l[2].release_ns, l[2].last_end_ns),
             ("moe", Some(700), Some(1650))
         );
+
+        // the second gemv launch's block 0 started at 250, before the first launch ended (310),
+        // its block 1 at 320; the moe block at 640, before the second ended (650)
+        assert_eq!(started_before(&l[1], 310), 1);
+        assert_eq!(started_before(&l[2], 650), 1);
+        assert_eq!(started_before(&l[2], 600), 0);
 
         assert_eq!(l[0].phases, vec![(2, 200)]);
         assert_eq!(l[1].phases, vec![(2, 400)]);
