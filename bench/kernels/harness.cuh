@@ -15,27 +15,35 @@
 
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); exit(1); } } while (0)
 
-// Best of 5 timings of `launch()` on `st`, after one untimed run; milliseconds.
-template <class Launch>
-float best_ms(cudaStream_t st, Launch launch) {
+// `reps` event timings of launch() on `st`, each after prepare() (untimed); milliseconds.
+template <class Prepare, class Launch>
+std::vector<float> timings_ms(cudaStream_t st, int reps, Prepare prepare, Launch launch) {
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
-    launch();
-    CK(cudaStreamSynchronize(st));
-    float best = 1e9f;
-    for (int r = 0; r < 5; ++r) {
+    std::vector<float> out;
+    for (int r = 0; r < reps; ++r) {
+        prepare();
         CK(cudaEventRecord(e0, st));
         launch();
         CK(cudaEventRecord(e1, st));
         CK(cudaEventSynchronize(e1));
         float ms;
         CK(cudaEventElapsedTime(&ms, e0, e1));
-        best = ms < best ? ms : best;
+        out.push_back(ms);
     }
     CK(cudaEventDestroy(e0));
     CK(cudaEventDestroy(e1));
-    return best;
+    return out;
+}
+
+// Best of 5 timings of `launch()` on `st`, after one untimed run; milliseconds.
+template <class Launch>
+float best_ms(cudaStream_t st, Launch launch) {
+    launch();
+    CK(cudaStreamSynchronize(st));
+    const std::vector<float> t = timings_ms(st, 5, [] {}, launch);
+    return *std::min_element(t.begin(), t.end());
 }
 
 // Microseconds per launch: `launches` calls of launch(i) captured in one CUDA graph on `st`,

@@ -157,23 +157,11 @@ int main() {
     }
     // the loaders alone: event-timed from a flushed L2, less an empty launch (a kernel completes
     // only once its prefetches have: this is how long staging takes)
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
     auto timed_us = [&](auto launch) {
-        std::vector<double> us;
-        for (int rep = 0; rep < 7; ++rep) {
-            CK(cudaMemsetAsync(flush, rep, flush_bytes, st));
-            CK(cudaEventRecord(e0, st));
-            launch();
-            CK(cudaEventRecord(e1, st));
-            CK(cudaEventSynchronize(e1));
-            float ms;
-            CK(cudaEventElapsedTime(&ms, e0, e1));
-            us.push_back(ms * 1e3);
-        }
-        std::sort(us.begin(), us.end());
-        return us[3];
+        int rep = 0;
+        std::vector<float> ms = timings_ms(st, 7, [&] { CK(cudaMemsetAsync(flush, rep++, flush_bytes, st)); }, launch);
+        std::sort(ms.begin(), ms.end());
+        return ms[3] * 1e3;
     };
     const double empty = timed_us([&] { delay<<<1, 1, 0, st>>>(0u); });
     printf("empty launch %.2f us\n", empty);
