@@ -61,7 +61,10 @@ const RESIDENT_THREADS: u32 = 512;
 /// 673.5 tok/s; at 128K, moe_experts plain, 8 warps lose 0.4%:
 /// bench/results/cuda-decode-resident-threads-ablation.json). Compiled for the model's shape
 /// (gemv_q_resident_k2048 at 72 registers, moe_experts_h2048 at 80) 256 threads fit beside both
-/// blocks and 512 beside one (cuda-decode-shape-specialised.json); 16 warps there is untried.
+/// blocks and 512 beside one (cuda-decode-shape-specialised.json). Now at 90 and 82 (88
+/// allocated) registers, 256 threads fit beside one experts block; capped at 80 (beside both,
+/// with no register to spare) the timeline still had its blocks land as the experts left, and 16
+/// warps lost (4K 766.6 -> 756.8 tok/s; bench/results/cuda-decode-session29-ablations.json).
 const RESIDENT_THREADS_AFTER_EARLY_EXPERTS: u32 = 256;
 /// Just over half of an H200 SM's 228 KB of shared memory (1 KB of each block's is reserved).
 const RESIDENT_MIN_SMEM: usize = 115 * 1024;
