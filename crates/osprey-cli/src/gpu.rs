@@ -449,7 +449,7 @@ fn write_timeline(
         "phases": phase_rows,
         "launches": launches.iter().zip(&kernels).zip(&early).map(|((l, kernel), early)| json!({
             "kernel": kernel,
-            "file": l.module, "grid": [l.grid & 0xFFFF, l.grid >> 16], "blocks": l.blocks,
+            "file": l.module, "grid": [l.grid & 0xFFFF, l.grid >> 16], "blocks": l.blocks(),
             "blocks_started_before_predecessor_end": early,
             "start_us": us(Some(l.first_start_ns)), "release_us": us(l.release_ns), "end_us": us(l.last_end_ns),
             "phases": timeline::phase_times(l).iter().map(|p| json!({"mark": p.mark, "median_us": p.median_us, "last_us": p.last_us})).collect::<Vec<_>>()})).collect::<Vec<_>>(),

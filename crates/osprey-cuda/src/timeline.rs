@@ -50,9 +50,8 @@ pub struct Launch {
     pub module: &'static str,
     /// gridDim.x | gridDim.y << 16
     pub grid: u32,
-    pub blocks: usize,
     pub first_start_ns: u64,
-    /// Every block's start.
+    /// Every block's start (one per block).
     pub starts: Vec<u64>,
     /// The first block past its wait: the predecessor had finished and flushed.
     pub release_ns: Option<u64>,
@@ -68,6 +67,13 @@ pub struct PhaseTime {
     pub mark: u32,
     pub median_us: f64,
     pub last_us: f64,
+}
+
+impl Launch {
+    /// Its blocks (each started once).
+    pub fn blocks(&self) -> usize {
+        self.starts.len()
+    }
 }
 
 /// How many of a launch's blocks started before `t_ns` (before its predecessor's last block
@@ -149,7 +155,6 @@ pub fn launches(marks: &[Mark]) -> Vec<Launch> {
             .or_insert_with(|| Launch {
                 module: m.module,
                 grid: m.grid,
-                blocks: 0,
                 first_start_ns: m.time_ns,
                 starts: Vec::new(),
                 release_ns: None,
@@ -158,7 +163,6 @@ pub fn launches(marks: &[Mark]) -> Vec<Launch> {
             });
         match m.mark {
             0 => {
-                l.blocks += 1;
                 l.first_start_ns = l.first_start_ns.min(m.time_ns);
                 l.starts.push(m.time_ns);
             }
@@ -314,7 +318,7 @@ mod tests {
         ];
         let l = launches(&marks);
         assert_eq!(l.len(), 3);
-        let times = |l: &Launch| (l.blocks, l.first_start_ns, l.release_ns, l.last_end_ns);
+        let times = |l: &Launch| (l.blocks(), l.first_start_ns, l.release_ns, l.last_end_ns);
         assert_eq!(times(&l[0]), (2, 100, Some(110), Some(310)));
         assert_eq!(times(&l[1]), (2, 250, Some(330), Some(650)));
         assert_eq!(
