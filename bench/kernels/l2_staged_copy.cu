@@ -29,6 +29,8 @@
 #define CODES_TILE 16384
 #define SIDE_TILE 1024
 #define TILE_BYTES (CODES_TILE + 2 * SIDE_TILE)
+// the three arrays: codes, and scales and biases each
+constexpr size_t CODE_BYTES = (size_t)BLOCKS * TILES * CODES_TILE, SIDE_BYTES = (size_t)BLOCKS * TILES * SIDE_TILE;
 
 extern "C" __global__ void __launch_bounds__(32, 1)
     staged_copy(const char* codes, const char* scales, const char* biases, unsigned long long* start, unsigned long long* land) {
@@ -50,7 +52,7 @@ extern "C" __global__ void __launch_bounds__(32, 1)
 
 // the three arrays' bytes, every one of them asked of L2 by the loader grid
 extern "C" __global__ void __launch_bounds__(256) stage_l2(const char* codes, const char* scales, const char* biases, int mode) {
-    const size_t cb = (size_t)BLOCKS * TILES * CODES_TILE, sb = (size_t)BLOCKS * TILES * SIDE_TILE;
+    const size_t cb = CODE_BYTES, sb = SIDE_BYTES;
     if (mode == 0) {
         const size_t lines = (cb + 2 * sb) / 128, stride = (size_t)gridDim.x * blockDim.x;
         for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < lines; i += stride) {
@@ -94,7 +96,7 @@ struct Case {
 };
 
 int main() {
-    const size_t cb = (size_t)BLOCKS * TILES * CODES_TILE, sb = (size_t)BLOCKS * TILES * SIDE_TILE;
+    const size_t cb = CODE_BYTES, sb = SIDE_BYTES;
     const size_t flush_bytes = (size_t)256 << 20, other_bytes = (size_t)13 << 20;
     char *codes, *scales, *biases, *flush, *oth;
     unsigned long long *start, *land;
