@@ -521,8 +521,8 @@ __device__ __forceinline__ void moe_experts_body(const ExpertsArgs& a) {
         __syncthreads();  // every thread's copies of the rows
         // the block's first row (a router row: the selection waits for every block's first and
         // for nothing else) multiplied and published alone, before the others: the logits are
-        // seen 0.8 us sooner (4.6 -> 3.8 us after the release, median launch at 4K), 4K 758.3 ->
-        // 801.4 tok/s, 32K 662.3 -> 695.2 (bench/results/cuda-decode-route-first-row.json)
+        // seen 0.8 us sooner (4.6 -> 3.8 us after the release, median launch at 4K), 4K 758.2 ->
+        // 801.3 tok/s, 32K 662.3 -> 695.1 (bench/results/cuda-decode-route-first-row.json)
         {
             const float p0 = warp_sum(route_dot(codes, scales, biases, wide & 1u, v, vs, H));
             if (lane == 0) wpart[warp][0] = p0;
@@ -568,7 +568,7 @@ __device__ __forceinline__ void moe_experts_body(const ExpertsArgs& a) {
     }
     if (threadIdx.x < 32) {
         // the slot's gate and up rows asked for as soon as the selection's round for the slot has
-        // chosen its expert, not after all k rounds: 4K 798.1 -> 810.7 tok/s, 32K 693.9 -> 703.2
+        // chosen its expert, not after all k rounds: 4K 798.1 -> 810.6 tok/s, 32K 693.9 -> 703.2
         // (bench/results/cuda-decode-route-first-row.json)
         const auto ask_slot = [&](int r, int e) {
             if (r != slot || threadIdx.x != 0) return;
