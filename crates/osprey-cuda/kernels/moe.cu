@@ -576,7 +576,7 @@ __device__ __forceinline__ void moe_experts_body(const ExpertsArgs& a) {
             const size_t row0 = (size_t)e * I + f0;
             if constexpr (ROUTE) fence_proxy_async();  // the route rows' reads before the copies' writes
             // moe_routed_experts: the up tile on a barrier of its own, so that the gate tile is
-            // multiplied while it lands (4K 809.7 -> 815.0 tok/s, 32K 703.1 -> 706.5:
+            // multiplied while it lands (4K 809.6 -> 815.0 tok/s, 32K 703.0 -> 706.5:
             // bench/results/cuda-decode-route-first-row.json)
             uint64_t* up_bar = ROUTE ? &up_full : full;
             mbar_init(full, 1);
@@ -602,7 +602,7 @@ __device__ __forceinline__ void moe_experts_body(const ExpertsArgs& a) {
         __syncwarp();
         step_phase(8);  // selected
         // (the router launch's form asks after all rounds: its hook took moe_experts_h2048 from 80
-        // to 83 registers, 88 allocated, and 128K 525.1 -> 515.5 tok/s; the routed kernel already
+        // to 83 registers, 88 allocated, and 128K 525.2 -> 515.5 tok/s; the routed kernel already
         // has 88)
         if constexpr (!ROUTE) ask_slot(slot, ids[slot]);
     }
