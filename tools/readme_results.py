@@ -145,7 +145,8 @@ PHASES = {
     "attn o_proj + residual": {2: "x in", 3: "tile in"},
     "moe router + shared gate/up": {2: "x in", 3: "rows written"},
     "moe experts (top-k, gate/up, swiglu, down) + residual": EXPERTS_PHASES,
-    "moe router + experts (top-k, gate/up, swiglu, down) + residual": EXPERTS_PHASES,
+    # (moe_routed_experts waits for its gate tile at mark 4 and for the up tile later)
+    "moe router + experts (top-k, gate/up, swiglu, down) + residual": {**EXPERTS_PHASES, 4: "gate tile in"},
 }
 
 
