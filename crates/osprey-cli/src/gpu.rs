@@ -397,7 +397,7 @@ fn write_timeline(
         );
     }
     let families = timeline::family_times(&launches, &names);
-    let t0 = launches.first().map_or(0, |l| l.first_start_ns);
+    let t0 = launches.first().map_or(0, |l| l.first_start_ns());
     let end = launches
         .iter()
         .filter_map(|l| l.last_end_ns)
@@ -451,7 +451,7 @@ fn write_timeline(
             "kernel": kernel,
             "file": l.module, "grid": [l.grid & 0xFFFF, l.grid >> 16], "blocks": l.blocks(),
             "blocks_started_before_predecessor_end": early,
-            "start_us": us(Some(l.first_start_ns)), "release_us": us(l.release_ns), "end_us": us(l.last_end_ns),
+            "start_us": us(Some(l.first_start_ns())), "release_us": us(l.release_ns), "end_us": us(l.last_end_ns),
             "phases": timeline::phase_times(l).iter().map(|p| json!({"mark": p.mark, "median_us": p.median_us, "last_us": p.last_us})).collect::<Vec<_>>()})).collect::<Vec<_>>(),
     });
     std::fs::write(path, serde_json::to_string_pretty(&report)?)

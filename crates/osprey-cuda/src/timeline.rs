@@ -50,8 +50,7 @@ pub struct Launch {
     pub module: &'static str,
     /// gridDim.x | gridDim.y << 16
     pub grid: u32,
-    pub first_start_ns: u64,
-    /// Every block's start (one per block).
+    /// Every block's start (one per block; a launch is made at its first).
     pub starts: Vec<u64>,
     /// The first block past its wait: the predecessor had finished and flushed.
     pub release_ns: Option<u64>,
@@ -74,6 +73,11 @@ impl Launch {
     pub fn blocks(&self) -> usize {
         self.starts.len()
     }
+
+    /// When its first block started.
+    pub fn first_start_ns(&self) -> u64 {
+        self.starts.iter().copied().min().unwrap_or(0)
+    }
 }
 
 /// How many of a launch's blocks started before `t_ns` (before its predecessor's last block
@@ -91,7 +95,7 @@ fn sort_for_median(v: &mut [f64]) -> Option<f64> {
 
 /// A launch's phases, in mark order.
 pub fn phase_times(l: &Launch) -> Vec<PhaseTime> {
-    let origin = l.release_ns.unwrap_or(l.first_start_ns) as f64;
+    let origin = l.release_ns.unwrap_or(l.first_start_ns()) as f64;
     let mut marks: Vec<u32> = l.phases.iter().map(|p| p.0).collect();
     marks.sort_unstable();
     marks.dedup();
@@ -155,24 +159,20 @@ pub fn launches(marks: &[Mark]) -> Vec<Launch> {
             .or_insert_with(|| Launch {
                 module: m.module,
                 grid: m.grid,
-                first_start_ns: m.time_ns,
                 starts: Vec::new(),
                 release_ns: None,
                 last_end_ns: None,
                 phases: Vec::new(),
             });
         match m.mark {
-            0 => {
-                l.first_start_ns = l.first_start_ns.min(m.time_ns);
-                l.starts.push(m.time_ns);
-            }
+            0 => l.starts.push(m.time_ns),
             1 => l.release_ns = Some(l.release_ns.map_or(m.time_ns, |t| t.min(m.time_ns))),
             9 => l.last_end_ns = Some(l.last_end_ns.map_or(m.time_ns, |t| t.max(m.time_ns))),
             _ => l.phases.push((m.mark, m.time_ns)),
         }
     }
     let mut out: Vec<Launch> = by_launch.into_values().collect();
-    out.sort_by_key(|l| l.first_start_ns);
+    out.sort_by_key(|l| l.first_start_ns());
     out
 }
 
@@ -245,7 +245,7 @@ pub fn family_times(launches: &[Launch], names: &[&str]) -> Vec<FamilyTime> {
     let mut prev_end: Option<u64> = None;
     for (l, kernel) in launches.iter().zip(launch_names(launches, names)) {
         let Some(end) = l.last_end_ns else { continue };
-        let start = prev_end.unwrap_or(l.first_start_ns);
+        let start = prev_end.unwrap_or(l.first_start_ns());
         let slot = match out.iter().position(|f| f.kernel == kernel) {
             Some(s) => s,
             None => {
@@ -318,7 +318,7 @@ mod tests {
         ];
         let l = launches(&marks);
         assert_eq!(l.len(), 3);
-        let times = |l: &Launch| (l.blocks(), l.first_start_ns, l.release_ns, l.last_end_ns);
+        let times = |l: &Launch| (l.blocks(), l.first_start_ns(), l.release_ns, l.last_end_ns);
         assert_eq!(times(&l[0]), (2, 100, Some(110), Some(310)));
         assert_eq!(times(&l[1]), (2, 250, Some(330), Some(650)));
         assert_eq!(
