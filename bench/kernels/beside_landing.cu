@@ -38,11 +38,11 @@ enum Kind { KIND_I = 0, KIND_G = 1, KIND_O = 2, KIND_M = 3, KINDS = 4 };
 template <int LIVE>
 __device__ __forceinline__ void stand_in(Rec* rec, int kind, int layer, unsigned spin_ns) {
     const unsigned long long t0 = now_ns();
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    step_overlap_begin();
     float r[LIVE];
 #pragma unroll
     for (int i = 0; i < LIVE; ++i) r[i] = (float)(threadIdx.x + i);
-    asm volatile("griddepcontrol.wait;" ::: "memory");
+    step_inputs_ready();
     const unsigned long long t1 = now_ns();
     while (now_ns() - t1 < spin_ns) {
 #pragma unroll

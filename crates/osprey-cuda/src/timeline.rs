@@ -172,7 +172,8 @@ pub fn launches(marks: &[Mark]) -> Vec<Launch> {
         }
     }
     let mut out: Vec<Launch> = by_launch.into_values().collect();
-    out.sort_by_key(|l| l.first_start_ns());
+    // (the first start is a minimum over the launch's blocks: taken once per launch)
+    out.sort_by_cached_key(|l| l.first_start_ns());
     out
 }
 
