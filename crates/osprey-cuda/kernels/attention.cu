@@ -335,6 +335,10 @@ __device__ __forceinline__ int acc_dim(KvStep*, int t, int g) { return 8 * (8 * 
 __device__ __forceinline__ int acc_dim(KvStepInt8*, int t, int g) { return 16 * (8 * (t / 8) + g) + 4 * ((t / 2) % 4) + 2 * (t % 2); }
 __device__ __forceinline__ float acc_unscale(KvStep*) { return 1.f; }
 __device__ __forceinline__ float acc_unscale(KvStepInt8*) { return 1.f / V_SCALE_UP; }
+// Whether a warp's second step is loaded before the wait as well as its first (attn_decode_items):
+// not for the int8 cache, whose kernels then lost 0.3% at 128K (their registers allocated anew)
+__device__ __forceinline__ constexpr bool second_step_early(KvStep*) { return true; }
+__device__ __forceinline__ constexpr bool second_step_early(KvStepInt8*) { return false; }
 
 // Every block of the launch waits here for all the others (the grid is the resident blocks: the
 // host sizes it by occupancy, so they are all on the GPU at once), the scheme of cooperative
@@ -481,8 +485,16 @@ __device__ __forceinline__ void attn_decode_items(const DecodeArgs& a) {
         const int stride = WARPS * PSTEP;
         int p = p0 + warp * PSTEP;
         Step buf[2];
+        // the warp's second step too (bf16 cache) when it stops short of the newest row: at 4K a
+        // split is 33 positions, and warp 0's one-position second step was a round trip after
+        // the wait (4K +0.4%, 32K +0.7%, 128K +0.6%; bench/results/cuda-decode-attn-second-step.json)
+        bool second_loaded = false;
         if (!waited && p + PSTEP < len) {
             if (p < p1) load_kv_step(a, kvh, p, p1, buf[0]);
+            if (second_step_early(buf) && p + stride < p1 && min(p + stride + PSTEP, p1) < len) {
+                load_kv_step(a, kvh, p + stride, p1, buf[1]);
+                second_loaded = true;
+            }
             step_inputs_ready();
         } else {
             if (!waited) step_inputs_ready();
@@ -497,7 +509,8 @@ __device__ __forceinline__ void attn_decode_items(const DecodeArgs& a) {
         for (int t = 0; t < 16; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
         // two steps per turn so that the buffers swap roles without a register copy
         for (; p < p1; p += 2 * stride) {
-            if (p + stride < p1) load_kv_step(a, kvh, p + stride, p1, buf[1]);
+            if (p + stride < p1 && !second_loaded) load_kv_step(a, kvh, p + stride, p1, buf[1]);
+            second_loaded = false;
             attend_step(qfrag, buf[0], p, p1, m, l, acc);
             if (p + stride >= p1) break;
             if (p + 2 * stride < p1) load_kv_step(a, kvh, p + 2 * stride, p1, buf[0]);
