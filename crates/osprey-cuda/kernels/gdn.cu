@@ -1,6 +1,6 @@
 // Gated DeltaNet decode step, fused: causal conv (state K-1 deep) + SiLU, L2 norm of q and k,
 // q scaling, β and the log-decay g, and the gated delta update of the fp32 state with the output
-// read from the updated state. The per-head gated RMSNorm that follows is fused into the out_proj
+// of the updated state (taken from the decayed state's products, see gdn_step). The per-head gated RMSNorm that follows is fused into the out_proj
 // GEMV's prologue (gemv.cu), so heads can be split across blocks here.
 //
 // Shapes: Dk = Dv = 128, Hv value heads (32) over Hk key heads (16), conv kernel K (4).
@@ -17,7 +17,10 @@
 // next tap's loads; the state shift reloaded what the conv had read, after its stores); with the
 // taps fixed at 4, every conv input requested at once and the conv state read before the wait:
 // 9.5 -> 6.5 us per launch alone, the step at 4K 558.6 -> 591.0 tok/s
-// (bench/results/cuda-decode-early-loads-2.json).
+// (bench/results/cuda-decode-early-loads-2.json). Every sum after the conv in one pass and one
+// barrier (the norms applied as scalars afterwards, the output without a second pass; nine
+// barriers before): 2.46 -> 2.22 us per launch in the 4K timeline, the step at 4K 815.8 -> 821.7
+// tok/s, 32K +0.6%, 128K +0.3% (bench/results/cuda-decode-gdn-one-barrier.json).
 #include "common.cuh"
 
 #define DK 128
@@ -79,7 +82,7 @@ __device__ __forceinline__ void shift_conv(const GdnArgs& p, const ConvChannel& 
 }
 
 extern "C" __global__ void __launch_bounds__(256) gdn_step(GdnArgs p) {
-    __shared__ float q[DK], k[DK], v[COLS], part[ROW_GROUPS][COLS], scratch[32];
+    __shared__ float q[DK], k[DK], v[COLS], part[ROW_GROUPS][COLS], part_q[ROW_GROUPS][COLS], norms[3][DK / 32];
     const int h = blockIdx.x, split = blockIdx.y, t = threadIdx.x;
     const int rep = p.hv / p.hk, kh = h / rep, kd = p.hk * DK;
     const int v0 = 2 * kd + h * DV + split * COLS;
@@ -131,49 +134,56 @@ extern "C" __global__ void __launch_bounds__(256) gdn_step(GdnArgs p) {
         shift_conv(p, c0, cout, chv);
     }
     __syncthreads();
-    // l2 norms (eps inside the sum), q scaled by 1/sqrt(Dk)
-    float qq = t < DK ? q[t] * q[t] : 0.f;
-    float kk = t < DK ? k[t] * k[t] : 0.f;
-    qq = block_sum(qq, scratch);
-    kk = block_sum(kk, scratch);
-    __syncthreads();
-    if (t < DK) {
-        q[t] *= rsqrtf(qq + 1e-6f) * rsqrtf((float)DK);
-        k[t] *= rsqrtf(kk + 1e-6f);
-    }
-    __syncthreads();
-
+    // One pass over the state and one barrier for every sum the step needs. The L2 norms are
+    // scalars, so they scale the sums afterwards: with k = rk·k̂ and q = rq·q̂ (q̂, k̂ the conv
+    // outputs, rq with the 1/sqrt(Dk) scaling) and S the decayed state,
+    //   mem = Sᵀk = rk·Sᵀk̂,   d = β(v − mem),
+    //   o = (S + k dᵀ)ᵀq = rq·Sᵀq̂ + d·rk·rq·(k̂·q̂),
+    // so the output needs no second pass over the updated state; Sᵀk̂, Sᵀq̂ (this thread's rows,
+    // then the row groups' sums) and q̂·q̂, k̂·k̂, k̂·q̂ (warps 0-3, whose threads hold q̂ and k̂) meet
+    // in shared memory behind one barrier.
     const float beta = sigmoidf(b_in);
     const float xa = a_in + dt_bias;
     const float softplus = xa > 20.f ? xa : log1pf(__expf(xa));
     const float decay = __expf(-__expf(a_log) * softplus);
-
-    float m = 0.f;
+    float sk = 0.f, sq = 0.f;
 #pragma unroll
     for (int r = 0; r < ROWS_PER; ++r) {
         s[r] *= decay;
-        m = fmaf(s[r], k[i0 + r], m);
+        sk = fmaf(s[r], k[i0 + r], sk);
+        sq = fmaf(s[r], q[i0 + r], sq);
     }
-    part[rg][jl] = m;
+    part[rg][jl] = sk;
+    part_q[rg][jl] = sq;
+    if (t < DK) {
+        const float qv = q[t], kv = k[t];
+        const float qq = warp_sum(qv * qv), kk = warp_sum(kv * kv), kq = warp_sum(kv * qv);
+        if ((t & 31) == 0) {
+            norms[0][t >> 5] = qq;
+            norms[1][t >> 5] = kk;
+            norms[2][t >> 5] = kq;
+        }
+    }
     __syncthreads();
+    float qq = 0.f, kk = 0.f, kq = 0.f;
+#pragma unroll
+    for (int w = 0; w < DK / 32; ++w) {
+        qq += norms[0][w];
+        kk += norms[1][w];
+        kq += norms[2][w];
+    }
+    // l2 norms (eps inside the sum), q scaled by 1/sqrt(Dk)
+    const float rq = rsqrtf(qq + 1e-6f) * rsqrtf((float)DK), rk = rsqrtf(kk + 1e-6f);
     float mem = 0.f;
 #pragma unroll
     for (int g = 0; g < ROW_GROUPS; ++g) mem += part[g][jl];
-    const float d = beta * (v[jl] - mem);
-    __syncthreads();
-    float o = 0.f;
+    const float d = beta * (v[jl] - rk * mem);
 #pragma unroll
-    for (int r = 0; r < ROWS_PER; ++r) {
-        s[r] = fmaf(k[i0 + r], d, s[r]);
-        o = fmaf(s[r], q[i0 + r], o);
-        S[(i0 + r) * DV + j] = s[r];
-    }
-    part[rg][jl] = o;
-    __syncthreads();
+    for (int r = 0; r < ROWS_PER; ++r) S[(i0 + r) * DV + j] = fmaf(rk * k[i0 + r], d, s[r]);
     if (rg == 0) {
         float out = 0.f;
 #pragma unroll
-        for (int g = 0; g < ROW_GROUPS; ++g) out += part[g][jl];
-        p.o[h * DV + j] = out;
+        for (int g = 0; g < ROW_GROUPS; ++g) out += part_q[g][jl];
+        p.o[h * DV + j] = rq * out + d * (rk * rq * kq);
     }
 }
