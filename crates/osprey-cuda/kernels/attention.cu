@@ -11,17 +11,15 @@
 //                  the next step's loads in flight while this one is used; scores and weighted
 //                  values on the tensor cores (mma.sync bf16, f32 accumulate; layout at the
 //                  kernel), online softmax in fp32; the warps merge through shared memory in a
-//                  fixed order.
-//   attn_combine — merges the splits in one pass (warps over splits with their own running maximum,
-//                  lanes over dims, 16 splits' loads in flight), applies the sigmoid output gate.
-//                  Grid (Hq, 4): a quarter of a head's dims per block.
-//   attn_decode_merge, attn_decode_int8_merge — the same, then the blocks meet (grid_meet) and
-//                  merge the splits themselves (merge_splits): attn_combine's work without its
-//                  launch. The step graph from EXPERTS_EARLY_BELOW (48K) on takes these: 128K
-//                  513.5 -> 520.5 tok/s, int8 cache 595.4 -> 597.9 (cuda-decode-attn-merge-
-//                  last-alloc.json); below it they lost (4K 768 -> 736: with no launch between
-//                  attn_decode and o_proj the next layers' in_proj blocks landed beside the early
-//                  moe_experts and slowed their copies; cuda-decode-attn-merge-in-decode.json).
+//                  fixed order. Then the blocks meet (grid_meet) and merge the splits
+//                  (merge_splits), applying the sigmoid output gate. attn_decode_int8: the same
+//                  on the int8 cache.
+//   The splits were first merged by a launch of their own (attn_combine: warps over splits, 16
+//   splits' loads in flight, a quarter of a head's dims per block); merged in attn_decode
+//   instead, from 48K first: 128K 513.5 -> 520.5 tok/s, int8 cache 595.4 -> 597.9
+//   (cuda-decode-attn-merge-last-alloc.json), where below 48K it lost (4K 768 -> 736,
+//   cuda-decode-attn-merge-in-decode.json); since the decode step changed around it, at every
+//   position: 4K 823.4 -> 834.4, 32K 716.1 -> 739.8 (cuda-decode-attn-merge-all.json).
 // Shapes: head_dim D = 256, Hq = 16, Hkv = 2 (up to 8 query heads per KV head).
 // Bytes: 2 KiB of K/V per position (bf16), e.g. 8 MB at 4K context, 268 MB at 128K; int8 half.
 // Measured (H200, full-size model, inside the decode graph): commit 1c5da43 (a warp per query
@@ -61,7 +59,7 @@
 #define MIN_SPLITS 128
 #define POSITIONS_PER_SPLIT 1024
 
-// Splits in use for `len` visible positions (attn_decode, merge_splits and attn_combine agree).
+// Splits in use for `len` visible positions (attn_decode_items and merge_splits agree).
 __device__ __forceinline__ int splits_in_use(int len, int max_splits) {
     return min(max_splits, max(MIN_SPLITS, (len + POSITIONS_PER_SPLIT - 1) / POSITIONS_PER_SPLIT));
 }
@@ -132,7 +130,7 @@ struct DecodeArgs {
     float* part_ml;         // [Hq, max splits, 2]
     const float* qg;        // the output gate's input at [h, D + d]
     float* out;             // [Hq, D]: the gated attention output
-    unsigned* meet;         // attn_decode*_merge: the launch's blocks meet on it (grid_meet)
+    unsigned* meet;         // the launch's blocks meet on it before merging the splits (grid_meet)
     const int* pos;         // this token's position; positions 0..=pos are visible
     float scale;
     int hq, hkv, splits;    // splits: the grid's (the most in use)
@@ -361,8 +359,9 @@ __device__ __forceinline__ void grid_meet(unsigned* counter) {
     __syncthreads();
 }
 
-// The splits' merge in attn_decode_merge, once every block has written its partial results
-// (attn_combine's work, whose launch and dependency wait cost ~3.8 us a layer at 4K): slices
+// The splits' merge at the end of attn_decode, once every block has written its partial results
+// (the work of a launch of its own before, attn_combine, whose launch and dependency wait cost
+// ~3.8 us a layer at 4K): slices
 // of MERGE_DIMS dims of one head over the blocks, 256 for 16 heads, so every block of the
 // resident grid takes at most one. Thread t takes dim t mod MERGE_DIMS of the slice and splits
 // t / MERGE_DIMS + 8i, 16 of them in flight at once (each with its own maximum, as the warps of
@@ -461,7 +460,7 @@ __device__ __forceinline__ void merge_splits(const DecodeArgs& a, int used, floa
 //   and + {2,3}; a score is scaled by its K row's scale. Tile 8j + 2w + h takes V word w of piece
 //   8j + g of both positions, interleaved by bytes so each word holds a dim's two positions (dims
 //   +2h, +2h + 1 of the word); P carries each V row's scale (times V_SCALE_UP).
-template <typename Step, bool MERGE>
+template <typename Step>
 __device__ __forceinline__ void attn_decode_items(const DecodeArgs& a) {
     __shared__ uint2 qfrag[16][32];  // [k step][lane]: Q's a0, a2 (rows 8..15 are zero)
     __shared__ __align__(16) float merge_acc[WARPS][G][D];
@@ -503,6 +502,7 @@ __device__ __forceinline__ void attn_decode_items(const DecodeArgs& a) {
         waited = true;
         stage_q(a, kvh, buf, qfrag);
         __syncthreads();
+        step_phase(2);  // Q staged
         // head g's running maximum (lanes of one g agree) and this lane's share of its sum
         float m = -INFINITY, l = 0.f, acc[16][4];
 #pragma unroll
@@ -516,6 +516,7 @@ __device__ __forceinline__ void attn_decode_items(const DecodeArgs& a) {
             if (p + 2 * stride < p1) load_kv_step(a, kvh, p + 2 * stride, p1, buf[0]);
             attend_step(qfrag, buf[1], p + stride, p1, m, l, acc);
         }
+        step_phase(3);  // the item's positions attended
         // merge the warps: common maximum per head, each warp's share scaled to it, summed in a
         // fixed order through shared memory
         l += __shfl_xor_sync(FULL_MASK, l, 1);
@@ -543,6 +544,7 @@ __device__ __forceinline__ void attn_decode_items(const DecodeArgs& a) {
             merge_acc[warp][2 * q + 1][d + 1] = acc[t][3] * sc[1];
         }
         __syncthreads();
+        step_phase(4);  // the warps' shares in shared memory
         for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
             const int h = i / D, d = i % D;
             float o = 0.f;
@@ -563,93 +565,11 @@ __device__ __forceinline__ void attn_decode_items(const DecodeArgs& a) {
         }
         __syncthreads();  // qfrag and merge_* are rewritten by the next item
     }
-    // MERGE: every split's partial result written, the blocks meet, then merge the splits
-    // (otherwise attn_combine merges them)
-    if (!MERGE) return;
+    // every split's partial result written, the blocks meet, then merge the splits
     if (!waited) step_inputs_ready();  // the gate's input, from the attention in_proj
     grid_meet(a.meet);
     merge_splits(a, used, &merge_acc[0][0][0]);
 }
 
-extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) attn_decode(DecodeArgs a) { attn_decode_items<KvStep, false>(a); }
-extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) attn_decode_int8(DecodeArgs a) {
-    attn_decode_items<KvStepInt8, false>(a);
-}
-// The same with the splits' merge and the output gate at the end (attn_combine's work, without
-// its launch): decoder.rs takes these in the step graph from EXPERTS_EARLY_BELOW on.
-extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) attn_decode_merge(DecodeArgs a) {
-    attn_decode_items<KvStep, true>(a);
-}
-extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) attn_decode_int8_merge(DecodeArgs a) {
-    attn_decode_items<KvStepInt8, true>(a);
-}
-
-struct CombineArgs {
-    const float* part_acc;
-    const float* part_ml;
-    const float* qg;   // gate rows live at [h, D + d]
-    float* out;        // [Hq, D]
-    const int* pos;
-    int splits;        // the most splits (the partial results' stride)
-};
-
-// One block per query head and quarter of its dims (grid (Hq, COMBINE_PARTS)): warp w merges
-// splits w, w + 8, ... in one pass (its own running maximum; lanes over the quarter's 64 dims, two
-// each, so 16 splits' loads fit in flight at once), then the 8 warps' results meet in shared
-// memory. The position (which sets the splits in use) moves only between steps, so it is read
-// before the dependency wait. (A block per head, 8 dims a lane, could keep only 4 splits' loads
-// in flight.)
-#define COMBINE_PARTS 4
-#define COMBINE_DIMS (D / COMBINE_PARTS)
-extern "C" __global__ void __launch_bounds__(256) attn_combine(CombineArgs a) {
-    __shared__ __align__(16) float sums[8][COMBINE_DIMS];
-    __shared__ float warp_ml[8][2];
-    step_overlap_begin();
-    const int h = blockIdx.x, d0 = blockIdx.y * COMBINE_DIMS, used = splits_in_use(*a.pos + 1, a.splits);
-    step_inputs_ready();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    // the output gate's input with the first splits' loads, not one more round trip at the end
-    const float gate_in = threadIdx.x < COMBINE_DIMS ? a.qg[h * 2 * D + D + d0 + threadIdx.x] : 0.f;
-    float M = -INFINITY, L = 0.f, o[2] = {0.f, 0.f};
-    // 16 splits a warp at a time: every load of the batch issued before the first is used
-    constexpr int BATCH = 16;
-    for (int s0 = warp; s0 < used; s0 += 8 * BATCH) {
-        float2 ml[BATCH];
-        float u[BATCH][2];
-#pragma unroll
-        for (int i = 0; i < BATCH; ++i) {
-            // past the splits in use: the last one's loads again, weighed 0 (unpredicated loads
-            // the compiler issues together; __ldcg's strong loads, or predicated ones, it kept in
-            // order with the merge's arithmetic, a few in flight at a time)
-            const int s = s0 + 8 * i;
-            const size_t at = (size_t)h * a.splits + min(s, used - 1);
-            ml[i] = reinterpret_cast<const float2*>(a.part_ml)[at];
-            const float2 v = reinterpret_cast<const float2*>(a.part_acc + at * D + d0)[lane];
-            u[i][0] = v.x;
-            u[i][1] = v.y;
-            if (s >= used) ml[i].x = -INFINITY;
-        }
-        merge_batch(ml, u, M, L, o);
-    }
-    sums[warp][lane * 2] = o[0];
-    sums[warp][lane * 2 + 1] = o[1];
-    if (lane == 0) {
-        warp_ml[warp][0] = M;
-        warp_ml[warp][1] = L;
-    }
-    __syncthreads();
-    if (threadIdx.x >= COMBINE_DIMS) return;
-    float Mt = -INFINITY;
-#pragma unroll
-    for (int w2 = 0; w2 < 8; ++w2) Mt = fmaxf(Mt, warp_ml[w2][0]);
-    const int d = threadIdx.x;
-    float t = 0.f, Lt = 0.f;
-#pragma unroll
-    for (int w2 = 0; w2 < 8; ++w2) {
-        const float mw = warp_ml[w2][0];
-        const float sc = mw == -INFINITY ? 0.f : __expf(mw - Mt);
-        t = fmaf(sums[w2][d], sc, t);
-        Lt = fmaf(warp_ml[w2][1], sc, Lt);
-    }
-    a.out[h * D + d0 + d] = t / Lt * sigmoidf(gate_in);
-}
+extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) attn_decode(DecodeArgs a) { attn_decode_items<KvStep>(a); }
+extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) attn_decode_int8(DecodeArgs a) { attn_decode_items<KvStepInt8>(a); }

@@ -208,17 +208,6 @@ pub struct DecodeArgs {
 
 #[repr(C)]
 #[derive(Clone, Copy, Default, Debug)]
-pub struct CombineArgs {
-    pub part_acc: u64,
-    pub part_ml: u64,
-    pub qg: u64,
-    pub out: u64,
-    pub pos: u64,
-    pub splits: i32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Default, Debug)]
 pub struct EmbedArgs {
     pub codes: u64,
     pub scales: u64,
@@ -520,7 +509,6 @@ unsafe impl DeviceRepr for ExpertsArgs {}
 unsafe impl DeviceRepr for GdnArgs {}
 unsafe impl DeviceRepr for PrepArgs {}
 unsafe impl DeviceRepr for DecodeArgs {}
-unsafe impl DeviceRepr for CombineArgs {}
 unsafe impl DeviceRepr for EmbedArgs {}
 unsafe impl DeviceRepr for TokenChoice {}
 unsafe impl DeviceRepr for SampleParams {}

@@ -566,10 +566,8 @@ struct Functions {
     down: CudaFunction,
     gdn: CudaFunction,
     prep: CudaFunction,
+    /// split-KV decode attention, its blocks then meeting to merge the splits
     attn: CudaFunction,
-    /// attn_decode with the splits' merge at its end (the graph from EXPERTS_EARLY_BELOW on)
-    attn_merge: CudaFunction,
-    combine: CudaFunction,
     embed: CudaFunction,
     sample: CudaFunction,
     sample_prepass: CudaFunction,
@@ -808,14 +806,6 @@ impl CudaDecoder {
                     KvCache::Int8 => "attn_decode_int8",
                 },
             )?,
-            attn_merge: func(
-                "attention",
-                match kv {
-                    KvCache::Bf16 => "attn_decode_merge",
-                    KvCache::Int8 => "attn_decode_int8_merge",
-                },
-            )?,
-            combine: func("attention", "attn_combine")?,
             embed: func("sample", "embed")?,
             sample: func("sample", "sample_token")?,
             sample_prepass: func("sample", "sample_prepass")?,
@@ -1076,14 +1066,14 @@ impl CudaDecoder {
                 * sms)
         };
         let resident_experts = resident(&f.experts)?;
-        // attn_decode_merge's blocks meet before merging the splits: all of them must be
-        // resident, so its occupancy sizes the grid (attn_decode, which does not meet, shares it)
-        let attn_per_sm = f
-            .attn_merge
-            .occupancy_max_active_blocks_per_multiprocessor(ATTN_THREADS, 0, None)?
-            as usize;
+        // attn_decode's blocks meet before merging the splits: all of them must be resident, so
+        // its occupancy sizes the grid
+        let attn_per_sm =
+            f.attn
+                .occupancy_max_active_blocks_per_multiprocessor(ATTN_THREADS, 0, None)?
+                as usize;
         if attn_per_sm == 0 {
-            bail!("attn_decode_merge does not fit on an SM of this GPU");
+            bail!("attn_decode does not fit on an SM of this GPU");
         }
         let attn_blocks = attn_per_sm.min(ATTN_BLOCKS_PER_SM) * sms;
         let resident_routed = resident(&f.routed_experts)?;
@@ -1623,14 +1613,9 @@ impl CudaDecoder {
                         )?
                     );
                     // the splits merged by attn_decode's blocks once they meet (no launch
-                    // between it and o_proj), except in the graph that launches moe_experts
-                    // early: there attn_combine's launch keeps the next layers' in_proj blocks
-                    // from landing beside moe_experts (whose copies they then slow), and the
-                    // merge in attn_decode lost (4K 768 -> 736 tok/s) where it gains from 48K
-                    // (128K 513.5 -> 520.5, int8 cache 595.4 -> 597.9, 4K unchanged:
-                    // bench/results/cuda-decode-attn-merge-last-alloc.json; first measured in
-                    // cuda-decode-attn-merge-in-decode.json)
-                    let merge_in_decode = !self.experts_early();
+                    // between it and o_proj): at 4K 823.4 -> 834.4 tok/s, 32K 716.1 -> 739.8
+                    // against attn_combine's launch (bench/results/cuda-decode-attn-merge-all.json;
+                    // from 48K since cuda-decode-attn-merge-last-alloc.json)
                     let da = DecodeArgs {
                         q: self.p(&s.q),
                         k_cache: self.p(&kv.k),
@@ -1650,40 +1635,17 @@ impl CudaDecoder {
                         max_pos: self.max_context as i32,
                     };
                     timed!(
-                        "attn decode (split-KV)",
+                        "attn decode (split-KV) + merge + gate",
                         self.launch_params(
-                            if merge_in_decode {
-                                &self.f.attn_merge
-                            } else {
-                                &self.f.attn
-                            },
-                            // resident blocks walking (KV head, split) items (then meeting to
-                            // merge the splits: all of them must be on the GPU at once)
+                            &self.f.attn,
+                            // resident blocks walking (KV head, split) items, then meeting to
+                            // merge the splits: all of them must be on the GPU at once
                             launch_cfg((self.attn_blocks as u32, 1), ATTN_THREADS),
                             &mut [&da as *const DecodeArgs as *mut c_void],
                             // its first K/V loads (rows of earlier steps) go out before the wait
                             self.overlap.early,
                         )?
                     );
-                    if !merge_in_decode {
-                        let ca = CombineArgs {
-                            part_acc: self.p(&s.part_acc),
-                            part_ml: self.p(&s.part_ml),
-                            qg: self.p(&s.qg),
-                            out: self.p(&s.o),
-                            pos: self.p(&s.pos),
-                            splits: SPLITS as i32,
-                        };
-                        timed!(
-                            "attn combine + gate",
-                            self.launch_step(
-                                &self.f.combine,
-                                // a quarter of a head's dims per block (attention.cu COMBINE_PARTS)
-                                launch_cfg((c.num_attention_heads as u32, 4), 256),
-                                &ca
-                            )?
-                        );
-                    }
                     timed!(
                         "attn o_proj + residual",
                         self.gemv(
