@@ -142,6 +142,7 @@ PHASES = {
     "gdn in_proj (norm + qkv|z|b|a)": {2: "copies asked", 3: "x in", 4: "tiles in", 5: "multiplied"},
     "attn in_proj (norm + q|k|v)": {2: "copies asked", 3: "x in", 4: "tiles in", 5: "multiplied"},
     "gdn gated norm + out_proj + residual": {2: "x in", 3: "tile in"},
+    "attn decode (split-KV) + merge + gate": {2: "Q staged", 3: "attended", 4: "shares in smem", 5: "met", 6: "splits merged"},
     "attn o_proj + residual": {2: "x in", 3: "tile in"},
     "moe router + shared gate/up": {2: "x in", 3: "rows written"},
     "moe experts (top-k, gate/up, swiglu, down) + residual": EXPERTS_PHASES,

@@ -423,6 +423,7 @@ __device__ __forceinline__ void merge_splits(const DecodeArgs& a, int used, floa
             }
             merge_batch(ml, u, M, L, ov);
         }
+        step_phase(6);  // the slice's splits loaded and merged (each lane its share)
         float o = ov[0];
         merge_pair(M, L, o, __shfl_xor_sync(FULL_MASK, M, 16), __shfl_xor_sync(FULL_MASK, L, 16), __shfl_xor_sync(FULL_MASK, o, 16));
         if (lane < MERGE_DIMS) {
@@ -568,6 +569,7 @@ __device__ __forceinline__ void attn_decode_items(const DecodeArgs& a) {
     // every split's partial result written, the blocks meet, then merge the splits
     if (!waited) step_inputs_ready();  // the gate's input, from the attention in_proj
     grid_meet(a.meet);
+    step_phase(5);  // met
     merge_splits(a, used, &merge_acc[0][0][0]);
 }
 
