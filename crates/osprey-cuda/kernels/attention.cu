@@ -377,25 +377,23 @@ __device__ __forceinline__ void merge_pair(float& M, float& L, float& o, float M
     M = Mn;
 }
 
-// One batch of splits into a running merge (maximum M, sum of weights L, weighted values o[N]):
-// the batch's maximum first, then one rescale of the running sums and a weight per split; an
-// empty split (maximum -inf) weighs nothing, and a batch of only empty ones changes nothing.
-template <int BATCH, int N>
-__device__ __forceinline__ void merge_batch(const float2 (&ml)[BATCH], const float (&u)[BATCH][N], float& M, float& L, float (&o)[N]) {
+// One batch of splits into a running merge (maximum M, sum of weights L, weighted value o): the
+// batch's maximum first, then one rescale of the running sums and a weight per split; an empty
+// split (maximum -inf) weighs nothing, and a batch of only empty ones changes nothing.
+template <int BATCH>
+__device__ __forceinline__ void merge_batch(const float2 (&ml)[BATCH], const float (&u)[BATCH], float& M, float& L, float& o) {
     float mb = M;
 #pragma unroll
     for (int i = 0; i < BATCH; ++i) mb = fmaxf(mb, ml[i].x);
     if (mb == -INFINITY) return;  // every split so far empty
     const float c = M == -INFINITY ? 0.f : __expf(M - mb);
     L *= c;
-#pragma unroll
-    for (int n = 0; n < N; ++n) o[n] *= c;
+    o *= c;
 #pragma unroll
     for (int i = 0; i < BATCH; ++i) {
         const float w = ml[i].x == -INFINITY ? 0.f : __expf(ml[i].x - mb);
         L = fmaf(ml[i].y, w, L);
-#pragma unroll
-        for (int n = 0; n < N; ++n) o[n] = fmaf(w, u[i][n], o[n]);
+        o = fmaf(w, u[i], o);
     }
     M = mb;
 }
@@ -406,11 +404,11 @@ __device__ __forceinline__ void merge_splits(const DecodeArgs& a, int used, floa
     for (int sl = blockIdx.x; sl < slices; sl += gridDim.x) {
         const int h = sl / (D / MERGE_DIMS), d = (sl % (D / MERGE_DIMS)) * MERGE_DIMS + threadIdx.x % MERGE_DIMS;
         const float gate_in = a.qg[h * 2 * D + D + d];
-        float M = -INFINITY, L = 0.f, ov[1] = {0.f};
+        float M = -INFINITY, L = 0.f, o = 0.f;
         constexpr int BATCH = 16;
         for (int s0 = split_lane; s0 < used; s0 += MERGE_LANES * BATCH) {
             float2 ml[BATCH];
-            float u[BATCH][1];
+            float u[BATCH];
 #pragma unroll
             for (int i = 0; i < BATCH; ++i) {
                 // past the splits in use: the last one's loads again, weighed 0 (unpredicated
@@ -418,13 +416,12 @@ __device__ __forceinline__ void merge_splits(const DecodeArgs& a, int used, floa
                 const int s = s0 + MERGE_LANES * i;
                 const size_t at = (size_t)h * a.splits + min(s, used - 1);
                 ml[i] = reinterpret_cast<const float2*>(a.part_ml)[at];
-                u[i][0] = a.part_acc[at * D + d];
+                u[i] = a.part_acc[at * D + d];
                 if (s >= used) ml[i].x = -INFINITY;
             }
-            merge_batch(ml, u, M, L, ov);
+            merge_batch(ml, u, M, L, o);
         }
         step_phase(6);  // the slice's splits loaded and merged (each lane its share)
-        float o = ov[0];
         merge_pair(M, L, o, __shfl_xor_sync(FULL_MASK, M, 16), __shfl_xor_sync(FULL_MASK, L, 16), __shfl_xor_sync(FULL_MASK, o, 16));
         if (lane < MERGE_DIMS) {
             scratch[(0 * WARPS + warp) * MERGE_DIMS + lane] = M;

@@ -1,7 +1,8 @@
 // Gated DeltaNet decode step, fused: causal conv (state K-1 deep) + SiLU, L2 norm of q and k,
 // q scaling, β and the log-decay g, and the gated delta update of the fp32 state with the output
-// of the updated state (taken from the decayed state's products, see gdn_step). The per-head gated RMSNorm that follows is fused into the out_proj
-// GEMV's prologue (gemv.cu), so heads can be split across blocks here.
+// of the updated state (taken from the decayed state's products, see gdn_step). The per-head
+// gated RMSNorm that follows is fused into the out_proj GEMV's prologue (gemv.cu), so heads can
+// be split across blocks here.
 //
 // Shapes: Dk = Dv = 128, Hv value heads (32) over Hk key heads (16), conv kernel K (4).
 // Geometry: grid (Hv, 4): each block owns 32 state columns of one head; thread t owns column

@@ -952,8 +952,8 @@ impl CudaDecoder {
             seen: stream.alloc_zeros(c.vocab_size)?,
             output: stream.alloc_zeros(c.vocab_size)?,
             // allocated last: between part_ml and the MoE buffers it moved those (router logits,
-            // h, the slots' meeting words) and the graph below 48K, which never touches it, lost
-            // 0.9% at 4K; here 4K is unchanged (bench/results/cuda-decode-attn-merge-last-alloc.json)
+            // h, the slots' meeting words), and the step at 4K lost 0.9% when only the graph from
+            // 48K used it; here 4K was unchanged (bench/results/cuda-decode-attn-merge-last-alloc.json)
             attn_meet: stream.alloc_zeros(1)?,
             // last as well, for the same reason
             routed: stream.alloc_zeros(route_rows(&c))?,
