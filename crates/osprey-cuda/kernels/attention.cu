@@ -341,20 +341,25 @@ __device__ __forceinline__ constexpr bool second_step_early(KvStepInt8*) { retur
 // Every block of the launch waits here for all the others (the grid is the resident blocks: the
 // host sizes it by occupancy, so they are all on the GPU at once), the scheme of cooperative
 // groups' grid sync: each block adds 1 and block 0 adds 2^31 - (blocks - 1), so the counter's top
-// bit flips once per launch and its low bits come back to where they were (no reset).
+// bit flips once per launch and its low bits come back to where they were (no reset). The
+// arrival is a release (the block's partial results, ordered before it by the barrier, are seen
+// by whoever sees the count) and the polls acquires: no sequentially consistent fence
+// (__threadfence, MEMBAR.SC) either side, 4K +0.3%, 32K +0.2%, 128K +0.1%, int8 cache +0.2%
+// (bench/results/cuda-decode-attn-meet-acquire.json).
 __device__ __forceinline__ void grid_meet(unsigned* counter) {
     __syncthreads();
     if (threadIdx.x == 0) {
         const unsigned add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
-        __threadfence();  // the block's partial results before its arrival
-        const unsigned old = atomicAdd(counter, add);
+        unsigned old;
+        asm volatile("atom.add.release.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(counter), "r"(add) : "memory");
         for (unsigned rounds = 0;; ++rounds) {
-            if ((*reinterpret_cast<volatile unsigned*>(counter) ^ old) & 0x80000000u) break;
+            unsigned now;
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(counter) : "memory");
+            if ((now ^ old) & 0x80000000u) break;
             // a block that cannot become resident (another client holding SMs) would never
             // arrive: after ~1 s the launch fails with an error the host reports, no hang
             if (rounds == MEET_ROUNDS_LIMIT) __trap();
         }
-        __threadfence();
     }
     __syncthreads();
 }
@@ -541,24 +546,39 @@ __device__ __forceinline__ void attn_decode_items(const DecodeArgs& a) {
             merge_acc[warp][2 * q][d + 1] = acc[t][2] * sc[0];
             merge_acc[warp][2 * q + 1][d + 1] = acc[t][3] * sc[1];
         }
-        __syncthreads();
-        step_phase(4);  // the warps' shares in shared memory
-        for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
-            const int h = i / D, d = i % D;
-            float o = 0.f;
+        // the split's maximum and weight sum of each head, by lanes 0..3 of warp 0 (two heads
+        // each) before the barrier, not by thread 0 for all heads in turn after it: the timeline
+        // had 2.5 us from the shares in shared memory to the partial results written; now the
+        // launch at 4K is 9.3 -> 7.9 us after its release, 4K +0.6%, 32K +0.4%, 128K +0.2%
+        // (bench/results/cuda-decode-attn-meet-acquire.json)
+        if (warp == 0 && g == 0) {
 #pragma unroll
-            for (int w2 = 0; w2 < WARPS; ++w2) o += merge_acc[w2][h][d];
-            const size_t base = (size_t)(kvh * group + h) * a.splits + split;
-            a.part_acc[base * D + d] = o;
-            if (d == 0) {
+            for (int c = 0; c < 2; ++c) {
+                const int h = 2 * q + c;
+                if (h >= group) continue;
                 float M = -INFINITY, L = 0.f;
                 for (int w2 = 0; w2 < WARPS; ++w2) M = fmaxf(M, merge_ml[w2][h][0]);
                 for (int w2 = 0; w2 < WARPS; ++w2) {
                     const float mw = merge_ml[w2][h][0];
                     L += mw == -INFINITY ? 0.f : merge_ml[w2][h][1] * __expf(mw - M);
                 }
-                a.part_ml[base * 2] = M;
-                a.part_ml[base * 2 + 1] = L;
+                const size_t at = 2 * ((size_t)(kvh * group + h) * a.splits + split);
+                a.part_ml[at] = M;
+                a.part_ml[at + 1] = L;
+            }
+        }
+        __syncthreads();
+        step_phase(4);  // the warps' shares in shared memory
+        // the split's weighted values: each thread's G·D/(32·WARPS) sums 8 at a time, their
+        // shared-memory loads in flight together (unrolled whole, attn_decode spilled)
+#pragma unroll 8
+        for (int j = 0; j < G * D / (32 * WARPS); ++j) {
+            const int i = threadIdx.x + j * 32 * WARPS, h = i / D, d = i % D;
+            if (h < group) {
+                float o = 0.f;
+#pragma unroll
+                for (int w2 = 0; w2 < WARPS; ++w2) o += merge_acc[w2][h][d];
+                a.part_acc[((size_t)(kvh * group + h) * a.splits + split) * D + d] = o;
             }
         }
         __syncthreads();  // qfrag and merge_* are rewritten by the next item
