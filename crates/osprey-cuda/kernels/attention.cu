@@ -466,7 +466,10 @@ __device__ __forceinline__ void merge_splits(const DecodeArgs& a, int used, floa
 template <typename Step>
 __device__ __forceinline__ void attn_decode_items(const DecodeArgs& a) {
     __shared__ uint2 qfrag[16][32];  // [k step][lane]: Q's a0, a2 (rows 8..15 are zero)
-    __shared__ __align__(16) float merge_acc[WARPS][G][D];
+    // a head's row padded by one word: the warps' shares (lane (g, q) stores dims 8g + c of heads
+    // 2q, 2q + 1) hit 2 lanes a bank instead of 8; the shares in shared memory 3.6 -> 2.8 us after
+    // the release at 4K, 4K +0.6%, 32K +0.5%, 128K +0.5% (bench/results/cuda-decode-route-rows-l2-merge-banks.json)
+    __shared__ __align__(16) float merge_acc[WARPS][G][D + 1];
     __shared__ float merge_ml[WARPS][G][2];
     step_overlap_begin();
     // The position moves only between steps, and every K/V row but the newest (position len - 1,
