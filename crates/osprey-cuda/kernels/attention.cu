@@ -22,7 +22,7 @@
 //   position: 4K 823.4 -> 834.4, 32K 716.1 -> 739.8 (cuda-decode-attn-merge-all.json).
 //   Now (commit d318e6c, timeline at 4K, after the launch's release): Q staged 0.5 us (median
 //   block), attended 1.8, shares in shared memory 2.8, met 5.4, splits merged 6.5, the launch
-//   ~7.4 us exit to exit against 8 MB of K/V (1.1 TB/s: the meeting and merge are most of it).
+//   7.7 us exit to exit against 8 MB of K/V (1.0 TB/s: the meeting and merge are most of it).
 // Shapes: head_dim D = 256, Hq = 16, Hkv = 2 (up to 8 query heads per KV head).
 // Bytes: 2 KiB of K/V per position (bf16), e.g. 8 MB at 4K context, 268 MB at 128K; int8 half.
 // Measured (H200, full-size model, inside the decode graph): commit 1c5da43 (a warp per query
