@@ -556,7 +556,8 @@ __device__ __forceinline__ void attn_decode_items(const DecodeArgs& a) {
         // each) before the barrier, not by thread 0 for all heads in turn after it: the timeline
         // had 2.5 us from the shares in shared memory to the partial results written; now the
         // launch at 4K is 9.3 -> 7.9 us after its release, 4K +0.6%, 32K +0.4%, 128K +0.2%
-        // (bench/results/cuda-decode-attn-meet-acquire.json)
+        // (bench/results/cuda-decode-attn-meet-acquire.json). The maximum is taken again here:
+        // kept from the loop above, beside acc, it made attn_decode spill.
         if (warp == 0 && g == 0) {
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
