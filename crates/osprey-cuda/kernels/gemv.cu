@@ -759,7 +759,11 @@ __device__ __forceinline__ void gated_half_input(const float* x, const float* z,
     write_slot(v, idx, on, xb8, gx);
 }
 
-extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(PAIR_WARPS * 32, 1) gemv_q_pair(GemvArgs a) {
+// At most 48 registers (ptxas took 50, allocated 56: a warp's registers go 256 at a time, so a
+// thread's in steps of 8; no spills at 48): 4K 849.9 -> 851.7 tok/s, 32K 752.2 -> 753.9, 128K
+// 533.7 -> 534.0, every round above main's (bench/results/cuda-decode-session34-ablations.json;
+// gemv_q_resident_k2048 held from 90 to 88 the same way: +-0)
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __maxnreg__(48) gemv_q_pair(GemvArgs a) {
     extern __shared__ __align__(128) char smem[];
     const int K = PAIR_K, gpr = K / 64, half_g = gpr / 2, Kh = K / 2;
     const unsigned rank = cluster_rank();
