@@ -297,16 +297,40 @@ fn check_sampling(
     let (sampled_a, sampled_record) = stream(gpu, Some(&sampler))?;
     let (sampled_b, _) = stream(gpu, Some(&sampler))?;
     gpu.set_sampling(None)?;
-    let stream_ok = greedy_stream == greedy_record
-        && sampled_a == sampled_record
-        && sampled_a == sampled_b
-        && sampled_a.iter().all(|&t| (t as usize) < valid);
+    // each way the stream can go wrong, named in the summary when it does
+    let stream_faults: Vec<String> = [
+        (
+            greedy_stream == greedy_record,
+            "greedy stream vs the device's record",
+        ),
+        (
+            sampled_a == sampled_record,
+            "sampled stream vs the device's record",
+        ),
+        (sampled_a == sampled_b, "the seeded sampled stream repeated"),
+        (
+            sampled_a.iter().all(|&t| (t as usize) < valid),
+            "sampled tokens inside the vocabulary",
+        ),
+    ]
+    .iter()
+    .filter(|(ok, _)| !ok)
+    .map(|(_, what)| what.to_string())
+    .collect();
+    let stream_ok = stream_faults.is_empty();
     let pass = tv <= MAX_SAMPLE_TV && outside == 0 && gpu_choice == host_choice && stream_ok;
     let summary = format!(
         "gpu sampling: {SAMPLE_DRAWS} draws (T 0.8, top-k 40, top-p 0.9, min-p 0.02) vs the host distribution over {} candidates: total variation {tv:.4} (limit {MAX_SAMPLE_TV}), {outside} outside it; greedy with penalties {} ; one-step-late token stream {}",
         exact.len(),
         if gpu_choice == host_choice { "matches the host" } else { "DIFFERS" },
-        if stream_ok { "consistent and repeatable" } else { "INCONSISTENT" }
+        if stream_ok {
+            "consistent and repeatable".to_string()
+        } else {
+            format!(
+                "INCONSISTENT ({}; greedy {greedy_stream:?} record {greedy_record:?}; sampled {sampled_a:?} record {sampled_record:?} again {sampled_b:?})",
+                stream_faults.join(", ")
+            )
+        }
     );
     let report = json!({"draws": SAMPLE_DRAWS, "candidates": exact.len(), "total_variation": tv, "limit_total_variation": MAX_SAMPLE_TV,
         "draws_outside_support": outside, "greedy_with_penalties_matches_host": gpu_choice == host_choice,
