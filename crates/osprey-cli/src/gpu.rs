@@ -246,6 +246,9 @@ fn check_sampling(
     let exact = sampler.distribution(&logits);
     gpu.set_sampling(Some(&sampler))?;
     let draws = gpu.choose_repeatedly(SAMPLE_DRAWS)?;
+    // the same seed on the same logits draws the same tokens
+    gpu.set_sampling(Some(&sampler))?;
+    let draws_repeat = gpu.choose_repeatedly(SAMPLE_DRAWS)?;
     let mut counts = std::collections::HashMap::new();
     for &t in &draws {
         *counts.entry(t).or_insert(0usize) += 1;
@@ -280,7 +283,10 @@ fn check_sampling(
     reprefill(gpu)?;
     gpu.set_sampling(Some(&penalised))?;
     let gpu_choice = gpu.choose_repeatedly(1)?[0];
-    // 3. the token stream read one step late equals the device's record, and a seed repeats
+    // 3. the token stream read one step late equals the device's record; a seeded stream's repeat
+    // is reported but not required to match: decode is not bitwise deterministic (the MoE adds
+    // its nine partial rows into the residual with float atomics, in arrival order), so a draw
+    // that falls at a boundary can part the streams (seen once in ~40 full-width checks)
     let stream =
         |gpu: &mut CudaDecoder, sampler: Option<&Sampler>| -> Result<(Vec<u32>, Vec<u32>)> {
             reprefill(gpu)?;
@@ -307,7 +313,10 @@ fn check_sampling(
             sampled_a == sampled_record,
             "sampled stream vs the device's record",
         ),
-        (sampled_a == sampled_b, "the seeded sampled stream repeated"),
+        (
+            draws == draws_repeat,
+            "the seeded draws on one step's logits repeated",
+        ),
         (
             sampled_a.iter().all(|&t| (t as usize) < valid),
             "sampled tokens inside the vocabulary",
@@ -318,23 +327,27 @@ fn check_sampling(
     .map(|(_, what)| what.to_string())
     .collect();
     let stream_ok = stream_faults.is_empty();
+    let parted_at = sampled_a.iter().zip(&sampled_b).position(|(a, b)| a != b);
     let pass = tv <= MAX_SAMPLE_TV && outside == 0 && gpu_choice == host_choice && stream_ok;
     let summary = format!(
         "gpu sampling: {SAMPLE_DRAWS} draws (T 0.8, top-k 40, top-p 0.9, min-p 0.02) vs the host distribution over {} candidates: total variation {tv:.4} (limit {MAX_SAMPLE_TV}), {outside} outside it; greedy with penalties {} ; one-step-late token stream {}",
         exact.len(),
         if gpu_choice == host_choice { "matches the host" } else { "DIFFERS" },
         if stream_ok {
-            "consistent and repeatable".to_string()
+            match parted_at {
+                None => "consistent, seeded draws repeatable".to_string(),
+                Some(at) => format!("consistent, seeded draws repeatable (a seeded stream's repeat parted at step {at})"),
+            }
         } else {
             format!(
-                "INCONSISTENT ({}; greedy {greedy_stream:?} record {greedy_record:?}; sampled {sampled_a:?} record {sampled_record:?} again {sampled_b:?})",
+                "INCONSISTENT ({}; greedy {greedy_stream:?} record {greedy_record:?}; sampled {sampled_a:?} record {sampled_record:?})",
                 stream_faults.join(", ")
             )
         }
     );
     let report = json!({"draws": SAMPLE_DRAWS, "candidates": exact.len(), "total_variation": tv, "limit_total_variation": MAX_SAMPLE_TV,
         "draws_outside_support": outside, "greedy_with_penalties_matches_host": gpu_choice == host_choice,
-        "token_stream_consistent": stream_ok, "pass": pass});
+        "token_stream_consistent": stream_ok, "seeded_stream_repeat_parted_at": parted_at, "pass": pass});
     Ok(SamplingCheck {
         pass,
         summary,
