@@ -458,10 +458,11 @@ fn write_timeline(
         .iter()
         .map(|p| {
             info!(
-                "  {:<52} phase {}: median block {:>6.2} us after release, last {:>6.2}",
-                p.kernel, p.mark, p.median_block_us, p.last_block_us
+                "  {:<52} phase {}: first block {:>6.2} us after release, median {:>6.2}, last {:>6.2}",
+                p.kernel, p.mark, p.first_block_us, p.median_block_us, p.last_block_us
             );
-            json!({"kernel": p.kernel, "mark": p.mark, "median_block_us": p.median_block_us, "last_block_us": p.last_block_us})
+            json!({"kernel": p.kernel, "mark": p.mark, "first_block_us": p.first_block_us,
+                "median_block_us": p.median_block_us, "last_block_us": p.last_block_us})
         })
         .collect();
     // each launch's blocks that started before its predecessor's last block ended
@@ -482,14 +483,14 @@ fn write_timeline(
         "method": "one graph replay with kernels from tools/timeline_kernels.py: the first thread of each block records %globaltimer at its start, past griddepcontrol.wait (release) and at its end; a family's time is the sum over its launches of (its last block's end - the previous launch's last block's end)",
         "families": families.iter().map(|f| json!({"kernel": f.kernel, "launches": f.launches, "us": f.micros,
             "median_release_after_predecessor_us": f.median_release_after_predecessor_us})).collect::<Vec<_>>(),
-        "phases_note": "marks 2-8 are the phases a kernel's source marks with step_phase (their meaning is beside each call); times are after the launch's release, the median over the family's launches of its median block and its last block",
+        "phases_note": "marks 2-8 are the phases a kernel's source marks with step_phase (their meaning is beside each call); times are after the launch's release, the median over the family's launches of its first block, its median block and its last block",
         "phases": phase_rows,
         "launches": launches.iter().zip(&kernels).zip(&early).map(|((l, kernel), early)| json!({
             "kernel": kernel,
             "file": l.module, "grid": [l.grid & 0xFFFF, l.grid >> 16], "blocks": l.blocks(),
             "blocks_started_before_predecessor_end": early,
             "start_us": us(Some(l.first_start_ns())), "release_us": us(l.release_ns), "end_us": us(l.last_end_ns),
-            "phases": timeline::phase_times(l).iter().map(|p| json!({"mark": p.mark, "median_us": p.median_us, "last_us": p.last_us})).collect::<Vec<_>>()})).collect::<Vec<_>>(),
+            "phases": timeline::phase_times(l).iter().map(|p| json!({"mark": p.mark, "first_us": p.first_us, "median_us": p.median_us, "last_us": p.last_us})).collect::<Vec<_>>()})).collect::<Vec<_>>(),
     });
     std::fs::write(path, serde_json::to_string_pretty(&report)?)
         .with_context(|| format!("writing {}", path.display()))?;

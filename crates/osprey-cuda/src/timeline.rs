@@ -60,10 +60,11 @@ pub struct Launch {
 }
 
 /// When a launch's blocks reached one phase, in microseconds after its release (its first start
-/// when it has none): the median block and the last.
+/// when it has none): the first block, the median block and the last.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PhaseTime {
     pub mark: u32,
+    pub first_us: f64,
     pub median_us: f64,
     pub last_us: f64,
 }
@@ -108,9 +109,11 @@ pub fn phase_times(l: &Launch) -> Vec<PhaseTime> {
                 .filter(|p| p.0 == mark)
                 .map(|p| (p.1 as f64 - origin) / 1e3)
                 .collect();
+            let median_us = sort_for_median(&mut us)?;
             Some(PhaseTime {
                 mark,
-                median_us: sort_for_median(&mut us)?,
+                first_us: us[0],
+                median_us,
                 last_us: *us.last()?,
             })
         })
@@ -201,12 +204,13 @@ pub fn launch_names(launches: &[Launch], names: &[&str]) -> Vec<String> {
     }
 }
 
-/// One phase of a kernel family: over its launches, the median of each launch's median block
-/// and of its last block (microseconds after the launch's release, as `phase_times`).
+/// One phase of a kernel family: over its launches, the median of each launch's first, median
+/// and last block (microseconds after the launch's release, as `phase_times`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct FamilyPhase {
     pub kernel: String,
     pub mark: u32,
+    pub first_block_us: f64,
     pub median_block_us: f64,
     pub last_block_us: f64,
 }
@@ -214,24 +218,30 @@ pub struct FamilyPhase {
 /// `phase_times` of every launch (in launch order), gathered by family (named as `launch_names`
 /// names them) and phase mark, in the order they first appear.
 pub fn family_phases(launches: &[Launch], names: &[&str]) -> Vec<FamilyPhase> {
-    let mut gathered: Vec<(String, u32, Vec<f64>, Vec<f64>)> = Vec::new();
+    // (kernel, mark, [first, median, last] of each launch)
+    let mut gathered: Vec<(String, u32, [Vec<f64>; 3])> = Vec::new();
     for (l, kernel) in launches.iter().zip(launch_names(launches, names)) {
         for p in phase_times(l) {
-            match gathered.iter_mut().find(|f| f.0 == kernel && f.1 == p.mark) {
-                Some(f) => {
-                    f.2.push(p.median_us);
-                    f.3.push(p.last_us);
+            let at = match gathered.iter().position(|f| f.0 == kernel && f.1 == p.mark) {
+                Some(i) => i,
+                None => {
+                    gathered.push((kernel.clone(), p.mark, Default::default()));
+                    gathered.len() - 1
                 }
-                None => gathered.push((kernel.clone(), p.mark, vec![p.median_us], vec![p.last_us])),
-            }
+            };
+            let times = &mut gathered[at].2;
+            times[0].push(p.first_us);
+            times[1].push(p.median_us);
+            times[2].push(p.last_us);
         }
     }
     gathered
         .into_iter()
-        .filter_map(|(kernel, mark, mut med, mut last)| {
+        .filter_map(|(kernel, mark, [mut first, mut med, mut last])| {
             Some(FamilyPhase {
                 kernel,
                 mark,
+                first_block_us: sort_for_median(&mut first)?,
                 median_block_us: sort_for_median(&mut med)?,
                 last_block_us: sort_for_median(&mut last)?,
             })
@@ -339,6 +349,7 @@ mod tests {
             phase_times(&l[2]),
             vec![PhaseTime {
                 mark: 3,
+                first_us: 0.5,
                 median_us: 0.5,
                 last_us: 0.5
             }]
@@ -367,5 +378,29 @@ mod tests {
         let unnamed = family_times(&l, &["too", "few"]);
         assert_eq!(unnamed[0].kernel, "gemv/2");
         assert_eq!(unnamed[1].kernel, "moe/1");
+    }
+
+    #[test]
+    fn a_phase_reports_its_first_median_and_last_block() {
+        // one launch of three blocks, released at 1000 ns; they reach phase 4 at 1300, 1800, 3100
+        let mut marks = Vec::new();
+        for b in 0..3 {
+            marks.push(mark("moe", 900 + b as u64, 0, b, 3));
+            marks.push(mark("moe", 1000, 1, b, 3));
+            marks.push(mark("moe", 4000, 9, b, 3));
+        }
+        marks.push(mark("moe", 1800, 4, 0, 3));
+        marks.push(mark("moe", 3100, 4, 1, 3));
+        marks.push(mark("moe", 1300, 4, 2, 3));
+        let l = launches(&marks);
+        assert_eq!(l.len(), 1);
+        let p = &phase_times(&l[0])[0];
+        assert_eq!(p.mark, 4);
+        assert!((p.first_us - 0.3).abs() < 1e-9);
+        assert!((p.median_us - 0.8).abs() < 1e-9);
+        assert!((p.last_us - 2.1).abs() < 1e-9);
+        let f = &family_phases(&l, &["experts"])[0];
+        assert!((f.first_block_us - 0.3).abs() < 1e-9 && (f.median_block_us - 0.8).abs() < 1e-9);
+        assert!((f.last_block_us - 2.1).abs() < 1e-9);
     }
 }
