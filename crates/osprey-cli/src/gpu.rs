@@ -304,7 +304,7 @@ fn check_sampling(
     let (sampled_b, _) = stream(gpu, Some(&sampler))?;
     gpu.set_sampling(None)?;
     // each way the stream can go wrong, named in the summary when it does
-    let stream_faults: Vec<String> = [
+    let stream_faults: Vec<&str> = [
         (
             greedy_stream == greedy_record,
             "greedy stream vs the device's record",
@@ -324,7 +324,7 @@ fn check_sampling(
     ]
     .iter()
     .filter(|(ok, _)| !ok)
-    .map(|(_, what)| what.to_string())
+    .map(|(_, what)| *what)
     .collect();
     let stream_ok = stream_faults.is_empty();
     let parted_at = sampled_a.iter().zip(&sampled_b).position(|(a, b)| a != b);
