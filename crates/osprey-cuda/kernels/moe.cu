@@ -789,6 +789,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_experts_h2048(ExpertsAr
 // release. Launched plain (the graph from 48K), its route rows' copies and its launch are no
 // longer under a predecessor: 128K 521.2 -> 494.3, so that graph keeps the router launch.
 extern "C" __global__ void __launch_bounds__(256, 2) moe_routed_experts(ExpertsArgs a) { moe_experts_body<true, 0, 0, 0, 0>(a); }
-extern "C" __global__ void __launch_bounds__(256, 2) moe_routed_experts_h2048(ExpertsArgs a) {
+// Held to 88 registers (the fast logistic took ptxas to 89, a whole allocation step of 8 more: at
+// 89 this launch lost 2.5% at 4K in session 34); 80 or 72 (no spills either) lose 5-6% at 4K
+// (bench/results/cuda-decode-session35-ablations.json). __maxnreg__ replaces __launch_bounds__.
+extern "C" __global__ void __maxnreg__(88) moe_routed_experts_h2048(ExpertsArgs a) {
     moe_experts_body<true, 2048, 512, 8, 256>(a);
 }
