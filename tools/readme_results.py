@@ -141,9 +141,10 @@ EXPERTS_PHASES = {8: "selected", 2: "gate/up asked", 3: "x in", 4: "gate/up in",
 PHASES = {
     "gdn in_proj (norm + qkv|z|b|a)": {2: "copies asked", 3: "x in", 4: "tiles in", 5: "multiplied"},
     "attn in_proj (norm + q|k|v)": {2: "copies asked", 3: "x in", 4: "tiles in", 5: "multiplied"},
-    "gdn gated norm + out_proj + residual": {2: "x in", 3: "tile in"},
+    "gdn step (conv, l2, delta rule)": {2: "conv done", 3: "sums met"},
+    "gdn gated norm + out_proj + residual": {2: "x in", 3: "tile in", 4: "multiplied", 5: "halves met"},
     "attn decode (split-KV) + merge + gate": {2: "Q staged", 3: "attended", 4: "shares in smem", 5: "met", 6: "splits merged"},
-    "attn o_proj + residual": {2: "x in", 3: "tile in"},
+    "attn o_proj + residual": {2: "x in", 3: "tile in", 4: "multiplied", 5: "halves met"},
     "moe router + shared gate/up": {2: "x in", 3: "rows written"},
     "moe experts (top-k, gate/up, swiglu, down) + residual": EXPERTS_PHASES,
     # (moe_routed_experts waits for its gate tile at mark 4 and for the up tile later)

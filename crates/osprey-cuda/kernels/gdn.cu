@@ -135,6 +135,7 @@ extern "C" __global__ void __launch_bounds__(256) gdn_step(GdnArgs p) {
         shift_conv(p, c0, cout, chv);
     }
     __syncthreads();
+    step_phase(2);  // conv done
     // One pass over the state and one barrier for every sum the step needs. The L2 norms are
     // scalars, so they scale the sums afterwards: with k = rk·k̂ and q = rq·q̂ (q̂, k̂ the conv
     // outputs, rq with the 1/sqrt(Dk) scaling) and S the decayed state,
@@ -166,6 +167,7 @@ extern "C" __global__ void __launch_bounds__(256) gdn_step(GdnArgs p) {
         }
     }
     __syncthreads();
+    step_phase(3);  // the state's sums met
     float qq = 0.f, kk = 0.f, kq = 0.f;
 #pragma unroll
     for (int w = 0; w < DK / 32; ++w) {

@@ -801,6 +801,7 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __maxnreg__(48) gemv_q_pair
     }
     store_quad_sums(part + warp * 16, yA, yB);
     __syncthreads();
+    step_phase(4);  // multiplied
     float y = 0.f;
     if (threadIdx.x < 16) {
 #pragma unroll
@@ -808,6 +809,7 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __maxnreg__(48) gemv_q_pair
         if (rank == 1) store_to_peer(peer + threadIdx.x, 0, y);
     }
     cluster_sync();
+    step_phase(5);  // the halves met
     if (rank == 0 && (int)threadIdx.x < rows) {
         y += peer[threadIdx.x];
         const int row = r0 + threadIdx.x;
