@@ -136,15 +136,18 @@ def decode_profile():
 
 # The experts kernels' marks (moe.cu moe_experts_body: moe_experts and moe_routed_experts).
 EXPERTS_PHASES = {8: "selected", 2: "gate/up asked", 3: "x in", 4: "gate/up in", 5: "h written", 6: "slot met", 7: "down multiplied"}
+# gemv.cu gemv_q_resident (the input projections) and gemv_q_pair (the output projections)
+RESIDENT_PHASES = {2: "copies asked", 3: "x in", 4: "tiles in", 5: "multiplied"}
+PAIR_PHASES = {2: "x in", 3: "tile in", 4: "multiplied", 5: "halves met"}
 
 # What each phase mark means (step_phase calls in crates/osprey-cuda/kernels), per family.
 PHASES = {
-    "gdn in_proj (norm + qkv|z|b|a)": {2: "copies asked", 3: "x in", 4: "tiles in", 5: "multiplied"},
-    "attn in_proj (norm + q|k|v)": {2: "copies asked", 3: "x in", 4: "tiles in", 5: "multiplied"},
+    "gdn in_proj (norm + qkv|z|b|a)": RESIDENT_PHASES,
+    "attn in_proj (norm + q|k|v)": RESIDENT_PHASES,
     "gdn step (conv, l2, delta rule)": {2: "conv done", 3: "sums met"},
-    "gdn gated norm + out_proj + residual": {2: "x in", 3: "tile in", 4: "multiplied", 5: "halves met"},
+    "gdn gated norm + out_proj + residual": PAIR_PHASES,
     "attn decode (split-KV) + merge + gate": {2: "Q staged", 3: "attended", 4: "shares in smem", 5: "met", 6: "splits merged"},
-    "attn o_proj + residual": {2: "x in", 3: "tile in", 4: "multiplied", 5: "halves met"},
+    "attn o_proj + residual": PAIR_PHASES,
     "moe router + shared gate/up": {2: "x in", 3: "rows written"},
     "moe experts (top-k, gate/up, swiglu, down) + residual": EXPERTS_PHASES,
     # (moe_routed_experts waits for its gate tile at mark 4 and for the up tile later)
