@@ -7,8 +7,8 @@
 // hidden size: runtime shapes cost the router launch 2/3 of its instructions; compiled in, 4K
 // 681.5 -> 705.9 tok/s, bench/results/cuda-decode-shape-specialised.json):
 //   gemv_q_pair — a lone 4-bit group-64 segment at K 4096 without a full-width norm (the GDN
-//     out_proj with its gated head norm, the attention o_proj): each 16-row tile over a 2-block
-//     cluster, one K half per block (bottom of the file).
+//     out_proj with its gated head norm, the attention o_proj, both added into the residual):
+//     each 16-row tile over two blocks, one K half each (bottom of the file).
 //   gemv_q_resident — launches of only 4-bit group-64 rows, K 2048 or 4096, whose share per block
 //     fits in shared memory (GDN in_proj, attention q|k|v): one block
 //     of 16 warps per SM (8 behind an early moe_experts: decoder.rs RESIDENT_THREADS_AFTER_EARLY_EXPERTS),
@@ -697,32 +697,20 @@ extern "C" __global__ void __launch_bounds__((RING_CONSUMERS + 1) * 32, 1) gemv_
     gemv_ring_body<2048>(a);
 }
 
-__device__ __forceinline__ unsigned cluster_rank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-// *p (a shared-memory address of this block) in the peer block `rank` of the cluster
-__device__ __forceinline__ void store_to_peer(float* p, unsigned rank, float v) {
-    unsigned local = (unsigned)__cvta_generic_to_shared(p), remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
-}
-
 // gemv_q_pair: one segment of 4-bit group-64 rows at K 4096 (the GDN out_proj and the attention
-// o_proj), prologue none or the per-head gated norm. Each 16-row tile is split over a cluster of
-// two blocks, block rank r taking K-half r: both bulk-copy the whole tile (one request per array;
-// the second read of a line is an L2 hit), normalise only their half of x (the gated norm is per
-// 128-wide head, so the halves are independent; a full-K RMSNorm would need the two sums of
-// squares exchanged and is not taken here), multiply one quad per warp instead of two, and rank
-// 1 hands its 16 sums to rank 0 through distributed shared memory behind a cluster barrier: rank
-// 0 adds them in a fixed order (deterministic) and writes or accumulates the output. Grid: 2
-// blocks per tile, dynamic shared memory padded so that at most two blocks share an SM.
+// o_proj), prologue none or the per-head gated norm, added into its output (the residual; the
+// host takes it for no other). Each 16-row tile is split over two blocks, block 2t + r taking
+// K-half r of tile t: both bulk-copy the whole tile (one request per array; the second read of a
+// line is an L2 hit), normalise only their half of x (the gated norm is per 128-wide head, so the
+// halves are independent; a full-K RMSNorm would need the two sums of squares exchanged and is
+// not taken here), multiply one quad per warp instead of two, and add their 16 sums into the
+// output with float atomics (the two halves land in either order, as the experts' adds do).
+// Grid: 2 blocks per tile, dynamic shared memory padded so that at most two blocks share an SM.
+// The halves met through distributed shared memory before (a 2-block cluster, rank 1's sums
+// stored into rank 0 behind a cluster barrier, rank 0 adding them in a fixed order): the barrier
+// took ~0.8 us of the launch's ~4.6 in the 4K timeline; the atomics instead: 4K 858.0 -> 868.7
+// tok/s, 32K 757.2 -> 764.9, 128K 537.6 -> 542.1 (bench/results/cuda-decode-session37-ablations.json;
+// one block of 16 warps per tile over the whole K, no atomics: 830.4 at 4K).
 // Measured (bench/kernels/gemv_pair.cu, chains of 30 launches, pdl): out_proj 6.42 -> 5.09 us
 // against gemv_q_resident, o_proj 4.63 -> 3.71. The gated prologue with its loads in one round
 // trip (gated_half_input): out_proj 144 -> 132 us a step in the graph, the step at 4K 619.9 ->
@@ -763,10 +751,10 @@ __device__ __forceinline__ void gated_half_input(const float* x, const float* z,
 // thread's in steps of 8; no spills at 48): 4K 849.9 -> 851.7 tok/s, 32K 752.2 -> 753.9, 128K
 // 533.7 -> 534.0, every round above main's (bench/results/cuda-decode-session34-ablations.json;
 // gemv_q_resident_k2048 held from 90 to 88 the same way: +-0)
-extern "C" __global__ void __cluster_dims__(2, 1, 1) __maxnreg__(48) gemv_q_pair(GemvArgs a) {
+extern "C" __global__ void __maxnreg__(48) gemv_q_pair(GemvArgs a) {
     extern __shared__ __align__(128) char smem[];
     const int K = PAIR_K, gpr = K / 64, half_g = gpr / 2, Kh = K / 2;
-    const unsigned rank = cluster_rank();
+    const unsigned rank = blockIdx.x & 1;
     const Segment& s = a.seg[0];
     const int r0 = (blockIdx.x / 2) * 16, rows = min(16, s.rows - r0);
     char* codes = smem;  // [16][K/2 B], whole rows
@@ -775,9 +763,8 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __maxnreg__(48) gemv_q_pair
     uint4* xb8 = reinterpret_cast<uint4*>(biases + 16 * gpr);  // this half's groups
     float2* gx = reinterpret_cast<float2*>(xb8 + half_g * 8);
     float* scratch = reinterpret_cast<float*>(gx + half_g);
-    float* part = scratch + 32;            // [warp][16]
-    float* peer = part + PAIR_WARPS * 16;  // [16] rank 1's sums, in rank 0
-    uint64_t* full = reinterpret_cast<uint64_t*>(peer + 16);
+    float* part = scratch + 32;  // [warp][16]
+    uint64_t* full = reinterpret_cast<uint64_t*>(part + PAIR_WARPS * 16);
     step_overlap_begin();
     if (threadIdx.x == 0) {
         mbar_init(full, 1);
@@ -802,17 +789,10 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __maxnreg__(48) gemv_q_pair
     store_quad_sums(part + warp * 16, yA, yB);
     __syncthreads();
     step_phase(4);  // multiplied
-    float y = 0.f;
-    if (threadIdx.x < 16) {
+    if ((int)threadIdx.x < rows) {
+        float y = 0.f;
 #pragma unroll
         for (int w = 0; w < PAIR_WARPS; ++w) y += part[w * 16 + threadIdx.x];
-        if (rank == 1) store_to_peer(peer + threadIdx.x, 0, y);
-    }
-    cluster_sync();
-    step_phase(5);  // the halves met
-    if (rank == 0 && (int)threadIdx.x < rows) {
-        y += peer[threadIdx.x];
-        const int row = r0 + threadIdx.x;
-        write_row(s, row, y);
+        atomicAdd(s.out + r0 + threadIdx.x, y);
     }
 }

@@ -102,17 +102,17 @@ fn k2048_row_launch(rows: usize, sms: usize) -> (u32, u32) {
     (blocks as u32, (32 * GEMV_K2048_WARPS) as u32)
 }
 
-/// gemv_q_pair (gemv.cu) takes K = 4096 only (compiled in there, PAIR_K): each block of a cluster
-/// pair multiplies one half.
+/// gemv_q_pair (gemv.cu) takes K = 4096 only (compiled in there, PAIR_K): each of a tile's two
+/// blocks multiplies one half and adds its sums into the output.
 const PAIR_K: usize = 4096;
 /// Shared memory of a gemv_q_pair block at least this, so that at most two blocks share an SM
 /// (measured: 5.09 vs 6.68 us per out_proj unpadded, bench/kernels/gemv_pair.cu).
 const PAIR_MIN_SMEM: usize = 80 * 1024;
 
 /// gemv_q_pair's dynamic shared memory at width `k`: the whole tile, its half of x (with the
-/// reduction scratch), the 8 warps' 16 sums, the peer's 16 sums, the barrier.
+/// reduction scratch), the 8 warps' 16 sums, the barrier.
 fn pair_smem(k: usize) -> usize {
-    tile_smem(k) + x_bytes_smem(k / 2) + 8 * 16 * 4 + 16 * 4 + 8
+    tile_smem(k) + x_bytes_smem(k / 2) + 8 * 16 * 4 + 8
 }
 
 /// What a gemv_q_pair block asks for at K = 4096: its need padded to PAIR_MIN_SMEM, within the
@@ -1262,12 +1262,13 @@ impl CudaDecoder {
             }
             _ => true,
         };
-        // a lone K = 4096 projection without a full-width norm: each tile over a cluster pair
+        // a lone K = 4096 projection without a full-width norm, added into its output: each tile
+        // over two blocks, whose halves meet by atomic adds
         let no_full_norm = !matches!(
             prologue,
             Prologue::RmsNorm(_) | Prologue::RmsNormPublished { .. }
         );
-        let lone = segs.len() == 1 && tileable(&segs[0]);
+        let lone = segs.len() == 1 && tileable(&segs[0]) && segs[0].accumulate != 0;
         if lone && k == PAIR_K && no_full_norm && head_ok && choice == 0 {
             let smem = pair_launch_smem(self.smem_optin);
             return self.launch_staged(&self.f.gemv_pair, a, (2 * tiles, 1, smem), 256);
@@ -2349,8 +2350,9 @@ mod tests {
 
     #[test]
     fn pair_blocks_hold_a_whole_tile_and_half_of_x() {
-        // the harness's figure for gemv_q_pair at K = 4096 (bench/kernels/gemv_pair.cu)
-        assert_eq!(pair_smem(4096), 41_928);
+        // the harness's figure for gemv_q_pair at K = 4096 (bench/kernels/gemv_pair.cu, whose
+        // blocks also held the peer's 16 sums: 41,928)
+        assert_eq!(pair_smem(4096), 41_864);
         assert!(pair_smem(PAIR_K) < PAIR_MIN_SMEM);
     }
 
