@@ -709,7 +709,7 @@ extern "C" __global__ void __launch_bounds__((RING_CONSUMERS + 1) * 32, 1) gemv_
 // The halves met through distributed shared memory before (a 2-block cluster, rank 1's sums
 // stored into rank 0 behind a cluster barrier, rank 0 adding them in a fixed order): the barrier
 // took ~0.8 us of the launch's ~4.6 in the 4K timeline; the atomics instead: 4K 858.0 -> 868.7
-// tok/s, 32K 757.2 -> 764.9, 128K 537.6 -> 542.1 (bench/results/cuda-decode-session37-ablations.json;
+// tok/s, 32K 757.2 -> 764.9, 128K 537.5 -> 542.1 (bench/results/cuda-decode-session37-ablations.json;
 // one block of 16 warps per tile over the whole K, no atomics: 830.4 at 4K).
 // Measured (bench/kernels/gemv_pair.cu, chains of 30 launches, pdl): out_proj 6.42 -> 5.09 us
 // against gemv_q_resident, o_proj 4.63 -> 3.71. The gated prologue with its loads in one round
