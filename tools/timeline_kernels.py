@@ -35,7 +35,8 @@ FAMILIES = ["act", "attention", "gdn", "gemv", "moe", "sample"]
 
 HELPERS = '''__device__ __forceinline__ void step_overlap_begin() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void step_inputs_ready() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void step_phase(unsigned) {}  // a timeline mark (2..8) in probed builds'''
+__device__ __forceinline__ void step_phase(unsigned) {}  // a timeline mark (2..8) in probed builds
+__device__ __forceinline__ void step_phase_after(unsigned, unsigned) {}  // the same, once a value is in'''
 
 # Must match crates/osprey-cuda/src/timeline.rs (record layout, buffer sizes, symbol names).
 # A block reserves TIMELINE_MARKS records with one atomic when it starts (mark 0, recorded with
@@ -79,13 +80,23 @@ __device__ __forceinline__ void timeline_mark(unsigned int mark) {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     timeline_store(mark, t);
 }
+// The clock read predicated on a comparison of `bits`, so that it cannot issue before the value is
+// in (a load's or an mma's result): a plain mark may be read while the loads it follows are in flight.
+__device__ __forceinline__ void timeline_mark_after(unsigned int mark, unsigned int bits) {
+    if (threadIdx.x != 0 || threadIdx.y != 0) return;
+    unsigned long long t;
+    asm volatile("{\\n\\t.reg .pred p;\\n\\tsetp.eq.b32 p, %1, 0x7FFFFFFF;\\n\\t@p mov.u64 %0, 0;\\n\\t"
+                 "@!p mov.u64 %0, %%globaltimer;\\n\\t}" : "=l"(t) : "r"(bits));
+    timeline_store(mark, t);
+}
 #endif
 __device__ __forceinline__ void step_overlap_begin() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void step_inputs_ready() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
     timeline_mark(1);
 }
-__device__ __forceinline__ void step_phase(unsigned mark) { timeline_mark(mark); }'''
+__device__ __forceinline__ void step_phase(unsigned mark) { timeline_mark(mark); }
+__device__ __forceinline__ void step_phase_after(unsigned mark, unsigned bits) { timeline_mark_after(mark, bits); }'''
 
 KERNEL = re.compile(r'extern "C" __global__[^{;]*\{')
 

@@ -130,6 +130,7 @@ __device__ __forceinline__ void embed_row(const uint32_t* codes, const __nv_bflo
 __device__ __forceinline__ void step_overlap_begin() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void step_inputs_ready() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void step_phase(unsigned) {}  // a timeline mark (2..8) in probed builds
+__device__ __forceinline__ void step_phase_after(unsigned, unsigned) {}  // the same, once a value is in
 
 // Rounds of polling L2 before a kernel whose blocks meet (moe_experts' slots, attn_decode's grid)
 // gives up on the meeting and traps (each round is an L2 round trip, at least ~0.5 us).

@@ -784,7 +784,9 @@ extern "C" __global__ void __maxnreg__(48) gemv_q_pair(GemvArgs a) {
     for (int qd = warp; qd < quads; qd += PAIR_WARPS) {
         QuadX X;
         load_quad_x(xb8, gx, 4 * qd, X);
+        step_phase_after(5, X.x[3][1].y);  // warp 0's x fragments in
         quad_dot(codes, scales, biases, quad_lane(K, (int)rank * half_g + 4 * qd), X, yA, yB);
+        step_phase_after(6, __float_as_uint(yB));  // warp 0's quad product
     }
     store_quad_sums(part + warp * 16, yA, yB);
     __syncthreads();
