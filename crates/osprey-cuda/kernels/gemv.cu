@@ -544,6 +544,7 @@ __device__ __forceinline__ void gemv_resident_body(const GemvArgs& a) {
             float a0 = 0.f, b0 = 0.f, a1 = 0.f, b1 = 0.f;
             quad_dot(s0, scales + o0, biases + o0, L0, X, a0, b0);
             quad_dot(s1, scales + o1, biases + o1, L0, X, a1, b1);
+            if (i == phase) step_phase_after(6, __float_as_uint(b1));  // warp 0's first two tile products
             __syncwarp();
             store_quad_sums(reinterpret_cast<float*>(s0 + g0 * 32), a0, b0);
             store_quad_sums(reinterpret_cast<float*>(s1 + g0 * 32), a1, b1);
