@@ -1268,8 +1268,9 @@ impl CudaDecoder {
             prologue,
             Prologue::RmsNorm(_) | Prologue::RmsNormPublished { .. }
         );
-        let lone = segs.len() == 1 && tileable(&segs[0]) && segs[0].accumulate != 0;
-        if lone && k == PAIR_K && no_full_norm && head_ok && choice == 0 {
+        let lone = segs.len() == 1 && tileable(&segs[0]);
+        let added = segs.first().is_some_and(|s| s.accumulate != 0);
+        if lone && added && k == PAIR_K && no_full_norm && head_ok && choice == 0 {
             let smem = pair_launch_smem(self.smem_optin);
             return self.launch_staged(&self.f.gemv_pair, a, (2 * tiles, 1, smem), 256);
         }
