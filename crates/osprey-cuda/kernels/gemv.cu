@@ -11,9 +11,10 @@
 //     each 16-row tile over two blocks, one K half each (bottom of the file).
 //   gemv_q_resident — launches of only 4-bit group-64 rows, K 2048 or 4096, whose share per block
 //     fits in shared memory (GDN in_proj, attention q|k|v): one block
-//     of 16 warps per SM (8 behind an early moe_experts: decoder.rs RESIDENT_THREADS_AFTER_EARLY_EXPERTS),
-//     its whole run of 16-row tiles requested at once by bulk copies before
-//     griddepcontrol.wait, multiplied from shared memory (below).
+//     of 16 warps per SM, its whole run of 16-row tiles requested at once by bulk copies before
+//     griddepcontrol.wait; behind an early moe_experts 8 warps and a ninth that streams the run
+//     in order, a few tiles ahead, each multiplied as it lands (decoder.rs
+//     RESIDENT_THREADS_AFTER_EARLY_EXPERTS); multiplied from shared memory (below).
 //   gemv_q_ring — launches of one 4-bit group-64 segment, K 2048 or 4096, too big for that (the
 //     lm_head): a block per SM streams its run of tiles through a ring of shared-memory stages
 //     (bulk copies, a producer warp, full/empty mbarriers), the same multiply (below).
@@ -475,6 +476,21 @@ extern "C" __global__ void __launch_bounds__(256, 3) gemv_q_tiles(GemvArgs a) { 
 // tok/s (bench/results/cuda-decode-session14-ablations.json). A barrier per tile, so the
 // multiply starts on the first tile, lost (621-624): the multiply then waits on the stream.
 #define RES_KSLICES 8
+// Streamed in order (the experts-early graph's launches, whose blocks have a ninth warp; session
+// 38): the block's first RES_RING_DEPTH tiles are asked for before the wait and each later one by
+// the ninth warp once the tile RES_RING_DEPTH before it has landed, every tile on its own barrier,
+// and the multiply takes each tile as it lands. Asked for all at once, every block's tiles land
+// together at the end of the GPU's 14 MB stream (each request's bytes come spread over all of it)
+// and the 2 us multiply starts only then; in order, the early tiles are multiplied while the
+// later stream, and x (8 KB from L2), no longer queued behind the whole stream, is in 2.3 us
+// after the release instead of 3.6 (GDN in_proj's median block multiplied 6.1 us after the
+// release instead of 6.7). A/B on one machine: 4K 867.6 -> 881.6 tok/s, 32K 766.0 -> 771.0;
+// depth 2 861.9 (too little in flight for the bandwidth), 4 878.9; per-tile barriers with all
+// tiles asked at once 859.2, and asked only once x is in 832.8 (x in 1.8 us, but the first tiles
+// then at 6.7): bench/results/cuda-decode-session38-ablations.json.
+#define RES_RING_DEPTH 3
+// most tiles a streamed block takes (its barriers; the host reserves them: resident_launch)
+#define RES_MAX_STREAMED 16
 
 // Block b takes tiles [b·T/grid, (b+1)·T/grid) of the launch's segments; a.stages >= its tile
 // count (the host sizes the dynamic shared memory by it: resident_launch in decoder.rs).
@@ -493,9 +509,24 @@ __device__ __forceinline__ void gemv_resident_body(const GemvArgs& a) {
     uint4* xb8 = reinterpret_cast<uint4*>(biases + (size_t)S * 16 * gpr);
     float2* gx = reinterpret_cast<float2*>(xb8 + gpr * 8);
     float* scratch = reinterpret_cast<float*>(gx + gpr);
-    uint64_t* full = reinterpret_cast<uint64_t*>(scratch + 32);
+    uint64_t* full = reinterpret_cast<uint64_t*>(scratch + 32);  // [RES_MAX_STREAMED] when streamed
+    // a ninth warp (256 + 32 threads) asks for the tiles in order
+    const bool has_streamer = (blockDim.x & 255) == 32, streamed = has_streamer && n <= RES_MAX_STREAMED;
+    // tile i of the run on barrier i
+    const auto ask_tile = [&](int i) {
+        int local;
+        const Segment& s = a.seg[locate_unit<true>(a, true, t0 + i, local)];
+        const int rows = min(16, s.rows - local * 16);
+        mbar_arrive_expect_bytes(&full[i], q4_rows_bytes(rows, K));
+        copy_q4_rows(codes, scales, biases, i, s.codes, s.scales, s.biases, local * 16, rows, K, &full[i]);
+    };
     step_overlap_begin();
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0 && streamed) {
+        for (int i = 0; i < n; ++i) mbar_init(&full[i], 1);
+        mbar_init_fence();
+        for (int i = 0; i < min(RES_RING_DEPTH, n); ++i) ask_tile(i);
+        step_phase(2);  // copies asked for
+    } else if (threadIdx.x == 0) {
         mbar_init(full, 1);
         mbar_init_fence();
         // runs of consecutive tiles inside one segment: one copy each of codes, scales, biases
@@ -519,53 +550,73 @@ __device__ __forceinline__ void gemv_resident_body(const GemvArgs& a) {
     }
     step_inputs_ready();
     resident_input(XInput{a.x, a.norm_weight, a.gate_z, a.head_norm, a.eps, K, a.head_dim}, xb8, gx, scratch);
-    __syncthreads();  // also publishes the barrier's initialisation
+    __syncthreads();  // also publishes the barriers' initialisation
     step_phase(3);    // x in
-    const int warp = threadIdx.x >> 5, kslice = warp % RES_KSLICES, phase = warp / RES_KSLICES;
-    const int phases = blockDim.x / (32 * RES_KSLICES), g0 = kslice * gpr / RES_KSLICES, quads = gpr / (4 * RES_KSLICES);
-    QuadX X;
-    const QuadLane L0 = quad_lane(K, g0);
-    if (quads == 1) load_quad_x(xb8, gx, g0, X);
-    mbar_wait(full, 0);
-    step_phase(4);  // tiles in
-    // a warp leaves its 16 partial sums of a tile in the first 64 bytes of its own K-slice of the
-    // tile's codes, which only it reads. Tiles go two at a time (unrolled over all tiles the code
-    // outgrows the instruction cache): a warp's quad_dot is a chain of shared-memory loads, mma
-    // and conversions that one tile alone leaves mostly waiting at 4 warps a scheduler (GDN
-    // in_proj's median block multiplied 2.05 -> 1.79 us after its tiles are in; 4K 772.8 -> 777.5
-    // tok/s, 32K +0.4%, 128K -0.1%: bench/results/cuda-decode-resident-tile-pairs.json)
-    int i = phase;
-    if (quads == 1) {
-#pragma unroll 1
-        for (; i + phases < n; i += 2 * phases) {
-            char* s0 = codes + (size_t)i * 16 * (K / 2);
-            char* s1 = s0 + (size_t)phases * 16 * (K / 2);
-            const size_t o0 = (size_t)i * 16 * gpr, o1 = o0 + (size_t)phases * 16 * gpr;
-            float a0 = 0.f, b0 = 0.f, a1 = 0.f, b1 = 0.f;
-            quad_dot(s0, scales + o0, biases + o0, L0, X, a0, b0);
-            quad_dot(s1, scales + o1, biases + o1, L0, X, a1, b1);
-            if (i == phase) step_phase_after(6, __float_as_uint(b1));  // warp 0's first two tile products
-            __syncwarp();
-            store_quad_sums(reinterpret_cast<float*>(s0 + g0 * 32), a0, b0);
-            store_quad_sums(reinterpret_cast<float*>(s1 + g0 * 32), a1, b1);
+    if (has_streamer && (int)threadIdx.x >= (int)blockDim.x - 32) {
+        // the streaming warp: the rest of the run, each tile once the one RES_RING_DEPTH before it
+        // has landed; then only the final barrier
+        if (streamed && (int)threadIdx.x == (int)blockDim.x - 32)
+            for (int i = RES_RING_DEPTH; i < n; ++i) {
+                mbar_wait(&full[i - RES_RING_DEPTH], 0);
+                ask_tile(i);
+            }
+    } else {
+        // (the streaming warp's 32 threads leave phases at blockDim.x / 256: 288 / 256 = 1)
+        const int warp = threadIdx.x >> 5, kslice = warp % RES_KSLICES, phase = warp / RES_KSLICES;
+        const int phases = blockDim.x / (32 * RES_KSLICES), g0 = kslice * gpr / RES_KSLICES, quads = gpr / (4 * RES_KSLICES);
+        QuadX X;
+        const QuadLane L0 = quad_lane(K, g0);
+        if (quads == 1) load_quad_x(xb8, gx, g0, X);
+        // streamed: each tile waited for as it is taken
+        const auto wait_tile = [&](int i) {
+            if (streamed) mbar_wait(&full[i], 0);
+        };
+        if (!streamed) {
+            mbar_wait(full, 0);
+            step_phase(4);  // tiles in
         }
-    }
+        // a warp leaves its 16 partial sums of a tile in the first 64 bytes of its own K-slice of the
+        // tile's codes, which only it reads. Tiles go two at a time (unrolled over all tiles the code
+        // outgrows the instruction cache): a warp's quad_dot is a chain of shared-memory loads, mma
+        // and conversions that one tile alone leaves mostly waiting at 4 warps a scheduler (GDN
+        // in_proj's median block multiplied 2.05 -> 1.79 us after its tiles are in; 4K 772.8 -> 777.5
+        // tok/s, 32K +0.4%, 128K -0.1%: bench/results/cuda-decode-resident-tile-pairs.json)
+        int i = phase;
+        if (quads == 1) {
 #pragma unroll 1
-    for (; i < n; i += phases) {
-        char* stage = codes + (size_t)i * 16 * (K / 2);
-        const __nv_bfloat16* sc = scales + (size_t)i * 16 * gpr;
-        const __nv_bfloat16* bi = biases + (size_t)i * 16 * gpr;
-        float yA = 0.f, yB = 0.f;
-        if (quads == 1) quad_dot(stage, sc, bi, L0, X, yA, yB);
-        else {
-#pragma unroll 1
-            for (int qd = 0; qd < quads; ++qd) {
-                load_quad_x(xb8, gx, g0 + 4 * qd, X);
-                quad_dot(stage, sc, bi, K, g0 + 4 * qd, X, yA, yB);
+            for (; i + phases < n; i += 2 * phases) {
+                char* s0 = codes + (size_t)i * 16 * (K / 2);
+                char* s1 = s0 + (size_t)phases * 16 * (K / 2);
+                const size_t o0 = (size_t)i * 16 * gpr, o1 = o0 + (size_t)phases * 16 * gpr;
+                float a0 = 0.f, b0 = 0.f, a1 = 0.f, b1 = 0.f;
+                wait_tile(i);
+                wait_tile(i + phases);
+                quad_dot(s0, scales + o0, biases + o0, L0, X, a0, b0);
+                quad_dot(s1, scales + o1, biases + o1, L0, X, a1, b1);
+                if (i == phase) step_phase_after(6, __float_as_uint(b1));  // warp 0's first two tile products
+                __syncwarp();
+                store_quad_sums(reinterpret_cast<float*>(s0 + g0 * 32), a0, b0);
+                store_quad_sums(reinterpret_cast<float*>(s1 + g0 * 32), a1, b1);
             }
         }
-        __syncwarp();
-        store_quad_sums(reinterpret_cast<float*>(stage + g0 * 32), yA, yB);
+#pragma unroll 1
+        for (; i < n; i += phases) {
+            char* stage = codes + (size_t)i * 16 * (K / 2);
+            const __nv_bfloat16* sc = scales + (size_t)i * 16 * gpr;
+            const __nv_bfloat16* bi = biases + (size_t)i * 16 * gpr;
+            float yA = 0.f, yB = 0.f;
+            wait_tile(i);
+            if (quads == 1) quad_dot(stage, sc, bi, L0, X, yA, yB);
+            else {
+#pragma unroll 1
+                for (int qd = 0; qd < quads; ++qd) {
+                    load_quad_x(xb8, gx, g0 + 4 * qd, X);
+                    quad_dot(stage, sc, bi, K, g0 + 4 * qd, X, yA, yB);
+                }
+            }
+            __syncwarp();
+            store_quad_sums(reinterpret_cast<float*>(stage + g0 * 32), yA, yB);
+        }
     }
     __syncthreads();
     step_phase(5);  // multiplied

@@ -65,7 +65,12 @@ const RESIDENT_THREADS: u32 = 512;
 /// allocated) registers, 256 threads fit beside one experts block; capped at 80 (beside both,
 /// with no register to spare) the timeline still had its blocks land as the experts left, and 16
 /// warps lost (4K 766.6 -> 756.8 tok/s; bench/results/cuda-decode-session29-ablations.json).
-const RESIDENT_THREADS_AFTER_EARLY_EXPERTS: u32 = 256;
+/// Plus a ninth warp that streams the block's tiles in order, a few ahead of the multiply, which
+/// takes each as it lands (gemv.cu RES_RING_DEPTH): 4K 867.6 -> 881.6 tok/s, 32K 766.0 -> 771.0
+/// (bench/results/cuda-decode-session38-ablations.json).
+const RESIDENT_THREADS_AFTER_EARLY_EXPERTS: u32 = 256 + 32;
+/// Most tiles a streamed gemv_q_resident block takes: one barrier each (gemv.cu RES_MAX_STREAMED).
+const RESIDENT_MAX_STREAMED: usize = 16;
 /// Just over half of an H200 SM's 228 KB of shared memory (1 KB of each block's is reserved).
 const RESIDENT_MIN_SMEM: usize = 115 * 1024;
 /// gemv_q_resident (gemv.cu) for `tiles` 16-row tiles of `k` inputs (4-bit, group 64) on `sms`
@@ -84,8 +89,8 @@ fn resident_launch(
     }
     let blocks = tiles.min(sms);
     let per_block = tiles.div_ceil(blocks);
-    // the tiles, x, and the mbarrier
-    let bytes = per_block * tile_smem(k) + x_bytes_smem(k) + 8;
+    // the tiles, x, and the mbarriers (one, or one a tile when streamed)
+    let bytes = per_block * tile_smem(k) + x_bytes_smem(k) + 8 * RESIDENT_MAX_STREAMED;
     // at least half an SM's shared memory, so that blocks launched early (programmatic dependent
     // launch) land one per SM instead of two on the SMs that free up first
     // (never more than a block may take: on a part with less shared memory the padding is moot)
