@@ -484,10 +484,11 @@ extern "C" __global__ void __launch_bounds__(256, 3) gemv_q_tiles(GemvArgs a) { 
 // and the 2 us multiply starts only then; in order, the early tiles are multiplied while the
 // later stream, and x (8 KB from L2), no longer queued behind the whole stream, is in 2.3 us
 // after the release instead of 3.6 (GDN in_proj's median block multiplied 6.1 us after the
-// release instead of 6.7). A/B on one machine: 4K 867.6 -> 881.6 tok/s, 32K 766.0 -> 771.0;
-// depth 2 861.9 (too little in flight for the bandwidth), 4 878.9; per-tile barriers with all
-// tiles asked at once 859.2, and asked only once x is in 832.8 (x in 1.8 us, but the first tiles
-// then at 6.7): bench/results/cuda-decode-session38-ablations.json.
+// release instead of 6.7). A/B on one machine: 4K 867.5 -> 881.6 tok/s, 32K 766.0 -> 771.0;
+// depth 2 -0.7% (too little in flight for the bandwidth), 4 +1.3%; per-tile barriers with all
+// tiles asked at once -1.1%, and asked only once x is in -4.1% (x in 1.8 us, but the first
+// tiles then at 6.7); as landed, against its parent: 4K 862.7 -> 872.0, 32K 765.0 -> 767.5,
+// 128K unchanged (bench/results/cuda-decode-session38-ablations.json).
 #define RES_RING_DEPTH 3
 // most tiles a streamed block takes (its barriers; the host reserves them: resident_launch)
 #define RES_MAX_STREAMED 16

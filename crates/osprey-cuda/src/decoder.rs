@@ -66,7 +66,7 @@ const RESIDENT_THREADS: u32 = 512;
 /// with no register to spare) the timeline still had its blocks land as the experts left, and 16
 /// warps lost (4K 766.6 -> 756.8 tok/s; bench/results/cuda-decode-session29-ablations.json).
 /// Plus a ninth warp that streams the block's tiles in order, a few ahead of the multiply, which
-/// takes each as it lands (gemv.cu RES_RING_DEPTH): 4K 867.6 -> 881.6 tok/s, 32K 766.0 -> 771.0
+/// takes each as it lands (gemv.cu RES_RING_DEPTH): 4K 862.7 -> 872.0 tok/s, 32K 765.0 -> 767.5
 /// (bench/results/cuda-decode-session38-ablations.json).
 const RESIDENT_THREADS_AFTER_EARLY_EXPERTS: u32 = 256 + 32;
 /// Most tiles a streamed gemv_q_resident block takes: one barrier each (gemv.cu RES_MAX_STREAMED).
