@@ -549,8 +549,14 @@ __device__ __forceinline__ void gemv_resident_body(const GemvArgs& a) {
         }
         step_phase(2);  // copies asked for
     }
+    // the norm weight (no kernel writes it) into registers before the wait: loaded after it, a
+    // DRAM miss behind the launch's tile stream, it held x's prologue (with the streamed tiles
+    // multiplied singly, below: 4K 877.5 -> 892.3 tok/s, 32K 769.2 -> 781.1;
+    // bench/results/cuda-decode-session39-ablations.json)
+    float nw[2][8];
+    if (a.norm_weight) load_norm_slots(a.norm_weight, K, nw);
     step_inputs_ready();
-    resident_input(XInput{a.x, a.norm_weight, a.gate_z, a.head_norm, a.eps, K, a.head_dim}, xb8, gx, scratch);
+    resident_input(XInput{a.x, a.norm_weight, a.gate_z, a.head_norm, a.eps, K, a.head_dim}, xb8, gx, scratch, nw);
     __syncthreads();  // also publishes the barriers' initialisation
     step_phase(3);    // x in
     if (has_streamer && (int)threadIdx.x >= (int)blockDim.x - 32) {
@@ -582,8 +588,11 @@ __device__ __forceinline__ void gemv_resident_body(const GemvArgs& a) {
         // and conversions that one tile alone leaves mostly waiting at 4 warps a scheduler (GDN
         // in_proj's median block multiplied 2.05 -> 1.79 us after its tiles are in; 4K 772.8 -> 777.5
         // tok/s, 32K +0.4%, 128K -0.1%: bench/results/cuda-decode-resident-tile-pairs.json)
+        // Streamed, each tile is multiplied alone as it lands: a pair waits for its second tile,
+        // so the last pair started a tile later (4K 875.4 -> 885.6 tok/s, 32K 768.2 -> 776.4;
+        // bench/results/cuda-decode-session39-ablations.json).
         int i = phase;
-        if (quads == 1) {
+        if (quads == 1 && !streamed) {
 #pragma unroll 1
             for (; i + phases < n; i += 2 * phases) {
                 char* s0 = codes + (size_t)i * 16 * (K / 2);
@@ -692,8 +701,11 @@ __device__ __forceinline__ void gemv_ring_body(const GemvArgs& a) {
         mbar_init_fence();
         for (int st = 0; st < min(S, stages_total); ++st) fill(st);
     }
+    // the final norm's weight before the wait, as gemv_q_resident's (4K +0.3%, 32K +0.4%)
+    float nw[2][8];
+    if (a.norm_weight) load_norm_slots(a.norm_weight, K, nw);
     step_inputs_ready();
-    resident_input(XInput{a.x, a.norm_weight, a.gate_z, a.head_norm, a.eps, K, a.head_dim}, xb8, gx, scratch);
+    resident_input(XInput{a.x, a.norm_weight, a.gate_z, a.head_norm, a.eps, K, a.head_dim}, xb8, gx, scratch, nw);
     __syncthreads();  // also publishes the barriers' initialisation
     unsigned long long best = 0;  // with a.choice: this thread's largest choice_key
     if (warp == RING_CONSUMERS) {

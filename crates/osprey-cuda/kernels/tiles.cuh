@@ -397,8 +397,9 @@ __device__ __forceinline__ void write_slots(const float (&v)[2][8], int K, uint4
     }
 }
 
-__device__ __forceinline__ void resident_input(const XInput& a, uint4* xb8, float2* gx, float* scratch) {
+__device__ __forceinline__ void resident_input(const XInput& a, uint4* xb8, float2* gx, float* scratch,
+                                               const float (*nw)[8] = nullptr) {
     float v[2][8];
-    resident_values(a, v, scratch);
+    resident_values(a, v, scratch, nw);
     write_slots(v, a.K, xb8, gx);
 }
