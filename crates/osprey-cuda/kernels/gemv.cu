@@ -785,18 +785,27 @@ extern "C" __global__ void __launch_bounds__((RING_CONSUMERS + 1) * 32, 1) gemv_
 // 737.5 tok/s (bench/results/cuda-decode-shape-specialised-2.json)
 #define PAIR_K 4096
 
-// The pair's gated prologue over its K half (one 8-element slot per thread: K/2 = 8 x 256): x, z
-// and the head weight requested together and unbranched (resident_input's head-norm path asks
-// for z and the weight only after x's sum of squares, one more round trip), then the per-head
-// RMSNorm by shuffles among the head's head_dim/8 threads, gated by silu(z).
-__device__ __forceinline__ void gated_half_input(const float* x, const float* z, const float* hw, float eps, int K,
+// The thread's 8 values of the head-norm weight, loaded before the wait (no kernel writes it; after
+// it, a DRAM miss beside x's and z's L2 reads: 4K 891.6 -> 895.6 tok/s, 32K 781.3 -> 784.8, 128K
+// 543.0 -> 544.4, bench/results/cuda-decode-session39-ablations.json).
+__device__ __forceinline__ void load_half_head_weight(const float* hw, int K, int head_dim, float4& h0, float4& h1) {
+    const int idx = threadIdx.x, G = idx >> 3, T = (idx >> 2) & 1, q = idx & 3;
+    const int e0 = idx < K / 8 ? G * 64 + 8 * (2 * q + T) : 0, he = e0 % head_dim;
+    h0 = *reinterpret_cast<const float4*>(hw + he);
+    h1 = *reinterpret_cast<const float4*>(hw + he + 4);
+}
+
+// The pair's gated prologue over its K half (one 8-element slot per thread: K/2 = 8 x 256): x and z
+// requested together and unbranched, the head weight already in registers (resident_input's
+// head-norm path asks for z and the weight only after x's sum of squares, one more round trip),
+// then the per-head RMSNorm by shuffles among the head's head_dim/8 threads, gated by silu(z).
+__device__ __forceinline__ void gated_half_input(const float* x, const float* z, const float4 h0, const float4 h1, float eps, int K,
                                                  int head_dim, uint4* xb8, float2* gx) {
     const int idx = threadIdx.x, G = idx >> 3, T = (idx >> 2) & 1, q = idx & 3;
     const bool on = idx < K / 8;
-    const int e0 = on ? G * 64 + 8 * (2 * q + T) : 0, he = e0 % head_dim;
+    const int e0 = on ? G * 64 + 8 * (2 * q + T) : 0;
     const float4 x0 = *reinterpret_cast<const float4*>(x + e0), x1 = *reinterpret_cast<const float4*>(x + e0 + 4);
     const float4 z0 = *reinterpret_cast<const float4*>(z + e0), z1 = *reinterpret_cast<const float4*>(z + e0 + 4);
-    const float4 h0 = *reinterpret_cast<const float4*>(hw + he), h1 = *reinterpret_cast<const float4*>(hw + he + 4);
     float v[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
     const float zs[8] = {z0.x, z0.y, z0.z, z0.w, z1.x, z1.y, z1.z, z1.w};
     const float hs[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
@@ -837,8 +846,10 @@ extern "C" __global__ void __maxnreg__(48) gemv_q_pair(GemvArgs a) {
         mbar_arrive_expect_bytes(full, q4_rows_bytes(rows, K));
         copy_q4_rows(codes, scales, biases, 0, s.codes, s.scales, s.biases, r0, rows, K, full);
     }
+    float4 h0 = make_float4(0.f, 0.f, 0.f, 0.f), h1 = h0;
+    if (a.head_norm) load_half_head_weight(a.head_norm, Kh, a.head_dim, h0, h1);
     step_inputs_ready();
-    if (a.head_norm) gated_half_input(a.x + rank * Kh, a.gate_z + rank * Kh, a.head_norm, a.eps, Kh, a.head_dim, xb8, gx);
+    if (a.head_norm) gated_half_input(a.x + rank * Kh, a.gate_z + rank * Kh, h0, h1, a.eps, Kh, a.head_dim, xb8, gx);
     else resident_input(XInput{a.x + rank * Kh, nullptr, nullptr, nullptr, a.eps, Kh, 0}, xb8, gx, scratch);
     __syncthreads();  // also publishes the barrier's initialisation
     step_phase(2);    // x in
