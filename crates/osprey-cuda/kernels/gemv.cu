@@ -574,10 +574,6 @@ __device__ __forceinline__ void gemv_resident_body(const GemvArgs& a) {
         QuadX X;
         const QuadLane L0 = quad_lane(K, g0);
         if (quads == 1) load_quad_x(xb8, gx, g0, X);
-        // streamed: each tile waited for as it is taken
-        const auto wait_tile = [&](int i) {
-            if (streamed) mbar_wait(&full[i], 0);
-        };
         if (!streamed) {
             mbar_wait(full, 0);
             step_phase(4);  // tiles in
@@ -599,8 +595,6 @@ __device__ __forceinline__ void gemv_resident_body(const GemvArgs& a) {
                 char* s1 = s0 + (size_t)phases * 16 * (K / 2);
                 const size_t o0 = (size_t)i * 16 * gpr, o1 = o0 + (size_t)phases * 16 * gpr;
                 float a0 = 0.f, b0 = 0.f, a1 = 0.f, b1 = 0.f;
-                wait_tile(i);
-                wait_tile(i + phases);
                 quad_dot(s0, scales + o0, biases + o0, L0, X, a0, b0);
                 quad_dot(s1, scales + o1, biases + o1, L0, X, a1, b1);
                 if (i == phase) step_phase_after(6, __float_as_uint(b1));  // warp 0's first two tile products
@@ -615,7 +609,7 @@ __device__ __forceinline__ void gemv_resident_body(const GemvArgs& a) {
             const __nv_bfloat16* sc = scales + (size_t)i * 16 * gpr;
             const __nv_bfloat16* bi = biases + (size_t)i * 16 * gpr;
             float yA = 0.f, yB = 0.f;
-            wait_tile(i);
+            if (streamed) mbar_wait(&full[i], 0);  // each tile waited for as it is taken
             if (quads == 1) quad_dot(stage, sc, bi, L0, X, yA, yB);
             else {
 #pragma unroll 1
