@@ -3,7 +3,8 @@
 //                  K/V appended to the cache at the device-side position: bf16, or int8 rows
 //                  with a scale each (--kv-cache int8, store_int8_row). Grid Hq + Hkv.
 //   attn_decode  — split-KV (flash-decoding); the splits in use follow the device-side position:
-//                  128 up to 128K positions, then one per 1024 (up to 512). The grid is the
+//                  ~40 positions each (48 to 112) below 32K, 128 from there up to 128K, then one
+//                  per 1024 (up to 512; splits_in_use). The grid is the
 //                  resident blocks (2 per SM, fixed so the CUDA graph never changes), walking the
 //                  (KV head, split) items. An item is a contiguous range of positions of one KV
 //                  head for all of its (up to 8) query heads: the block's 4 warps take steps of 8
@@ -61,10 +62,22 @@
 #define D 256
 #define MIN_SPLITS 128
 #define POSITIONS_PER_SPLIT 1024
+// Below SHORT_CONTEXT positions, about SHORT_POSITIONS_PER_SPLIT positions a split, between
+// SHORT_MIN_SPLITS and SHORT_MAX_SPLITS of them: fewer items and less to merge where each is a
+// step or two of its warps. Swept on the H200 (a fixed count at every length, 32..128): the best
+// count grows with the context, 32-48 at 256 positions, 96 at 2K-4K, 112 at 16K, 128 at 32K
+// (bench/results/cuda-decode-attn-short-splits.json).
+#define SHORT_CONTEXT 32768
+#define SHORT_POSITIONS_PER_SPLIT 40
+#define SHORT_MIN_SPLITS 48
+#define SHORT_MAX_SPLITS 112
 
 // Splits in use for `len` visible positions (attn_decode_items and merge_splits agree).
 __device__ __forceinline__ int splits_in_use(int len, int max_splits) {
-    return min(max_splits, max(MIN_SPLITS, (len + POSITIONS_PER_SPLIT - 1) / POSITIONS_PER_SPLIT));
+    const int wanted = len < SHORT_CONTEXT
+                           ? min(SHORT_MAX_SPLITS, max(SHORT_MIN_SPLITS, (len + SHORT_POSITIONS_PER_SPLIT - 1) / SHORT_POSITIONS_PER_SPLIT))
+                           : max(MIN_SPLITS, (len + POSITIONS_PER_SPLIT - 1) / POSITIONS_PER_SPLIT);
+    return min(max_splits, wanted);
 }
 
 struct PrepArgs {

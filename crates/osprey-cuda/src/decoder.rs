@@ -264,8 +264,8 @@ pub const KERNELS_DIR_ENV: &str = "OSPREY_KERNELS_DIR";
 /// for the kernels that read something no kernel of the step writes before waiting on their
 /// predecessor: gemv_q_resident and gemv_q_ring (their weights), gdn_step (its layer's recurrent
 /// and conv state), attn_prep (its norm weights and the rotation of the position), gemv_q (the
-/// router launch: each warp's first row) and attn_decode (K/V rows of earlier steps), and
-/// moe_experts below EXPERTS_EARLY_BELOW (its shared down tiles); `pdl` for
+/// router launch: each warp's first row), attn_decode (K/V rows of earlier steps) and the
+/// experts launch (its route rows and shared down tiles; see `experts_early`); `pdl` for
 /// every kernel, `1` that with the GEMVs' L2 prefetches, `prefetch` the prefetches alone (at
 /// kernel start, under the prologue), `0` plain graph launches.
 /// Measured at 4K context: gemv_q_resident alone early 463 tok/s, none 448, every kernel 442
@@ -277,20 +277,6 @@ pub const KERNELS_DIR_ENV: &str = "OSPREY_KERNELS_DIR";
 /// gemv_q_stream, before gemv_q_resident, `pdl` was 1% faster than `0`
 /// (cuda-decode-overlap-pdl-072c82a.json).
 const OVERLAP_ENV: &str = "OSPREY_CUDA_OVERLAP";
-
-/// Positions below which `early` also launches moe_experts early, beside the router GEMV: it
-/// gains at short context and loses at 128K, so the step has two graphs and `step` replays the
-/// one for the position (either computes the same step). Measured on the H200 (one machine, the
-/// same binary each time): first 4K 629.8 -> 642.3 tok/s, 32K 573.5 -> 573.9, 64K 526.0 ->
-/// 513.0, 128K 450.7 -> 422.7 (bench/results/cuda-decode-experts-early.json); with the tagged
-/// slot meeting (commit f01a27e) 16K 624.3 -> 624.4, 32K 573.0 -> 585.4, 64K 526.2 -> 522.6,
-/// 128K 451.5 -> 427.2 (cuda-decode-experts-early-bound.json): the sides cross near 56K.
-const EXPERTS_EARLY_BELOW: usize = 48 * 1024;
-
-/// Which of the step's two graphs decodes at `pos`.
-fn graph_slot(pos: usize) -> usize {
-    usize::from(pos >= EXPERTS_EARLY_BELOW)
-}
 
 /// See `OVERLAP_ENV`.
 #[derive(Clone, Copy, Debug)]
@@ -596,11 +582,9 @@ pub struct CudaDecoder {
     final_norm: CudaSlice<f32>,
     layers: Vec<LayerWeights>,
     s: Scratch,
-    /// The captured step: [below EXPERTS_EARLY_BELOW, from it on].
-    graphs: [Option<CudaGraph>; 2],
-    /// The position the next step decodes at, mirrored on the host to choose its graph (only a
-    /// choice of speed: prefill and set_position set it, steps advance it).
-    host_pos: usize,
+    /// The captured step (on first use): its position is read on the device, so one graph
+    /// decodes at every position.
+    graph: Option<CudaGraph>,
     pub max_context: usize,
     /// How the attention layers keep K/V.
     kv: KvCache,
@@ -1109,8 +1093,7 @@ impl CudaDecoder {
             final_norm,
             layers,
             s,
-            graphs: [None, None],
-            host_pos: 0,
+            graph: None,
             max_context,
             kv,
             kv_expanded,
@@ -1836,7 +1819,6 @@ impl CudaDecoder {
             );
         }
         self.stream.memcpy_htod(&[pos as i32], &mut self.s.pos)?;
-        self.host_pos = pos;
         Ok(())
     }
 
@@ -1847,35 +1829,31 @@ impl CudaDecoder {
         Ok(())
     }
 
-    /// Runs one decode step by replaying the captured graph for its position (captured on first
-    /// use).
+    /// Runs one decode step by replaying the captured graph (captured on first use).
     pub fn step(&mut self) -> Result<()> {
-        self.capture_graph_for_position()?;
-        self.captured_graph()?.launch()?;
-        self.host_pos += 1;
+        self.capture_graph()?;
+        self.graph()?.launch()?;
         Ok(())
     }
 
-    /// Captures the step's graph for the current position if it is not yet.
-    fn capture_graph_for_position(&mut self) -> Result<()> {
-        let i = graph_slot(self.host_pos);
-        if self.graphs[i].is_none() {
-            self.graphs[i] = Some(self.capture_step(None)?);
+    /// Captures the step's graph if it is not yet.
+    fn capture_graph(&mut self) -> Result<()> {
+        if self.graph.is_none() {
+            self.graph = Some(self.capture_step(None)?);
         }
         Ok(())
     }
 
-    /// The step's graph for the current position, once `capture_graph_for_position` has run.
-    fn captured_graph(&self) -> Result<&CudaGraph> {
-        self.graphs[graph_slot(self.host_pos)]
+    /// The step's graph, once `capture_graph` has run.
+    fn graph(&self) -> Result<&CudaGraph> {
+        self.graph
             .as_ref()
             .ok_or_else(|| anyhow!("no decode graph"))
     }
 
-    /// How this position's step runs its MoE blocks: the one-launch form only in the graph that
-    /// launches the experts early (below EXPERTS_EARLY_BELOW); from there on, launched plain, its
-    /// route rows' copies and the launch itself are no longer hidden behind a predecessor, and
-    /// the router launch + moe_experts measured faster.
+    /// How the step runs its MoE blocks: the one-launch form only where the experts launch
+    /// early; launched plain, its route rows' copies and the launch itself are no longer hidden
+    /// behind a predecessor, and the router launch + moe_experts measured faster.
     fn moe_form_here(&self) -> MoeForm {
         match self.moe_form {
             MoeForm::Routed if !self.experts_early() => MoeForm::Router,
@@ -1883,9 +1861,16 @@ impl CudaDecoder {
         }
     }
 
-    /// Whether this position's step launches moe_experts early (see EXPERTS_EARLY_BELOW).
+    /// Whether the step launches its experts early, beside the out projection before them: at
+    /// every position. First measured (router launch + moe_experts) as a gain at short context and
+    /// a loss from ~56K (128K 451.5 -> 427.2 tok/s, cuda-decode-experts-early-bound.json), so
+    /// the step had a second graph from 48K positions with the experts launched plain; with the
+    /// step as it is now (routed experts, streamed input projections) the early graph is faster
+    /// there too: 64K 654.4 -> 691.0, 128K 543.4 -> 554.5, int8 cache 64K 707.6 -> 766.6, 128K
+    /// 631.2 -> 669.9, and from 16K the plain graph loses 7.6% at 32K
+    /// (bench/results/cuda-decode-session40-ablations.json).
     fn experts_early(&self) -> bool {
-        self.overlap.pdl || (self.overlap.early && graph_slot(self.host_pos) == 0)
+        self.overlap.pdl || self.overlap.early
     }
 
     /// Captures one decode step as a CUDA graph (`doubled`: see `issue_step`).
@@ -2033,11 +2018,7 @@ impl CudaDecoder {
     /// Times `steps` graph replays with CUDA events; returns seconds.
     pub fn time_steps(&mut self, steps: usize) -> Result<f64> {
         self.step()?;
-        // the replays start a position on: at 32K - 1 that is the other graph
-        self.capture_graph_for_position()?;
-        let secs = self.time_replays(self.captured_graph()?, steps)?;
-        self.host_pos += steps + 1;
-        Ok(secs)
+        self.time_replays(self.graph()?, steps)
     }
 
     /// Seconds for `steps` replays of `graph` (after one untimed replay).
@@ -2086,7 +2067,7 @@ impl CudaDecoder {
     /// KERNELS_DIR_ENV, built by tools/timeline_kernels.py) and returns every block's marks.
     pub fn record_timeline(&mut self) -> Result<Vec<Mark>> {
         use crate::timeline::{RawRecord, COUNTS_SYMBOL, PER_SM, RECORDS_SYMBOL, SMS};
-        self.capture_graph_for_position()?;
+        self.capture_graph()?;
         // the instrumented modules, with their per-SM mark counters
         let mut probed: Vec<_> = self
             .modules
@@ -2102,8 +2083,7 @@ impl CudaDecoder {
         for (_, _, counts) in &mut probed {
             self.stream.memset_zeros(counts)?;
         }
-        self.captured_graph()?.launch()?;
-        self.host_pos += 1;
+        self.graph()?.launch()?;
         self.synchronize()?;
         let mut marks = Vec::new();
         for (name, m, counts) in &probed {
@@ -2317,17 +2297,6 @@ mod tests {
         // more rows than warps on the GPU: one block per SM, the warps loop
         assert_eq!(k2048_row_launch(5000, 132).0, 132);
         assert_eq!(k2048_row_launch(1, 132).0, 1);
-    }
-
-    #[test]
-    fn the_step_graph_switches_at_the_experts_early_bound() {
-        // the prompt's first steps and 4K-32K contexts: moe_experts early; 48K on: plain
-        assert_eq!(graph_slot(0), 0);
-        assert_eq!(graph_slot(32 * 1024), 0);
-        assert_eq!(graph_slot(48 * 1024 - 1), 0);
-        assert_eq!(graph_slot(48 * 1024), 1);
-        assert_eq!(graph_slot(64 * 1024), 1);
-        assert_eq!(graph_slot(128 * 1024), 1);
     }
 
     #[test]
