@@ -782,6 +782,8 @@ extern "C" __global__ void __launch_bounds__((RING_CONSUMERS + 1) * 32, 1) gemv_
 // The thread's 8 values of the head-norm weight, loaded before the wait (no kernel writes it; after
 // it, a DRAM miss beside x's and z's L2 reads: 4K 891.6 -> 895.6 tok/s, 32K 781.3 -> 784.8, 128K
 // 543.0 -> 544.4, bench/results/cuda-decode-session39-ablations.json).
+// (slot_first_element's formula written out here and in gated_half_input: calling the helper gave
+// gemv_q_pair 8 more instructions and the step -0.15% at 4K, session 40)
 __device__ __forceinline__ void load_half_head_weight(const float* hw, int K, int head_dim, float4& h0, float4& h1) {
     const int idx = threadIdx.x, G = idx >> 3, T = (idx >> 2) & 1, q = idx & 3;
     const int e0 = idx < K / 8 ? G * 64 + 8 * (2 * q + T) : 0, he = e0 % head_dim;
