@@ -1,10 +1,10 @@
 //! The batch-1 decode step on the GPU. Per Gated DeltaNet layer: 3 kernels for the mixer (fused
 //! input projections with the RMSNorm prologue, the fused recurrent step, out_proj with the
-//! residual add) and 1 for the MoE below 48K positions (moe_routed_experts: the router's and the
-//! shared expert's rows, selection, gate/up/SwiGLU and, once a slot's blocks have met, each
-//! block's rows of its expert's down projection added into the residual), 2 from there (the
-//! router and shared-expert projections, then the rest as moe_experts; `OSPREY_DECODE_MOE=router`
-//! runs that form at every position, `=pair` also splits the last into gate/up and down).
+//! residual add) and 1 for the MoE (moe_routed_experts: the router's and the shared expert's
+//! rows, selection, gate/up/SwiGLU and, once a slot's blocks have met, each block's rows of its
+//! expert's down projection added into the residual; `OSPREY_DECODE_MOE=router` runs the router
+//! and shared-expert projections as a launch of their own, then the rest as moe_experts, `=pair`
+//! also splits the last into gate/up and down).
 //! Attention layers use 5 for the mixer. The step ends with the lm_head GEMV, whose last block
 //! writes the greedy choice into the input slot and advances the position, so replaying the
 //! captured graph generates with no host round trip.
