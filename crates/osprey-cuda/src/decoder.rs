@@ -50,11 +50,12 @@ fn x_bytes_smem(k: usize) -> usize {
     (k / 64) * (8 * 16 + 8) + 32 * 4
 }
 
-/// gemv_q_resident's block: 16 warps, two per K-slice (gemv.cu RES_KSLICES), each taking every
-/// other tile of the block's run (measured at 4K: 627.0 -> 629.1 tok/s against 8 warps, three
-/// round sets on one H200 each, bench/results/cuda-decode-session14-ablations.json).
+/// gemv_q_resident's block where the experts do not launch early (`OSPREY_CUDA_OVERLAP=0` or
+/// `prefetch`): 16 warps, two per K-slice (gemv.cu RES_KSLICES), each taking every other tile of
+/// the block's run (measured at 4K: 627.0 -> 629.1 tok/s against 8 warps, three round sets on one
+/// H200 each, bench/results/cuda-decode-session14-ablations.json).
 const RESIDENT_THREADS: u32 = 512;
-/// gemv_q_resident's block in the graph that launches moe_experts early: 8 warps. Its launches
+/// gemv_q_resident's block where the experts launch early (the default step): 8 warps. Its launches
 /// (the next layer's input projections) are early too; an SM's 64K registers decide when they
 /// land. Generic kernels: 512 threads x 94 registers only once both moe_experts blocks (256 x 95
 /// then) had left, 256 threads once one had, so their tile copies went out sooner (4K 667.0 ->
