@@ -1021,6 +1021,29 @@ impl CudaDecoder {
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             pair_launch_smem(smem_optin) as i32,
         )?;
+        // the step's other kernels prefer all-shared memory too (the resident GEMVs already did):
+        // an SM takes its configuration from the blocks it runs, and the next launch's blocks,
+        // landing early beside a predecessor's, fit only in what that left configured. A/B on one
+        // H200, three rounds: 1K 912.0 -> 915.2 tok/s, 4K 901.8 -> 903.4, 32K 786.5 -> 787.4, 128K
+        // 554.4 -> 555.2 (bench/results/cuda-decode-session41-ablations.json, "carve")
+        for func in [
+            &f.experts,
+            &f.routed_experts,
+            &f.gemv_pair,
+            &f.gdn,
+            &f.prep,
+            &f.attn,
+            &f.embed,
+            &f.sample,
+            &f.sample_prepass,
+            &f.gemv_ring,
+            &f.gemv_ring_k2048,
+        ] {
+            func.set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                100,
+            )?;
+        }
         let kv_expanded = match kv {
             KvCache::Bf16 => None,
             KvCache::Int8 => {
