@@ -993,12 +993,6 @@ impl CudaDecoder {
                 sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 smem_optin as i32,
             )?;
-            // all of the unified memory as shared memory: a resident block takes over half of it
-            // and its neighbours' blocks must fit beside it
-            resident.set_attribute(
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                100,
-            )?;
         }
         for ring in [&f.gemv_ring, &f.gemv_ring_k2048] {
             ring.set_attribute(
@@ -1021,12 +1015,15 @@ impl CudaDecoder {
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             pair_launch_smem(smem_optin) as i32,
         )?;
-        // the step's other kernels prefer all-shared memory too (the resident GEMVs already did):
-        // an SM takes its configuration from the blocks it runs, and the next launch's blocks,
-        // landing early beside a predecessor's, fit only in what that left configured. A/B on one
-        // H200, three rounds: 1K 912.0 -> 915.2 tok/s, 4K 901.8 -> 903.4, 32K 786.5 -> 787.4, 128K
-        // 554.4 -> 555.2 (bench/results/cuda-decode-session41-ablations.json, "carve")
+        // the step's kernels prefer all of the unified memory as shared memory: a resident block
+        // takes over half of it, and an SM takes its configuration from the blocks it runs, so the
+        // next launch's blocks, landing early beside a predecessor's, fit only in what that left
+        // configured. The resident GEMVs alone before: A/B on one H200, three rounds, 1K 912.0 ->
+        // 915.2 tok/s, 4K 901.8 -> 903.4, 32K 786.5 -> 787.4, 128K 554.4 -> 555.2
+        // (bench/results/cuda-decode-session41-ablations.json, "carve")
         for func in [
+            &f.gemv_resident,
+            &f.gemv_resident_k2048,
             &f.experts,
             &f.routed_experts,
             &f.gemv_pair,
