@@ -30,7 +30,9 @@
 // 138,960 with a ring of 10, all with 12; 90% without streaming ahead), so the multiply is the
 // SM's own work, ~1,000 cycles a 16 x 2048 tile and warp at 8 warps an SM (16 KB a microsecond
 // an SM: as fast as DRAM fills the GPU, but only from the moment x is in); the two k-tiles of
-// a step in separate accumulators instead of one chain of two mma (SPLITACC) cut it 2%.
+// a step in separate accumulators instead of one chain of two mma (SPLITACC) cut it 2%, and 16
+// multiplying warps instead of 8 (WARPS_C) 13% while x's prologue grew 1,880 -> 2,900 cycles
+// (13.2 us a layer against 11.1).
 #include "../../crates/osprey-cuda/kernels/gemv.cu"
 #include "harness.cuh"
 
@@ -51,7 +53,11 @@
 #define GPR_ (K_ / 64)
 #define A_ROWS 12352
 #define B_ROWS 4096
-#define CONSUMERS 256
+// WARPS_C: multiplying warps (8, or 16: two a K-slice, taking alternate tiles)
+#ifndef WARPS_C
+#define WARPS_C 8
+#endif
+#define CONSUMERS (32 * WARPS_C)
 #define MAX_PHASE_TILES 8
 
 struct Layer {
@@ -133,7 +139,7 @@ extern "C" __global__ void __launch_bounds__(CONSUMERS + 32, 1) resident_chain(c
         mbar_init_fence();
     }
     __syncthreads();
-    if (warp == 8) {
+    if (warp == WARPS_C) {
         // the producer: every tile of this block, layer by layer, phase by phase
         if (lane == 0) {
             int seq = 0;
@@ -159,7 +165,8 @@ extern "C" __global__ void __launch_bounds__(CONSUMERS + 32, 1) resident_chain(c
         return;
     }
     int seq = 0;
-    const int g0 = warp * GPR_ / 8;
+    const int kslice = warp % 8;
+    const int g0 = kslice * GPR_ / 8;
     const QuadLane L0 = quad_lane(K_, g0);
     for (int l = 0; l < LAYERS; ++l)
         for (int p = 0; p < 2; ++p) {
@@ -179,8 +186,9 @@ extern "C" __global__ void __launch_bounds__(CONSUMERS + 32, 1) resident_chain(c
             const float* in = p ? c.l[l].ya : c.l[l].x;
             // thread t: the 8 elements of fragment slot t, RMS-normalised (norm weight all ones)
             float v[2][8];
-            const int e0 = slot_first_element(threadIdx.x);
-            const float4 x0 = __ldcg(reinterpret_cast<const float4*>(in + e0)), x1 = __ldcg(reinterpret_cast<const float4*>(in + e0 + 4));
+            const int e0 = slot_first_element(threadIdx.x & 255);
+            float4 x0 = __ldcg(reinterpret_cast<const float4*>(in + e0)), x1 = __ldcg(reinterpret_cast<const float4*>(in + e0 + 4));
+            if (threadIdx.x >= 256) x0 = x1 = make_float4(0.f, 0.f, 0.f, 0.f);
             v[0][0] = x0.x; v[0][1] = x0.y; v[0][2] = x0.z; v[0][3] = x0.w;
             v[0][4] = x1.x; v[0][5] = x1.y; v[0][6] = x1.z; v[0][7] = x1.w;
             float ss = 0.f;
@@ -190,7 +198,7 @@ extern "C" __global__ void __launch_bounds__(CONSUMERS + 32, 1) resident_chain(c
                 v[1][j] = 0.f;
             }
             ss = warp_sum(ss);
-            if (lane == 0) red[warp] = ss;
+            if (lane == 0 && warp < 8) red[warp] = ss;
             consumers_sync();
             float total = 0.f;
 #pragma unroll
@@ -206,6 +214,20 @@ extern "C" __global__ void __launch_bounds__(CONSUMERS + 32, 1) resident_chain(c
             const int T = tiles_of[p], rows_total = p ? B_ROWS : A_ROWS;
             const int t0 = (int)((long long)blockIdx.x * T / gridDim.x), t1 = (int)((long long)(blockIdx.x + 1) * T / gridDim.x);
             int t = t0;
+#if WARPS_C > 8
+            // two warps a K-slice: warp w takes tiles t0 + w / 8, t0 + w / 8 + 2, ...
+            for (t = t0 + warp / 8; t < t1; t += 2) {
+                const int sq = seq + (t - t0), slot = sq % RING;
+                mbar_wait(&full[slot], (sq / RING) & 1);
+                float yA = 0.f, yB = 0.f;
+                quad_dot(codes + (size_t)slot * 16 * (K_ / 2), scales + slot * 16 * GPR_, biases + slot * 16 * GPR_, L0, X, yA, yB);
+                store_quad_sums(part + ((t - t0) * 8 + kslice) * 16, yA, yB);
+                __syncwarp();
+                if (lane == 0) mbar_arrive(&empty[slot]);
+            }
+            seq += t1 - t0;
+            t = t1;
+#endif
 #if PAIRS
             // two tiles a round: their products' chains interleave
             for (; t + 1 < t1; t += 2, seq += 2) {
