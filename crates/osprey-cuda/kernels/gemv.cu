@@ -521,15 +521,23 @@ __device__ __forceinline__ void gemv_resident_body(const GemvArgs& a) {
         mbar_arrive_expect_bytes(&full[i], q4_rows_bytes(rows, K));
         copy_q4_rows(codes, scales, biases, i, s.codes, s.scales, s.biases, local * 16, rows, K, &full[i]);
     };
+    // K 2048 with 8 K-slices: warp w's 32 slots of x are exactly the groups of its quad, so each
+    // warp takes in its own quad of x and starts multiplying without waiting for the others (with
+    // gemv_q_pair's barrier after x dropped the same way: 4K 899.6 -> 915.9 tok/s, 32K 787.1 ->
+    // 799.7; bench/results/cuda-decode-warp-x.json)
+    constexpr bool WARP_X = KC == 2048 && 2048 / 64 / (4 * RES_KSLICES) == 1;
     step_overlap_begin();
-    if (threadIdx.x == 0 && streamed) {
-        for (int i = 0; i < n; ++i) mbar_init(&full[i], 1);
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < (streamed ? n : 1); ++i) mbar_init(&full[i], 1);
         mbar_init_fence();
+    }
+    // (with no block barrier after x, the barriers' initialisation is published here, before
+    // the wait, ahead of the copies)
+    if constexpr (WARP_X) __syncthreads();
+    if (threadIdx.x == 0 && streamed) {
         for (int i = 0; i < min(RES_RING_DEPTH, n); ++i) ask_tile(i);
         step_phase(2);  // copies asked for
     } else if (threadIdx.x == 0) {
-        mbar_init(full, 1);
-        mbar_init_fence();
         // runs of consecutive tiles inside one segment: one copy each of codes, scales, biases
         uint32_t bytes = 0;
         for (int t = t0; t < t1;) {
@@ -556,9 +564,22 @@ __device__ __forceinline__ void gemv_resident_body(const GemvArgs& a) {
     float nw[2][8];
     if (a.norm_weight) load_norm_slots(a.norm_weight, K, nw);
     step_inputs_ready();
-    resident_input(XInput{a.x, a.norm_weight, a.gate_z, a.head_norm, a.eps, K, a.head_dim}, xb8, gx, scratch, nw);
-    __syncthreads();  // also publishes the barriers' initialisation
-    step_phase(3);    // x in
+    const XInput in{a.x, a.norm_weight, a.gate_z, a.head_norm, a.eps, K, a.head_dim};
+    if constexpr (WARP_X) {
+        // the full-width RMSNorm's 1/rms applied to the sums at the end (resident_values<true>):
+        // each warp leaves its sum of squares in scratch
+        float v[2][8];
+        const float ss = warp_sum(resident_values<true>(in, v, scratch, nw));
+        write_slots(v, K, xb8, gx);
+        if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = ss;
+        __syncwarp();
+        // 16 warps (the graph without early experts): warp w + 8 multiplies the quad warp w wrote
+        if (blockDim.x >= 512) __syncthreads();
+    } else {
+        resident_input(in, xb8, gx, scratch, nw);
+        __syncthreads();  // also publishes the barriers' initialisation
+    }
+    step_phase(3);  // x in (WARP_X: warp 0's)
     if (has_streamer && (int)threadIdx.x >= (int)blockDim.x - 32) {
         // the streaming warp: the rest of the run, each tile once the one RES_RING_DEPTH before it
         // has landed; then only the final barrier
@@ -624,6 +645,13 @@ __device__ __forceinline__ void gemv_resident_body(const GemvArgs& a) {
     }
     __syncthreads();
     step_phase(5);  // multiplied
+    float inv_rms = 1.f;
+    if (WARP_X && a.norm_weight) {
+        float ss = 0.f;
+#pragma unroll
+        for (int w = 0; w < RES_KSLICES; ++w) ss += scratch[w];
+        inv_rms = rsqrtf(ss / K + a.eps);
+    }
     for (int o = threadIdx.x; o < n * 16; o += blockDim.x) {
         const int i = o >> 4, r = o & 15;
         int local;
@@ -634,7 +662,7 @@ __device__ __forceinline__ void gemv_resident_body(const GemvArgs& a) {
             float y = 0.f;
 #pragma unroll
             for (int w = 0; w < RES_KSLICES; ++w) y += reinterpret_cast<const float*>(stage + (w * gpr / RES_KSLICES) * 32)[r];
-            write_row(s, row, y);
+            write_row(s, row, y * inv_rms);
         }
     }
 }
@@ -839,6 +867,11 @@ extern "C" __global__ void __maxnreg__(48) gemv_q_pair(GemvArgs a) {
     if (threadIdx.x == 0) {
         mbar_init(full, 1);
         mbar_init_fence();
+    }
+    // the barrier's initialisation published before the wait: warp w's 32 slots of x are the
+    // groups of the quad it multiplies, so no block barrier follows x's prologue
+    __syncthreads();
+    if (threadIdx.x == 0) {
         mbar_arrive_expect_bytes(full, q4_rows_bytes(rows, K));
         copy_q4_rows(codes, scales, biases, 0, s.codes, s.scales, s.biases, r0, rows, K, full);
     }
@@ -847,8 +880,8 @@ extern "C" __global__ void __maxnreg__(48) gemv_q_pair(GemvArgs a) {
     step_inputs_ready();
     if (a.head_norm) gated_half_input(a.x + rank * Kh, a.gate_z + rank * Kh, h0, h1, a.eps, Kh, a.head_dim, xb8, gx);
     else resident_input(XInput{a.x + rank * Kh, nullptr, nullptr, nullptr, a.eps, Kh, 0}, xb8, gx, scratch);
-    __syncthreads();  // also publishes the barrier's initialisation
-    step_phase(2);    // x in
+    __syncwarp();
+    step_phase(2);  // x in (warp 0's)
     const int warp = threadIdx.x >> 5, quads = half_g / 4;
     float yA = 0.f, yB = 0.f;
     mbar_wait(full, 0);

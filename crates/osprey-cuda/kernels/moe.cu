@@ -531,7 +531,12 @@ __device__ __forceinline__ void moe_experts_body(const ExpertsArgs& a) {
         // the slot's meeting below reads x's new values only after every block's first row is in
         // (the selection waits for rows 0 .. max(E, grid) - 1), so no block adds into x before
         // all have read it
-        resident_values(XInput{a.x, a.norm_weight, nullptr, nullptr, a.eps, H, 0}, v, scratch, nw);
+        // x taken in without its 1/rms (resident_values<true>): the sums of squares go with the
+        // first row's partial products, so one block barrier finds both, and the logits, linear
+        // in x, are scaled after (4K 899.6 -> 901.5 tok/s, 32K 787.1 -> 790.1; with the GEMVs'
+        // warp-local x, 915.9 -> 922.1: bench/results/cuda-decode-warp-x.json)
+        __shared__ float wss[8];
+        const float ss = warp_sum(resident_values<true>(XInput{a.x, a.norm_weight, nullptr, nullptr, a.eps, H, 0}, v, scratch, nw));
         float vs[2] = {0.f, 0.f};
 #pragma unroll
         for (int r = 0; r < 2; ++r)
@@ -545,12 +550,25 @@ __device__ __forceinline__ void moe_experts_body(const ExpertsArgs& a) {
         // 801.3 tok/s, 32K 662.3 -> 695.1 (bench/results/cuda-decode-route-first-row.json)
         {
             const float p0 = warp_sum(route_dot(codes, scales, biases, wide & 1u, v, vs, H));
-            if (lane == 0) wpart[warp][0] = p0;
+            if (lane == 0) {
+                wpart[warp][0] = p0;
+                wss[warp] = ss;
+            }
             __syncthreads();
+            float sq = 0.f;
+#pragma unroll
+            for (int w = 0; w < 8; ++w) sq += wss[w];
+            const float inv = rsqrtf(sq / H + a.eps);
             if (threadIdx.x == 0) {
                 float y = 0.f;
                 for (int w = 0; w < 8; ++w) y += wpart[w][0];
-                store_tagged(a.routed + blockIdx.x, y, rtag);
+                store_tagged(a.routed + blockIdx.x, y * inv, rtag);
+            }
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                vs[r] *= inv;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) v[r][j] *= inv;
             }
         }
         // the other rows' products, then all their warp sums: independent chains side by side

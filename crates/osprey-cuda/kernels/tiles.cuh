@@ -334,8 +334,13 @@ __device__ __forceinline__ void load_norm_slots(const float* w, int K, float (&n
 
 // The values of the thread's slots (threadIdx.x and threadIdx.x + blockDim.x), normalised as `a`
 // says (with the norm weight's values from nw where given: load_norm_slots); zero past K/8 slots.
-__device__ __forceinline__ void resident_values(const XInput& a, float (&v)[2][8], float* scratch,
-                                                const float (*nw)[8] = nullptr) {
+// DEFER_RMS: the full-width RMSNorm's 1/rms is left out (no block-wide sum, so no block barrier)
+// and the thread's sum of squares returned instead: the products are linear in x, so a kernel
+// may scale its sums by 1/rms at the end, and x's bytes (relative to each group's largest
+// element) come out the same. Otherwise it returns 0.
+template <bool DEFER_RMS = false>
+__device__ __forceinline__ float resident_values(const XInput& a, float (&v)[2][8], float* scratch,
+                                                 const float (*nw)[8] = nullptr) {
     const int K = a.K, items = K / 8;
     float ss[2] = {0.f, 0.f};
 #pragma unroll
@@ -368,7 +373,9 @@ __device__ __forceinline__ void resident_values(const XInput& a, float (&v)[2][8
             for (int j = 0; j < 8; ++j) v[r][j] = 0.f;
         }
     }
-    if (a.norm_weight) {
+    if (a.norm_weight && DEFER_RMS) {
+        return ss[0] + ss[1];
+    } else if (a.norm_weight) {
         const float inv = rsqrtf(block_sum(ss[0] + ss[1], scratch) / K + a.eps);
 #pragma unroll
         for (int r = 0; r < 2; ++r)
@@ -384,6 +391,7 @@ __device__ __forceinline__ void resident_values(const XInput& a, float (&v)[2][8
             for (int j = 0; j < 8; ++j) v[r][j] *= inv;
         }
     }
+    return 0.f;
 }
 
 // The thread's slots of x's two-signed-byte form from their values.
