@@ -462,9 +462,9 @@ template <bool ROUTE, int HC, int IC, int KC, int EC>
 __device__ __forceinline__ void moe_experts_body(const ExpertsArgs& a) {
     extern __shared__ __align__(128) char experts_dynamic_smem[];
     char* smem = experts_dynamic_smem;
-    __shared__ __align__(16) float hall[EXPERTS_MAX_I + EXPERTS_MAX_I / 8], sall[EXPERTS_MAX_I + EXPERTS_MAX_I / 8];
-    __shared__ uint4 hx8[EXPERTS_MAX_I / 64 * 8], sx8[EXPERTS_MAX_I / 64 * 8];
-    __shared__ float2 hg[EXPERTS_MAX_I / 64], sg[EXPERTS_MAX_I / 64];
+    __shared__ __align__(16) float sall[EXPERTS_MAX_I + EXPERTS_MAX_I / 8];
+    __shared__ uint4 sx8[EXPERTS_MAX_I / 64 * 8];
+    __shared__ float2 sg[EXPERTS_MAX_I / 64];
     __shared__ float wpart[8][16], spart[8][16];
     __shared__ uint64_t up_full;  // moe_routed_experts: the up tile's barrier
     const int H = HC ? HC : a.H, I = IC ? IC : a.I, k = KC ? KC : a.k, gpr = H / 64, quads = gpr / 4, units = 2 * quads;
@@ -726,36 +726,53 @@ __device__ __forceinline__ void moe_experts_body(const ExpertsArgs& a) {
     if (routed_warp)
         tile_load(QRows{a.down.codes + e0 * (I / 8), a.down.scales + e0 * gps, a.down.biases + e0 * gps, H}, I,
                   r0 + my_tile * 16, g0, g0 + gpw, tb);
-    // the slot's whole h, from its fblocks blocks
-    __syncthreads();
-    step_phase(5);  // this block's h written
-    {
-        // the thread's I/256 values (256 threads), all requested at once and again until each
-        // carries this launch's tag (from L2: other blocks wrote them)
-        // (a slot whose blocks cannot all be resident, the host checks occupancy but another
-        // client may hold SMs, would never meet: the wait traps after ~1 s of L2 round trips, an
-        // error the host reports, instead of hanging the GPU)
-        const unsigned long long* hs = reinterpret_cast<const unsigned long long*>(a.h) + slot * I;
-        float hv[EXPERTS_MAX_I / 256];
-        await_tagged([&](int j) { return (int)threadIdx.x + 256 * j < I ? hs + threadIdx.x + 256 * j : nullptr; }, tag, hv);
-#pragma unroll
-        for (int j = 0; j < EXPERTS_MAX_I / 256; ++j)
-            if (threadIdx.x + 256 * j < I) hall[pad_idx(threadIdx.x + 256 * j)] = hv[j];
-    }
-    __syncthreads();
-    step_phase(6);  // the slot met
-    // the slot's tag for the next launch: every block of the slot read the old one before it
-    // wrote its h, so none can still need it once one has met, and the first block advances it
-    // with a plain store. (The last block to leave advanced it after an atomic count: thread 0
-    // waited out that round trip before building h's bytes with its warp, and the block with it:
-    // down rows multiplied 9.73 -> 9.47 us after the release, 4K 774.5 -> 777.0 tok/s, 128K
-    // +0.3%; bench/results/cuda-decode-experts-tag-store.json)
-    if (threadIdx.x == 0 && fi == 0) a.meet[slot] = (int)tag;
-    build_x_s8(hall, I, hx8, hg);
-    __syncthreads();
+    step_phase(5);  // this block's h written (thread 0's part)
+    // The slot's meeting, without a block barrier: the down groups g0 .. g0 + gpw (a "part" of h,
+    // at most TILE_BATCH groups: 32 slots) are the same for the warps of every down tile, so one
+    // warp per part (the first tile's) polls the part's values until each carries this launch's
+    // tag (from L2: the slot's other blocks wrote them), coalesced (lane l takes elements l, l +
+    // 32, ...; then its slot's 8 consecutive values from shared memory), writes their fragments'
+    // form into the gate/up tiles' space (every warp is past those: the barrier before h's sums),
+    // and the part's other warps wait for it at a named barrier. Against polling all of h with
+    // every thread, two block barriers and a 2-warp build of the bytes: 4K 924.4 -> 928.0 tok/s,
+    // 32K 801.3 -> 806.0. Every warp polling its own part lost 2.2% (four times the L2 polls, and
+    // uncoalesced 20%: the polls' loads slow the SM's other blocks' multiplies);
+    // bench/results/cuda-decode-moe-h-parts.json. (A slot whose blocks cannot all be resident,
+    // the host checks occupancy but another client may hold SMs, would never meet: the wait traps
+    // after ~1 s of L2 round trips, an error the host reports, instead of hanging the GPU.)
     if (routed_warp) {
+        const int part_of_h = warp % wpt;
+        const bool poller = my_tile == 0;
+        uint4* hxw = reinterpret_cast<uint4*>(codes) + part_of_h * (TILE_BATCH * 8);
+        float2* hgw = reinterpret_cast<float2*>(reinterpret_cast<uint4*>(codes) + 8 * TILE_BATCH * 8) + part_of_h * TILE_BATCH;
+        float* hst = reinterpret_cast<float*>(codes + 8 * TILE_BATCH * 8 * 16 + 8 * TILE_BATCH * 8) + part_of_h * (TILE_BATCH * 64);
+        if (poller) {
+            const unsigned long long* hs = reinterpret_cast<const unsigned long long*>(a.h) + slot * I + g0 * 64;
+            float hv[TILE_BATCH * 2];
+            await_tagged([&](int j) { return lane + 32 * j < gpw * 64 ? hs + lane + 32 * j : nullptr; }, tag, hv);
+#pragma unroll
+            for (int j = 0; j < TILE_BATCH * 2; ++j)
+                if (lane + 32 * j < gpw * 64) hst[lane + 32 * j] = hv[j];
+            __syncwarp();
+            const int ls = lane;
+            const bool on = ls < gpw * 8;
+            const int e = on ? slot_first_element(g0 * 8 + ls) - g0 * 64 : 0;
+            const float4 v0 = *reinterpret_cast<const float4*>(hst + e), v1 = *reinterpret_cast<const float4*>(hst + e + 4);
+            float v[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+#pragma unroll
+            for (int j = 0; j < 8; ++j) v[j] = on ? v[j] : 0.f;
+            write_slot(v, ls, on, hxw, hgw);
+        }
+        // (named barriers 1-4, one a part: wpt <= gps / 2 <= 4)
+        switch (part_of_h) {
+            case 0: asm volatile("bar.sync 1, %0;" ::"r"(32 * tiles) : "memory"); break;
+            case 1: asm volatile("bar.sync 2, %0;" ::"r"(32 * tiles) : "memory"); break;
+            case 2: asm volatile("bar.sync 3, %0;" ::"r"(32 * tiles) : "memory"); break;
+            default: asm volatile("bar.sync 4, %0;" ::"r"(32 * tiles) : "memory"); break;
+        }
+        if (warp == 0) step_phase(6);  // warp 0's part of the slot met
         float yA = 0.f, yB = 0.f;
-        tile_compute_s8(tb, g0, g0 + gpw, hx8 + (lane & 3), hg, yA, yB);
+        tile_compute_s8(tb, g0, g0 + gpw, hxw + (lane & 3), hgw, yA, yB, g0);
         if ((lane & 3) == 0) {
             wpart[warp][lane >> 2] = yA;
             wpart[warp][(lane >> 2) + 8] = yB;
@@ -763,6 +780,13 @@ __device__ __forceinline__ void moe_experts_body(const ExpertsArgs& a) {
     }
     __syncthreads();
     step_phase(7);  // down rows multiplied
+    // the slot's tag for the next launch: every block of the slot read the old one before it
+    // wrote its h, and this block's warps together have seen all of h with the new one, so the
+    // first block advances it with a plain store. (The last block to leave advanced it after an
+    // atomic count: thread 0 waited out that round trip before building h's bytes with its warp,
+    // and the block with it: down rows multiplied 9.73 -> 9.47 us after the release, 4K 774.5 ->
+    // 777.0 tok/s, 128K +0.3%; bench/results/cuda-decode-experts-tag-store.json)
+    if (threadIdx.x == 0 && fi == 0) a.meet[slot] = (int)tag;
     // 4 rows per thread into the residual: the routed rows, then the shared tile's
     if ((int)threadIdx.x < rpb / 4) {
         const int r = 4 * threadIdx.x, t = r / 16;

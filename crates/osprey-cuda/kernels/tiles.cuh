@@ -131,9 +131,10 @@ __device__ __forceinline__ void build_x_s8(const float* xs, int K, uint4* xb8, f
 }
 
 // Adds groups [Gb, min(Gb + TILE_BATCH, g1)) to the dot products of rows g (yA) and g + 8 (yB);
-// every lane holds them (x sits in all 8 columns of B, so no lane masks it).
+// every lane holds them (x sits in all 8 columns of B, so no lane masks it). xq and gx hold x's
+// groups from xg0 on.
 __device__ __forceinline__ void tile_compute_s8(const TileBatch& b, int Gb, int g1, const uint4* xq, const float2* gx, float& yA,
-                                                float& yB) {
+                                                float& yB, int xg0 = 0) {
     const int g = (threadIdx.x & 31) >> 2;
 #pragma unroll
     for (int j = 0; j < TILE_BATCH; ++j) {
@@ -148,11 +149,11 @@ __device__ __forceinline__ void tile_compute_s8(const TileBatch& b, int Gb, int 
             const uint32_t wA = T ? b.wa[j].y : b.wa[j].x, wB = T ? b.wb[j].y : b.wb[j].x;
             const uint32_t a0 = wA & 0x0F0F0F0Fu, a2 = (wA >> 4) & 0x0F0F0F0Fu;
             const uint32_t a1 = wB & 0x0F0F0F0Fu, a3 = (wB >> 4) & 0x0F0F0F0Fu;
-            const uint4 xf = xq[(2 * G + T) * 4];
+            const uint4 xf = xq[(2 * (G - xg0) + T) * 4];
             mma_s8(dh, a0, a1, a2, a3, xf.x, xf.y);
             mma_s8(dl, a0, a1, a2, a3, xf.z, xf.w);
         }
-        const float2 gs = gx[G];
+        const float2 gs = gx[G - xg0];
         const float dA = gs.x * fmaf((float)dl[0], 1.f / 254.f, (float)dh[0]);
         const float dB = gs.x * fmaf((float)dl[2], 1.f / 254.f, (float)dh[2]);
         const float sA = (j & 1) ? __high2float(sA2) : __low2float(sA2);
