@@ -135,10 +135,10 @@ def decode_profile():
 
 
 # The experts kernels' marks (moe.cu moe_experts_body: moe_experts and moe_routed_experts).
-EXPERTS_PHASES = {8: "selected", 2: "gate/up asked", 3: "x in", 4: "gate/up in", 5: "h written", 6: "slot met", 7: "down multiplied"}
+EXPERTS_PHASES = {8: "selected", 2: "gate/up asked", 3: "x in", 4: "gate/up in", 5: "h written", 6: "warp 0's part of h met", 7: "down multiplied"}
 # gemv.cu gemv_q_resident (the input projections) and gemv_q_pair (the output projections)
-RESIDENT_PHASES = {2: "copies asked", 3: "x in", 4: "tiles in", 6: "warp 0's first two tile products", 5: "multiplied"}
-PAIR_PHASES = {2: "x in", 3: "tile in", 5: "warp 0's x fragments", 6: "warp 0's quad product", 4: "multiplied"}
+RESIDENT_PHASES = {2: "copies asked", 3: "warp 0's x in", 4: "tiles in", 6: "warp 0's first two tile products", 5: "multiplied"}
+PAIR_PHASES = {2: "warp 0's x in", 3: "tile in", 5: "warp 0's x fragments", 6: "warp 0's quad product", 4: "multiplied"}
 
 # What each phase mark means (step_phase calls in crates/osprey-cuda/kernels), per family.
 PHASES = {
