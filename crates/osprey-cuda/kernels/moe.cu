@@ -732,8 +732,9 @@ __device__ __forceinline__ void moe_experts_body(const ExpertsArgs& a) {
     // warp per part (the first tile's) polls the part's values until each carries this launch's
     // tag (from L2: the slot's other blocks wrote them), coalesced (lane l takes elements l, l +
     // 32, ...; then its slot's 8 consecutive values from shared memory), writes their fragments'
-    // form into the gate/up tiles' space (every warp is past those: the barrier before h's sums),
-    // and the part's other warps wait for it at a named barrier. Against polling all of h with
+    // form into the gate/up tiles' space (every warp is past those: the barrier before h's sums;
+    // decoder.rs experts_fit admits only shapes whose staging fits the gate tile's codes), and
+    // the part's other warps wait for it at a named barrier. Against polling all of h with
     // every thread, two block barriers and a 2-warp build of the bytes: 4K 924.4 -> 928.0 tok/s,
     // 32K 801.3 -> 806.0. Every warp polling its own part lost 2.2% (four times the L2 polls, and
     // uncoalesced 20%: the polls' loads slow the SM's other blocks' multiplies);

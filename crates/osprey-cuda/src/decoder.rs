@@ -188,7 +188,14 @@ fn experts_fit(c: &ModelConfig) -> bool {
     }
     let wpt = (8 / tiles).min(gps / 2);
     let gpw = gps / wpt;
-    gps.is_multiple_of(wpt) && gpw <= 4 && gpw.is_multiple_of(2) && h / 16 <= k * fblocks
+    // the slot's meeting stages each part of h in the gate tile's codes (16·H bytes): 8 parts'
+    // fragments and scales (4,352 bytes), then each part's values at 1,024-byte strides
+    let staged_h = 4352 + (wpt - 1) * 1024 + gpw * 64 * 4;
+    gps.is_multiple_of(wpt)
+        && gpw <= 4
+        && gpw.is_multiple_of(2)
+        && h / 16 <= k * fblocks
+        && staged_h <= 16 * h
 }
 
 /// Rows moe_routed_experts computes in place of the router launch: the router's logits, the
@@ -2371,14 +2378,15 @@ mod tests {
 
     #[test]
     fn moe_experts_blocks_fit_two_per_sm_beside_an_early_resident_gemv_block() {
-        // its static shared memory (moe.cu): one slot's h and the shared expert's, padded and in
-        // the two-byte form, and the down tiles' partial sums; the dynamic part is moe_gate_up's
-        const EXPERTS_STATIC_SMEM: usize = 2 * (576 * 4 + 64 * 16 + 8 * 8) + 2 * 8 * 16 * 4;
+        // its static shared memory (moe.cu): the shared expert's h, padded and in the two-byte
+        // form, the tiles' partial sums and the warps' sums of squares (the routed h goes through
+        // the gate/up tiles' space: experts_fit); the dynamic part is moe_gate_up's
+        const EXPERTS_STATIC_SMEM: usize = (576 * 4 + 64 * 16 + 8 * 8) + 2 * 8 * 16 * 4 + 8 * 4;
         for hidden in [512, 1024, 2048] {
             let block = gate_up_smem(hidden) + EXPERTS_STATIC_SMEM + 1024;
             assert!(2 * block + RESIDENT_MIN_SMEM + 1024 <= 233_472, "{hidden}");
         }
-        assert_eq!(EXPERTS_STATIC_SMEM, 7808);
+        assert_eq!(EXPERTS_STATIC_SMEM, 4448);
     }
 
     #[test]
@@ -2393,6 +2401,10 @@ mod tests {
         assert!(!experts_fit(&c));
         c.hidden_size = 2048;
         c.moe_intermediate_size = 1024;
+        assert!(!experts_fit(&c));
+        // h's staging for the slot's meeting would outgrow the gate tile's codes
+        c.hidden_size = 128;
+        c.moe_intermediate_size = 128;
         assert!(!experts_fit(&c));
     }
 
