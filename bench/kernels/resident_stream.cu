@@ -90,13 +90,8 @@ struct Chain {
 __device__ __forceinline__ void quad_dot_split(const char* stage, const __nv_bfloat16* sc, const __nv_bfloat16* bi, const QuadLane& L,
                                                const QuadX& X, float& yA, float& yB) {
     uint2 wa[4], wb[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        wa[j] = *reinterpret_cast<const uint2*>(stage + L.code_a[j]);
-        wb[j] = *reinterpret_cast<const uint2*>(stage + L.code_b[j]);
-    }
-    const unsigned long long sA = rot_bf16x4(sc + L.sb_a, L.c), bA = rot_bf16x4(bi + L.sb_a, L.c);
-    const unsigned long long sB = rot_bf16x4(sc + L.sb_b, L.c), bB = rot_bf16x4(bi + L.sb_b, L.c);
+    unsigned long long sA, bA, sB, bB;
+    load_quad(stage, sc, bi, L, wa, wb, sA, bA, sB, bB);
     const bool odd = L.c & 1;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {

@@ -261,16 +261,25 @@ __device__ __forceinline__ QuadLane quad_lane(int K, int gq) {
 // Adds the quad (QuadLane) of one tile (codes rows K/2 bytes apart, scales and biases rows K/64
 // apart) to rows g (yA) and g + 8 (yB): the high-byte part in lanes q == (g mod 4) / 2, the
 // low-byte part in lanes q + 2 (other lanes: mismatched groups).
-__device__ __forceinline__ void quad_dot(const char* stage, const __nv_bfloat16* sc, const __nv_bfloat16* bi, const QuadLane& L,
-                                         const QuadX& X, float& yA, float& yB) {
-    uint2 wa[4], wb[4];
+// The quad's operands in lane (g, q): its code words of rows g and g + 8 at each step, and those
+// rows' four scales and biases rotated as the steps take them.
+__device__ __forceinline__ void load_quad(const char* stage, const __nv_bfloat16* sc, const __nv_bfloat16* bi, const QuadLane& L,
+                                          uint2 (&wa)[4], uint2 (&wb)[4], unsigned long long& sA, unsigned long long& bA,
+                                          unsigned long long& sB, unsigned long long& bB) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         wa[j] = *reinterpret_cast<const uint2*>(stage + L.code_a[j]);
         wb[j] = *reinterpret_cast<const uint2*>(stage + L.code_b[j]);
     }
-    const unsigned long long sA = rot_bf16x4(sc + L.sb_a, L.c), bA = rot_bf16x4(bi + L.sb_a, L.c);
-    const unsigned long long sB = rot_bf16x4(sc + L.sb_b, L.c), bB = rot_bf16x4(bi + L.sb_b, L.c);
+    sA = rot_bf16x4(sc + L.sb_a, L.c), bA = rot_bf16x4(bi + L.sb_a, L.c);
+    sB = rot_bf16x4(sc + L.sb_b, L.c), bB = rot_bf16x4(bi + L.sb_b, L.c);
+}
+
+__device__ __forceinline__ void quad_dot(const char* stage, const __nv_bfloat16* sc, const __nv_bfloat16* bi, const QuadLane& L,
+                                         const QuadX& X, float& yA, float& yB) {
+    uint2 wa[4], wb[4];
+    unsigned long long sA, bA, sB, bB;
+    load_quad(stage, sc, bi, L, wa, wb, sA, bA, sB, bB);
     const bool odd = L.c & 1;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
