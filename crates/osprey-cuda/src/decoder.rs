@@ -188,9 +188,10 @@ fn experts_fit(c: &ModelConfig) -> bool {
     }
     let wpt = (8 / tiles).min(gps / 2);
     let gpw = gps / wpt;
-    // the slot's meeting stages each part of h in the gate tile's codes (16·H bytes): 8 parts'
-    // fragments and scales (4,352 bytes), then each part's values at 1,024-byte strides
-    let staged_h = 4352 + (wpt - 1) * 1024 + gpw * 64 * 4;
+    // the slot's meeting stages each part of h in the gate tile's codes (16·H bytes), as moe.cu
+    // lays it out: 8 parts' fragments (TILE_BATCH = 4 groups of 8 16-byte slots) and group
+    // scales (float2), then each part's f32 values at TILE_BATCH · 64-value strides
+    let staged_h = 8 * 4 * 8 * 16 + 8 * 4 * 8 + (wpt - 1) * 4 * 64 * 4 + gpw * 64 * 4;
     gps.is_multiple_of(wpt)
         && gpw <= 4
         && gpw.is_multiple_of(2)
