@@ -755,14 +755,13 @@ __device__ __forceinline__ void moe_experts_body(const ExpertsArgs& a) {
             for (int j = 0; j < TILE_BATCH * 2; ++j)
                 if (lane + 32 * j < gpw * 64) hst[lane + 32 * j] = hv[j];
             __syncwarp();
-            const int ls = lane;
-            const bool on = ls < gpw * 8;
-            const int e = on ? slot_first_element(g0 * 8 + ls) - g0 * 64 : 0;
+            const bool on = lane < gpw * 8;
+            const int e = on ? slot_first_element(g0 * 8 + lane) - g0 * 64 : 0;
             const float4 v0 = *reinterpret_cast<const float4*>(hst + e), v1 = *reinterpret_cast<const float4*>(hst + e + 4);
             float v[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
 #pragma unroll
             for (int j = 0; j < 8; ++j) v[j] = on ? v[j] : 0.f;
-            write_slot(v, ls, on, hxw, hgw);
+            write_slot(v, lane, on, hxw, hgw);
         }
         // (named barriers 1-4, one a part: wpt <= gps / 2 <= 4)
         switch (part_of_h) {
