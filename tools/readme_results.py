@@ -152,6 +152,8 @@ PHASES = {
     "moe experts (top-k, gate/up, swiglu, down) + residual": EXPERTS_PHASES,
     # (moe_routed_experts waits for its gate tile at mark 4 and for the up tile later)
     "moe router + experts (top-k, gate/up, swiglu, down) + residual": {**EXPERTS_PHASES, 4: "gate tile in"},
+    # gemv.cu gemv_q_ring: when warp 0 takes its stages
+    "lm_head (final norm + gemv + argmax)": {2: "first stage in", 3: "first refilled stage in", 4: "half the run in", 5: "last stage in", 6: "warp 0's stages multiplied"},
 }
 
 

@@ -756,6 +756,12 @@ __device__ __forceinline__ void gemv_ring_body(const GemvArgs& a) {
         for (int st = 0; st < stages_total; ++st) {
             const int slot = st % S, tiles = min(RING_TILES, t1 - t0 - st * RING_TILES);
             mbar_wait(&full[slot], (st / S) & 1);
+            // where the stream stands when warp 0 takes a stage (the lm_head's 4.38 TB/s alone,
+            // bench/kernels/ring_requests.cu, against ~3.9 in the step)
+            if (st == 0) step_phase(2);  // first stage in
+            if (st == S) step_phase(3);  // first refilled stage in
+            if (st == stages_total / 2) step_phase(4);  // half the run in
+            if (st == stages_total - 1) step_phase(5);  // last stage in
 #pragma unroll 1
             for (int j = 0; j < tiles; ++j) {
                 const size_t i = (size_t)slot * RING_TILES + j;
@@ -773,6 +779,7 @@ __device__ __forceinline__ void gemv_ring_body(const GemvArgs& a) {
             __syncwarp();
             if (lane == 0) mbar_arrive(&empty[slot]);
         }
+        step_phase(6);  // warp 0's stages multiplied
     }
     if (a.choice) choose_token(a.choice, best, scratch);
 }
