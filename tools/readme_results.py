@@ -7,6 +7,8 @@ them is hand-written. Run after committing new benchmark JSON:
     python3 tools/readme_results.py            # rewrite the tables
     python3 tools/readme_results.py --check    # fail if README.md is out of date (CI runs this)
 
+--check also fails if docs/cuda-decode-tried.md names a result file that bench/results/ lacks.
+
 Needs only the standard library.
 """
 import argparse
@@ -254,6 +256,25 @@ def render(text):
     return text
 
 
+def tried_index_missing():
+    """The JSON named in docs/cuda-decode-tried.md's tables that bench/results/ does not have: a name
+    is `sNN` (cuda-decode-sessionNN-ablations.json), a decode file without its `cuda-decode-` prefix
+    and `.json` (a `*` matching several), or a whole file name without `.json`; "log ..." cells name
+    no file."""
+    with open(os.path.join(ROOT, "docs", "cuda-decode-tried.md")) as f:
+        rows = [line for line in f if line.startswith("| ") and not line.startswith("| idea")]
+    have = set(os.listdir(RESULTS))
+    missing = []
+    for row in rows:
+        for name in re.findall(r"`([^`]+)`", row.rstrip().rstrip("|").rsplit("|", 1)[-1]):
+            session = re.fullmatch(r"s(\d+)", name)
+            candidates = [f"cuda-decode-session{session.group(1)}-ablations.json"] if session else [f"cuda-decode-{name}.json", f"{name}.json"]
+            pattern = re.compile("|".join(re.escape(c).replace(r"\*", ".*") for c in candidates) + "$")
+            if not any(pattern.match(h) for h in have):
+                missing.append(name)
+    return missing
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true", help="fail if README.md is not what the JSON gives")
@@ -265,6 +286,9 @@ def main():
     if a.check:
         if new != text:
             sys.exit("README.md's result tables are out of date: run python3 tools/readme_results.py")
+        missing = tried_index_missing()
+        if missing:
+            sys.exit(f"docs/cuda-decode-tried.md names results that bench/results/ lacks: {', '.join(missing)}")
         return
     with open(path, "w") as f:
         f.write(new)
