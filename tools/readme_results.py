@@ -12,6 +12,7 @@ them is hand-written. Run after committing new benchmark JSON:
 Needs only the standard library.
 """
 import argparse
+import fnmatch
 import json
 import os
 import re
@@ -263,14 +264,13 @@ def tried_index_missing():
     no file."""
     with open(os.path.join(ROOT, "docs", "cuda-decode-tried.md")) as f:
         rows = [line for line in f if line.startswith("| ") and not line.startswith("| idea")]
-    have = set(os.listdir(RESULTS))
+    have = os.listdir(RESULTS)
     missing = []
     for row in rows:
         for name in re.findall(r"`([^`]+)`", row.rstrip().rstrip("|").rsplit("|", 1)[-1]):
             session = re.fullmatch(r"s(\d+)", name)
             candidates = [f"cuda-decode-session{session.group(1)}-ablations.json"] if session else [f"cuda-decode-{name}.json", f"{name}.json"]
-            pattern = re.compile("|".join(re.escape(c).replace(r"\*", ".*") for c in candidates) + "$")
-            if not any(pattern.match(h) for h in have):
+            if not any(fnmatch.filter(have, c) for c in candidates):
                 missing.append(name)
     return missing
 
