@@ -4,12 +4,13 @@
 pub mod api;
 pub mod metrics;
 pub mod parse;
+pub mod structured;
 pub mod worker;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
@@ -30,6 +31,7 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use api::{ApiError, ApiResult, Fields, GenerationRequest, ToolChoice};
 use metrics::Metrics;
 use parse::{Delta, ToolSchemas};
+use structured::{Constraint, Grammars, ResponseFormat};
 use worker::{ChatParsing, Event, Job, PrefixCache, TokenLogprob, Usage, Worker};
 
 #[derive(Clone, Debug)]
@@ -56,6 +58,9 @@ struct AppState {
     metrics: Arc<Metrics>,
     vocab_size: usize,
     ids: AtomicU64,
+    /// The vocabulary indexed for response_format grammars, built by the first request that
+    /// asks for one (~2 s, blocking that request: most servers never need it).
+    grammars: OnceLock<Result<Grammars, String>>,
 }
 
 /// The HTTP application; spawns the engine thread.
@@ -84,6 +89,7 @@ pub fn app(engine: Engine, format: PromptFormat, cfg: ServerConfig) -> anyhow::R
         metrics,
         vocab_size,
         ids: AtomicU64::new(0),
+        grammars: OnceLock::new(),
     });
     let v1 = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
@@ -220,6 +226,30 @@ fn json_body(body: Result<Bytes, BytesRejection>) -> ApiResult<Value> {
 }
 
 impl AppState {
+    /// The grammar a reply must follow, or None for free text; a schema that cannot be
+    /// compiled is a 400 naming the problem.
+    fn constraint(&self, rf: &ResponseFormat) -> ApiResult<Option<Constraint>> {
+        if *rf == ResponseFormat::Text {
+            return Ok(None);
+        }
+        let grammars = self
+            .grammars
+            .get_or_init(|| Grammars::new(&self.format).map_err(|e| format!("{e:#}")))
+            .as_ref()
+            .map_err(|e| {
+                ApiError::bad_request(
+                    format!("structured outputs are not available with this tokenizer: {e}"),
+                    Some("response_format"),
+                )
+            })?;
+        grammars.constraint(rf).map_err(|e| {
+            ApiError::bad_request(
+                format!("the response_format schema cannot be enforced: {e:#}"),
+                Some("response_format"),
+            )
+        })
+    }
+
     fn check_model(&self, f: &Fields) -> ApiResult<()> {
         match f.get("model") {
             None => Ok(()),
@@ -339,18 +369,22 @@ fn prepare_chat(
     let f = Fields::parse(&body)?;
     f.check_known(&[api::GENERATION_FIELDS, CHAT_FIELDS].concat())?;
     st.check_model(&f)?;
-    if let Some(rf) = f.get("response_format") {
-        if rf.get("type").and_then(Value::as_str) != Some("text") {
-            return Err(ApiError::bad_request(
-                "only response_format {\"type\": \"text\"} is supported",
-                Some("response_format"),
-            ));
-        }
-    }
+    let response_format = match f.get("response_format") {
+        None | Some(Value::Null) => ResponseFormat::Text,
+        Some(rf) => ResponseFormat::parse(rf)
+            .map_err(|e| ApiError::bad_request(e, Some("response_format")))?,
+    };
     let gen = api::generation_request(&f, &st.format.defaults, true)?;
     let messages = api::messages(&f)?;
     let tools = api::tools(&f)?;
     let choice = api::tool_choice(&f, tools.as_ref())?;
+    if response_format != ResponseFormat::Text && tools.is_some() && choice != ToolChoice::None {
+        return Err(ApiError::bad_request(
+            "response_format json_object or json_schema cannot be combined with tools (unless tool_choice is \"none\")",
+            Some("response_format"),
+        ));
+    }
+    let constraint = st.constraint(&response_format)?;
     let kwargs: Map<String, Value> = match f.get("chat_template_kwargs") {
         None => Map::new(),
         Some(Value::Object(o)) => o.clone(),
@@ -392,6 +426,7 @@ fn prepare_chat(
             schemas
         },
         force,
+        constraint,
     };
     let (tx, rx) = mpsc::unbounded_channel();
     let job = Job {

@@ -15,6 +15,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use crate::api::GenerationRequest;
 use crate::metrics::Metrics;
 use crate::parse::{Delta, OutputParser, ToolSchemas};
+use crate::structured::Constraint;
 
 /// How a chat reply's text is split into reasoning, content and tool calls.
 pub struct ChatParsing {
@@ -24,6 +25,8 @@ pub struct ChatParsing {
     pub tools: Option<ToolSchemas>,
     /// Text forced at the start of the answer (tool_choice "required" or a named function).
     pub force: Option<String>,
+    /// The answer's grammar (`response_format`), applied once the reasoning is over.
+    pub constraint: Option<Constraint>,
 }
 
 pub struct Job {
@@ -261,6 +264,11 @@ struct Reply<'a> {
 }
 
 impl Reply<'_> {
+    /// Whether the reply is inside its reasoning block.
+    fn in_reasoning(&self) -> bool {
+        self.parser.as_ref().is_some_and(OutputParser::in_reasoning)
+    }
+
     /// Takes one chosen token (with its logits when log-probabilities are wanted) and streams
     /// what it adds.
     fn accept(&mut self, token: u32, logits: Option<&[f32]>) -> anyhow::Result<Next> {
@@ -349,7 +357,7 @@ impl Worker {
         }
     }
 
-    fn serve(&mut self, job: Job) -> anyhow::Result<()> {
+    fn serve(&mut self, mut job: Job) -> anyhow::Result<()> {
         let engine = &self.engine;
         let format = self.format.clone();
         let valid_vocab = format.vocab_size.min(engine.config().vocab_size);
@@ -380,6 +388,7 @@ impl Worker {
             started.elapsed().as_secs_f64(),
         );
 
+        let mut constraint = job.chat.as_mut().and_then(|c| c.constraint.take());
         let mut sampler = Sampler::new(job.gen.sampling.clone(), valid_vocab, prompt);
         let mut reply = Reply {
             job: &job,
@@ -415,12 +424,20 @@ impl Worker {
         // Each turn of this loop samples one token on the host from `logits`; then a backend
         // that chooses tokens itself (the GPU) runs on until the reply ends or needs the host
         // (forced text to inject), else the host decodes token by token. Log-probabilities need
-        // the logits of every token, so they keep the host path.
-        let device_ok = job.gen.logprobs.is_none();
+        // the logits of every token, and a response_format masks them: both keep the host path.
+        let device_ok = job.gen.logprobs.is_none() && constraint.is_none();
         while reply.generated < job.max_tokens {
-            let token = sampler.sample(&logits[..valid_vocab]);
+            let logits_now = &logits[..valid_vocab];
+            let mut held = constraint.as_mut().filter(|_| !reply.in_reasoning());
+            let token = match held.as_mut() {
+                Some(c) => sampler.sample(&c.mask(logits_now)?),
+                None => sampler.sample(logits_now),
+            };
             sampler.observe(token);
-            let mut next = reply.accept(token, Some(&logits[..valid_vocab]))?;
+            let mut next = reply.accept(token, Some(logits_now))?;
+            if let (Some(c), Next::Continue) = (held, &next) {
+                c.advance(token)?;
+            }
             // the last chosen token, and whether the model has run it (the device runs each
             // token as it hands over the next, so all but possibly its last have run)
             let (mut last, mut last_ran, mut on_device) = (token, false, false);

@@ -527,6 +527,28 @@ async fn errors_use_the_openai_envelope() {
         ),
         (ok_body(json!({"stop": 7})), k, 400, "'stop'"),
         (
+            ok_body(json!({"response_format": {"type": "yaml"}})),
+            k,
+            400,
+            "is not supported (expected text, json_object or json_schema)",
+        ),
+        (
+            ok_body(
+                json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}),
+            ),
+            k,
+            400,
+            "cannot be enforced",
+        ),
+        (
+            ok_body(
+                json!({"response_format": {"type": "json_object"}, "tools": serde_json::from_str::<Value>(WEATHER).unwrap()}),
+            ),
+            k,
+            400,
+            "cannot be combined with tools",
+        ),
+        (
             ok_body(json!({"messages": [{"role": "assistant", "content": "only"}]})),
             k,
             400,
@@ -778,4 +800,94 @@ async fn device_decoding_gives_the_host_path_replies() {
             .unwrap_or(0)
             > 0
     );
+}
+
+/// The answer's JSON and finish reason of a chat reply.
+fn json_answer(r: &Value) -> (Value, String) {
+    let c = &r["choices"][0];
+    let text = c["message"]["content"].as_str().unwrap_or("");
+    let v = serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}): {r}"));
+    (v, c["finish_reason"].as_str().unwrap_or("").to_string())
+}
+
+const FORECAST: &str = r#"{"type": "json_schema", "json_schema": {"name": "forecast", "strict": true, "schema": {
+    "type": "object", "additionalProperties": false, "required": ["rain", "days", "sky"],
+    "properties": {"rain": {"type": "boolean"}, "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                   "sky": {"enum": ["clear", "cloudy"]}}}}}"#;
+
+#[tokio::test]
+async fn response_format_holds_a_random_model_to_the_schema() {
+    // the tiny model's weights are random: left alone it writes gibberish; held by the grammar
+    // every reply is the schema's JSON, greedy or sampled, streamed or not
+    let s = Server::tiny(config()).await;
+    let rf: Value = serde_json::from_str(FORECAST).unwrap();
+    let check = |v: &Value| {
+        assert!(v["rain"].is_boolean(), "{v}");
+        assert!((1..=7).contains(&v["days"].as_i64().unwrap()), "{v}");
+        assert!(
+            ["clear", "cloudy"].contains(&v["sky"].as_str().unwrap()),
+            "{v}"
+        );
+        assert_eq!(v.as_object().unwrap().len(), 3, "{v}");
+    };
+    for sampling in [
+        json!({"temperature": 0}),
+        json!({"temperature": 1.0, "seed": 3}),
+    ] {
+        let mut body = json!({"messages": user("Weather for the week?"), "max_tokens": 64,
+            "response_format": rf, "chat_template_kwargs": {"enable_thinking": false}});
+        for (k, v) in sampling.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let (st, r) = s.post("/v1/chat/completions", body.clone()).await;
+        assert_eq!(st, 200, "{r}");
+        let (v, finish) = json_answer(&r);
+        check(&v);
+        assert_eq!(
+            finish, "stop",
+            "the end of turn comes with the closing brace: {r}"
+        );
+
+        body["stream"] = json!(true);
+        let mut content = String::new();
+        for data in s.stream(body).await {
+            if let Ok(chunk) = serde_json::from_str::<Value>(&data) {
+                if let Some(piece) = chunk["choices"][0]["delta"]["content"].as_str() {
+                    content.push_str(piece);
+                }
+            }
+        }
+        check(&serde_json::from_str(&content).unwrap_or_else(|e| panic!("{e}: {content:?}")));
+    }
+    // json_object: any object
+    let body = json!({"messages": user("Anything"), "max_tokens": 48, "temperature": 0,
+        "response_format": {"type": "json_object"}, "chat_template_kwargs": {"enable_thinking": false}});
+    let (st, r) = s.post("/v1/chat/completions", body).await;
+    assert_eq!(st, 200, "{r}");
+    if r["choices"][0]["finish_reason"] == "stop" {
+        assert!(json_answer(&r).0.is_object(), "{r}");
+    } else {
+        let text = r["choices"][0]["message"]["content"].as_str().unwrap();
+        assert!(text.starts_with('{'), "{r}");
+    }
+}
+
+#[tokio::test]
+async fn response_format_leaves_the_reasoning_free() {
+    // a model that reasons in prose and then answers in the schema's JSON is not disturbed
+    let s = Server::scripted(
+        "Rain is likely.\n</think>{\"rain\": true, \"days\": 3, \"sky\": \"cloudy\"}",
+        Duration::ZERO,
+        config(),
+    )
+    .await;
+    let rf: Value = serde_json::from_str(FORECAST).unwrap();
+    let body = json!({"messages": user("Weather?"), "max_tokens": 64, "response_format": rf});
+    let (st, r) = s.post("/v1/chat/completions", body).await;
+    assert_eq!(st, 200, "{r}");
+    let msg = &r["choices"][0]["message"];
+    assert_eq!(msg["reasoning_content"], "Rain is likely.", "{r}");
+    let (v, finish) = json_answer(&r);
+    assert_eq!(v, json!({"rain": true, "days": 3, "sky": "cloudy"}));
+    assert_eq!(finish, "stop");
 }

@@ -1,0 +1,350 @@
+//! Structured outputs: `response_format` `{"type": "json_object"}` or `{"type": "json_schema",
+//! ...}` holds the answer (after any reasoning) to JSON, or to JSON matching a schema, by masking
+//! each step's logits with llguidance (the grammar engine of mistral.rs and of vLLM's `guidance`
+//! backend): before a token is sampled, every token the grammar cannot take next gets -inf.
+//!
+//! The vocabulary is indexed once per server (a byte trie of the tokenizer's 248K tokens); each
+//! request compiles its schema into a matcher that follows the reply token by token. Every added
+//! token (`<|im_end|>`, and also `<think>` and `<tool_call>`) is marked special, so the grammar
+//! spells text with ordinary tokens only; the end of turn is allowed exactly when the JSON is
+//! complete.
+
+use std::sync::Arc;
+
+use anyhow::{anyhow, bail, Context, Result};
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie, TokenId};
+use llguidance::{token_bytes_from_tokenizer_json, Matcher, ParserFactory};
+use osprey_prompt::PromptFormat;
+use serde_json::{json, Value};
+
+/// What a request's `response_format` asks for.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ResponseFormat {
+    Text,
+    /// Any JSON object.
+    JsonObject,
+    /// JSON matching `schema`; `strict`: every keyword must be enforceable (otherwise unknown
+    /// keywords are ignored).
+    JsonSchema {
+        schema: Value,
+        strict: bool,
+    },
+}
+
+impl ResponseFormat {
+    /// Reads an OpenAI `response_format` value.
+    pub fn parse(v: &Value) -> Result<Self, String> {
+        let kind = v.get("type").and_then(Value::as_str).ok_or(
+            "'response_format' needs a 'type': \"text\", \"json_object\" or \"json_schema\"",
+        )?;
+        match kind {
+            "text" => Ok(ResponseFormat::Text),
+            "json_object" => Ok(ResponseFormat::JsonObject),
+            "json_schema" => {
+                let spec = v
+                    .get("json_schema")
+                    .and_then(Value::as_object)
+                    .ok_or("response_format 'json_schema' needs a 'json_schema' object")?;
+                let schema = match spec.get("schema") {
+                    None => json!({}),
+                    Some(s @ Value::Object(_)) => s.clone(),
+                    Some(_) => return Err("'json_schema.schema' must be an object".into()),
+                };
+                let strict = match spec.get("strict") {
+                    None | Some(Value::Null) => false,
+                    Some(Value::Bool(b)) => *b,
+                    Some(_) => return Err("'json_schema.strict' must be a boolean".into()),
+                };
+                Ok(ResponseFormat::JsonSchema { schema, strict })
+            }
+            other => Err(format!(
+                "response_format type \"{other}\" is not supported (expected text, json_object or json_schema)"
+            )),
+        }
+    }
+
+    /// The JSON schema to enforce, with the separators the answer uses (`", "` and `": "`, as
+    /// `json.dumps` writes them) unless the schema sets its own `x-guidance`: no free runs of
+    /// whitespace for a model to loop in.
+    fn schema(&self) -> Option<Value> {
+        let (mut schema, strict) = match self {
+            ResponseFormat::Text => return None,
+            ResponseFormat::JsonObject => (json!({"type": "object"}), false),
+            ResponseFormat::JsonSchema { schema, strict } => (schema.clone(), *strict),
+        };
+        if let Some(obj) = schema.as_object_mut() {
+            obj.entry("x-guidance").or_insert_with(|| {
+                json!({
+                    "whitespace_flexible": false,
+                    "item_separator": ", ",
+                    "key_separator": ": ",
+                    "lenient": !strict,
+                })
+            });
+        }
+        Some(schema)
+    }
+}
+
+/// The vocabulary indexed for grammars: built once, shared by every request.
+pub struct Grammars {
+    factory: ParserFactory,
+}
+
+impl Grammars {
+    pub fn new(format: &PromptFormat) -> Result<Self> {
+        let tokenizer: Value = serde_json::from_str(
+            &format
+                .tokenizer
+                .to_string(false)
+                .map_err(|e| anyhow!("tokenizer: {e}"))?,
+        )?;
+        let mut words = token_bytes_from_tokenizer_json(&tokenizer)
+            .context("structured outputs need a byte-level BPE tokenizer")?;
+        for added in tokenizer["added_tokens"].as_array().into_iter().flatten() {
+            let id = added["id"].as_u64().unwrap_or(u64::MAX) as usize;
+            if let Some(w) = words.get_mut(id) {
+                if w.first() != Some(&TokTrie::SPECIAL_TOKEN_MARKER) {
+                    w.insert(0, TokTrie::SPECIAL_TOKEN_MARKER);
+                }
+            }
+        }
+        let end_of_turn = format
+            .tokenizer
+            .token_to_id("<|im_end|>")
+            .ok_or_else(|| anyhow!("the tokenizer has no <|im_end|> token"))?;
+        let info = TokRxInfo::new(words.len() as u32, end_of_turn);
+        let env: TokEnv = Arc::new(ApproximateTokEnv::new(TokTrie::from(&info, &words)));
+        let mut factory = ParserFactory::new_simple(&env)?;
+        factory.quiet();
+        Ok(Grammars { factory })
+    }
+
+    /// A constraint for one reply, or None for plain text. An error names what in the schema
+    /// could not be compiled.
+    pub fn constraint(&self, format: &ResponseFormat) -> Result<Option<Constraint>> {
+        let Some(schema) = format.schema() else {
+            return Ok(None);
+        };
+        let parser = self
+            .factory
+            .create_parser(TopLevelGrammar::from_json_schema(schema))?;
+        let matcher = Matcher::new(Ok(parser));
+        if let Some(e) = matcher.get_error() {
+            bail!("{e}");
+        }
+        Ok(Some(Constraint { matcher }))
+    }
+}
+
+/// One reply's grammar state.
+pub struct Constraint {
+    matcher: Matcher,
+}
+
+impl Constraint {
+    /// `logits` with every token the grammar cannot take next at -inf.
+    pub fn mask(&mut self, logits: &[f32]) -> Result<Vec<f32>> {
+        let allowed = self
+            .matcher
+            .compute_mask_or_eos()
+            .map_err(|e| anyhow!("structured output: {e}"))?;
+        let mut masked = vec![f32::NEG_INFINITY; logits.len()];
+        let mut any = false;
+        allowed.iter_set_entries(|i| {
+            if let Some(&l) = logits.get(i) {
+                masked[i] = l;
+                any = true;
+            }
+        });
+        if !any {
+            bail!("structured output: the grammar allows no token of the vocabulary here");
+        }
+        Ok(masked)
+    }
+
+    /// Follows the reply's next token.
+    pub fn advance(&mut self, token: u32) -> Result<()> {
+        self.matcher
+            .consume_token(token as TokenId)
+            .map_err(|e| anyhow!("structured output: {e}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+    use std::sync::OnceLock;
+
+    fn format() -> &'static PromptFormat {
+        static F: OnceLock<PromptFormat> = OnceLock::new();
+        F.get_or_init(|| {
+            let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/qwen3.6-35b-a3b");
+            PromptFormat::from_dir(&dir).unwrap()
+        })
+    }
+
+    fn grammars() -> &'static Grammars {
+        static G: OnceLock<Grammars> = OnceLock::new();
+        G.get_or_init(|| Grammars::new(format()).unwrap())
+    }
+
+    /// Decodes under `rf` with a stand-in model: fixed pseudo-random logits each step, the best
+    /// allowed token taken, until the end of turn (or `limit` tokens). Returns the text and
+    /// whether it ended with the end of turn.
+    fn run(rf: &ResponseFormat, seed: u64, limit: usize) -> (String, bool) {
+        let f = format();
+        let im_end = f.tokenizer.token_to_id("<|im_end|>").unwrap();
+        let mut c = grammars().constraint(rf).unwrap().unwrap();
+        let mut state = seed;
+        let mut tokens = Vec::new();
+        for _ in 0..limit {
+            let logits: Vec<f32> = (0..f.vocab_size)
+                .map(|_| {
+                    state = state
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    (state >> 40) as f32 / (1u64 << 24) as f32
+                })
+                .collect();
+            let masked = c.mask(&logits).unwrap();
+            let best = (0..masked.len())
+                .max_by(|&a, &b| masked[a].total_cmp(&masked[b]))
+                .unwrap() as u32;
+            if best == im_end {
+                return (f.decode(&tokens).unwrap(), true);
+            }
+            c.advance(best).unwrap();
+            tokens.push(best);
+        }
+        (f.decode(&tokens).unwrap(), false)
+    }
+
+    #[test]
+    fn a_schema_holds_random_logits_to_matching_json() {
+        let schema = json!({
+            "type": "object",
+            "properties": {
+                "ok": {"type": "boolean"},
+                "n": {"type": "integer", "minimum": 0, "maximum": 9},
+                "mood": {"enum": ["calm", "busy"]}
+            },
+            "required": ["ok", "n", "mood"],
+            "additionalProperties": false
+        });
+        let rf = ResponseFormat::JsonSchema {
+            schema,
+            strict: true,
+        };
+        for seed in 0..4 {
+            let (text, ended) = run(&rf, seed, 64);
+            assert!(ended, "no end of turn after 64 tokens: {text:?}");
+            let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+            assert!(v["ok"].is_boolean(), "{text}");
+            let n = v["n"].as_i64().unwrap();
+            assert!((0..=9).contains(&n), "{text}");
+            assert!(
+                ["calm", "busy"].contains(&v["mood"].as_str().unwrap()),
+                "{text}"
+            );
+            assert_eq!(v.as_object().unwrap().len(), 3, "{text}");
+            assert!(
+                text.starts_with("{\"ok\": "),
+                "separators as json.dumps: {text}"
+            );
+        }
+    }
+
+    #[test]
+    fn json_object_mode_gives_an_object() {
+        let (text, ended) = run(&ResponseFormat::JsonObject, 7, 400);
+        if ended {
+            let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+            assert!(v.is_object(), "{text}");
+        } else {
+            // random logits may keep a string open; what came out is still a JSON object's start
+            assert!(text.starts_with('{'), "{text:?}");
+        }
+    }
+
+    #[test]
+    fn special_tokens_are_never_allowed() {
+        let f = format();
+        let mut c = grammars()
+            .constraint(&ResponseFormat::JsonSchema {
+                schema: json!({"type": "string"}),
+                strict: false,
+            })
+            .unwrap()
+            .unwrap();
+        let masked = c.mask(&vec![0.0; f.vocab_size]).unwrap();
+        for tag in [
+            "<|im_end|>",
+            "<think>",
+            "</think>",
+            "<tool_call>",
+            "<|im_start|>",
+        ] {
+            let id = f.tokenizer.token_to_id(tag).unwrap() as usize;
+            assert_eq!(masked[id], f32::NEG_INFINITY, "{tag} allowed at the start");
+        }
+        let quote = f.encode("\"").unwrap()[0] as usize;
+        assert_eq!(masked[quote], 0.0);
+    }
+
+    #[test]
+    fn response_formats_parse_and_bad_ones_are_named() {
+        assert_eq!(
+            ResponseFormat::parse(&json!({"type": "text"})),
+            Ok(ResponseFormat::Text)
+        );
+        assert_eq!(
+            ResponseFormat::parse(&json!({"type": "json_object"})),
+            Ok(ResponseFormat::JsonObject)
+        );
+        let rf = ResponseFormat::parse(&json!({"type": "json_schema", "json_schema":
+            {"name": "x", "schema": {"type": "object"}, "strict": true}}))
+        .unwrap();
+        assert_eq!(
+            rf,
+            ResponseFormat::JsonSchema {
+                schema: json!({"type": "object"}),
+                strict: true
+            }
+        );
+        for (bad, says) in [
+            (json!({}), "needs a 'type'"),
+            (json!({"type": "yaml"}), "\"yaml\" is not supported"),
+            (
+                json!({"type": "json_schema"}),
+                "needs a 'json_schema' object",
+            ),
+            (
+                json!({"type": "json_schema", "json_schema": {"schema": 3}}),
+                "must be an object",
+            ),
+            (
+                json!({"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}),
+                "must be a boolean",
+            ),
+        ] {
+            let err = ResponseFormat::parse(&bad).unwrap_err();
+            assert!(err.contains(says), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn schemas_that_cannot_compile_are_errors() {
+        let bad = ResponseFormat::JsonSchema {
+            schema: json!({"type": "object", "properties": {"a": {"type": "nonsense"}}}),
+            strict: true,
+        };
+        assert!(grammars().constraint(&bad).is_err());
+        assert!(grammars()
+            .constraint(&ResponseFormat::Text)
+            .unwrap()
+            .is_none());
+    }
+}
