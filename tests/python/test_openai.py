@@ -3,56 +3,19 @@
 Run by .ci/run:  OSPREY_BIN=target/debug/osprey python -m pytest tests/python
 """
 import json
-import os
-import shutil
-import socket
-import subprocess
-import tempfile
-import time
-import urllib.request
 
 import pytest
 from openai import OpenAI
 
-BIN = os.environ.get("OSPREY_BIN", "target/debug/osprey")
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def client():
-    tmp = tempfile.mkdtemp(prefix="osprey-openai-")
-    model = os.path.join(tmp, "tiny")
-    subprocess.run([BIN, "synth", "--preset", "tiny", "--seed", "3", "--out", model], check=True)
-    port = free_port()
-    proc = subprocess.Popen([BIN, "serve", "--model", model, "--port", str(port), "--served-model-name", "tiny",
-                             "--api-key", "test-key", "--default-max-tokens", "16"])
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=1) as r:
-                if json.load(r)["status"] == "ok":
-                    break
-        except OSError:
-            time.sleep(0.1)
-    else:
-        proc.kill()
-        shutil.rmtree(tmp)
-        pytest.fail("server did not come up")
-    yield OpenAI(base_url=base + "/v1", api_key="test-key")
-    proc.terminate()
-    try:
-        assert proc.wait(timeout=30) == 0, "clean shutdown on SIGTERM"
-    finally:
-        shutil.rmtree(tmp)
+def client(osprey_server):
+    return OpenAI(base_url=osprey_server + "/v1", api_key="test-key")
 
 
 def test_models(client):

@@ -163,6 +163,8 @@ pub struct StopScanner {
     pub text: String,
     emitted: usize,
     done: bool,
+    /// The stop string that ended the text, once one has.
+    matched: Option<usize>,
 }
 
 impl StopScanner {
@@ -172,7 +174,14 @@ impl StopScanner {
             text: String::new(),
             emitted: 0,
             done: false,
+            matched: None,
         }
+    }
+
+    /// The stop string that ended the text (the earliest in it; of two at one place, the first
+    /// given), once one has.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.map(|i| self.stops[i].as_str())
     }
 
     /// Adds text; returns the newly releasable text and whether a stop string was hit.
@@ -187,15 +196,17 @@ impl StopScanner {
         let hit = self
             .stops
             .iter()
-            .filter_map(|s| {
+            .enumerate()
+            .filter_map(|(k, s)| {
                 self.text[search_from..]
                     .find(s.as_str())
-                    .map(|i| search_from + i)
+                    .map(|i| (search_from + i, k))
             })
             .min();
-        if let Some(at) = hit {
+        if let Some((at, k)) = hit {
             self.text.truncate(at);
             self.done = true;
+            self.matched = Some(k);
             let out = self.text[self.emitted..].to_string();
             self.emitted = self.text.len();
             return (out, true);
@@ -378,6 +389,21 @@ mod tests {
         let (out, _, stopped) = run(&["STOP"], &["a ST", "ay"]);
         assert_eq!(out, "a STay");
         assert!(!stopped);
+    }
+
+    #[test]
+    fn the_stop_string_that_ended_the_text_is_named() {
+        let stops = vec![
+            "cd".to_string(),
+            String::new(),
+            "b".to_string(),
+            "bc".to_string(),
+        ];
+        let mut sc = StopScanner::new(&stops);
+        assert_eq!(sc.push("a"), ("a".to_string(), false));
+        assert_eq!(sc.matched(), None);
+        assert_eq!(sc.push("bcd"), (String::new(), true));
+        assert_eq!(sc.matched(), Some("b"), "earliest, then first given");
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! `osprey serve`: the OpenAI chat-completions API over the engine. HTTP runs on tokio; the
 //! model runs on one engine thread fed by a bounded FIFO (batch 1). See README for the endpoints.
 
+mod anthropic;
 pub mod api;
 pub mod metrics;
 pub mod parse;
@@ -95,6 +96,8 @@ pub fn app(engine: Engine, format: PromptFormat, cfg: ServerConfig) -> anyhow::R
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
     Ok(Router::new()
         .merge(v1)
@@ -170,18 +173,24 @@ async fn require_key(
     next: Next,
 ) -> Response {
     if let Some(key) = &st.cfg.api_key {
-        let given = headers
+        // OpenAI clients send `Authorization: Bearer KEY`, Anthropic ones `x-api-key: KEY`
+        let bearer = headers
             .get("authorization")
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "));
-        if given != Some(key.as_str()) {
-            return ApiError::new(
+        let x_api_key = headers.get("x-api-key").and_then(|v| v.to_str().ok());
+        if bearer != Some(key.as_str()) && x_api_key != Some(key.as_str()) {
+            let e = ApiError::new(
                 StatusCode::UNAUTHORIZED,
                 "invalid_request_error",
                 "invalid_api_key",
                 "invalid or missing API key",
-            )
-            .into_response();
+            );
+            return if req.uri().path().starts_with("/v1/messages") {
+                anthropic::error(e)
+            } else {
+                e.into_response()
+            };
         }
     }
     next.run(req).await
@@ -365,8 +374,17 @@ fn prepare_chat(
     body: Result<Bytes, BytesRejection>,
     received: Instant,
 ) -> ApiResult<Prepared> {
-    let body = json_body(body)?;
-    let f = Fields::parse(&body)?;
+    prepare_chat_request(st, &json_body(body)?, received, "call_")
+}
+
+/// A chat-completions request (as JSON) made into a job; `call_id_prefix` begins its tool-call ids.
+fn prepare_chat_request(
+    st: &AppState,
+    body: &Value,
+    received: Instant,
+    call_id_prefix: &'static str,
+) -> ApiResult<Prepared> {
+    let f = Fields::parse(body)?;
     f.check_known(&[api::GENERATION_FIELDS, CHAT_FIELDS].concat())?;
     st.check_model(&f)?;
     let response_format = match f.get("response_format") {
@@ -385,6 +403,48 @@ fn prepare_chat(
         ));
     }
     let constraint = st.constraint(&response_format)?;
+    let (text, prompt) = render_chat(st, &f, messages, &tools)?;
+    let max_tokens = st.max_tokens(prompt.len(), &gen)?;
+    let branch = st.format.assistant_turn_start(&prompt);
+    let schemas = tools.as_ref().map(ToolSchemas::from_tools);
+    let force = match &choice {
+        ToolChoice::Required => Some("<tool_call>\n<function=".to_string()),
+        ToolChoice::Function(name) => Some(format!("<tool_call>\n<function={name}>\n")),
+        _ => None,
+    };
+    let chat = ChatParsing {
+        in_reasoning: text.ends_with("<think>\n"),
+        tools: if choice == ToolChoice::None {
+            None
+        } else {
+            schemas
+        },
+        force,
+        constraint,
+        call_id_prefix,
+    };
+    let (tx, rx) = mpsc::unbounded_channel();
+    let job = Job {
+        prompt,
+        branch,
+        gen: gen.clone(),
+        max_tokens,
+        chat: Some(chat),
+        events: tx,
+        received,
+        deadline: received + st.cfg.request_timeout,
+    };
+    Ok((job, rx, gen))
+}
+
+/// The prompt of a chat request: its messages (checked by `api::messages`) and tools through
+/// the chat template (`chat_template_kwargs` reach it), as text and tokens.
+fn render_chat(
+    st: &AppState,
+    f: &Fields,
+    messages: Value,
+    tools: &Option<Value>,
+) -> ApiResult<(String, Vec<u32>)> {
     let kwargs: Map<String, Value> = match f.get("chat_template_kwargs") {
         None => Map::new(),
         Some(Value::Object(o)) => o.clone(),
@@ -410,36 +470,7 @@ fn prepare_chat(
         .format
         .encode(&text)
         .map_err(|e| ApiError::bad_request(format!("{e:#}"), Some("messages")))?;
-    let max_tokens = st.max_tokens(prompt.len(), &gen)?;
-    let branch = st.format.assistant_turn_start(&prompt);
-    let schemas = tools.as_ref().map(ToolSchemas::from_tools);
-    let force = match &choice {
-        ToolChoice::Required => Some("<tool_call>\n<function=".to_string()),
-        ToolChoice::Function(name) => Some(format!("<tool_call>\n<function={name}>\n")),
-        _ => None,
-    };
-    let chat = ChatParsing {
-        in_reasoning: text.ends_with("<think>\n"),
-        tools: if choice == ToolChoice::None {
-            None
-        } else {
-            schemas
-        },
-        force,
-        constraint,
-    };
-    let (tx, rx) = mpsc::unbounded_channel();
-    let job = Job {
-        prompt,
-        branch,
-        gen: gen.clone(),
-        max_tokens,
-        chat: Some(chat),
-        events: tx,
-        received,
-        deadline: received + st.cfg.request_timeout,
-    };
-    Ok((job, rx, gen))
+    Ok((text, prompt))
 }
 
 const COMPLETION_FIELDS: &[&str] = &["prompt"];
@@ -610,6 +641,7 @@ async fn respond(
                     Event::Done {
                         finish_reason,
                         usage,
+                        ..
                     } => {
                         let last = if chat {
                             json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": finish_reason})
@@ -656,6 +688,7 @@ async fn respond(
             Event::Done {
                 finish_reason,
                 usage,
+                ..
             } => {
                 let parse::Reply {
                     reasoning,

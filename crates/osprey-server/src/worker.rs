@@ -27,6 +27,8 @@ pub struct ChatParsing {
     pub force: Option<String>,
     /// The answer's grammar (`response_format`), applied once the reasoning is over.
     pub constraint: Option<Constraint>,
+    /// How tool-call ids begin (`call_` for OpenAI clients, `toolu_` for Anthropic ones).
+    pub call_id_prefix: &'static str,
 }
 
 pub struct Job {
@@ -70,6 +72,8 @@ pub enum Event {
     },
     Done {
         finish_reason: &'static str,
+        /// The stop string that ended the reply, if one did.
+        stop_sequence: Option<String>,
         usage: Usage,
     },
     Error {
@@ -399,7 +403,7 @@ impl Worker {
             parser: job
                 .chat
                 .as_ref()
-                .map(|c| OutputParser::new(c.in_reasoning, c.tools.clone(), "call_")),
+                .map(|c| OutputParser::new(c.in_reasoning, c.tools.clone(), c.call_id_prefix)),
             force: job.chat.as_ref().and_then(|c| c.force.clone()),
             generated: 0,
             finish: "length",
@@ -532,8 +536,13 @@ impl Worker {
             completion_tokens: generated,
             cached_tokens: cached,
         };
+        let stop_sequence = stops
+            .matched()
+            .filter(|_| finish == "stop")
+            .map(String::from);
         let _ = job.events.send(Event::Done {
             finish_reason: finish,
+            stop_sequence,
             usage,
         });
         Ok(())

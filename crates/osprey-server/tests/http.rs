@@ -891,3 +891,160 @@ async fn response_format_leaves_the_reasoning_free() {
     assert_eq!(v, json!({"rain": true, "days": 3, "sky": "cloudy"}));
     assert_eq!(finish, "stop");
 }
+
+const WEATHER_ANTHROPIC: &str = r#"[{"name": "get_weather", "description": "Weather for a city", "input_schema": {"type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}]"#;
+
+/// Anthropic SSE: (event name, data) pairs.
+async fn anthropic_stream(s: &Server, body: Value) -> Vec<(String, Value)> {
+    let r = s
+        .client
+        .post(format!("{}/v1/messages", s.base))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let text = r.text().await.unwrap();
+    let mut events = Vec::new();
+    let mut name = String::new();
+    for line in text.lines() {
+        if let Some(n) = line.strip_prefix("event: ") {
+            name = n.to_string();
+        } else if let Some(d) = line.strip_prefix("data: ") {
+            events.push((name.clone(), serde_json::from_str(d).unwrap()));
+        }
+    }
+    events
+}
+
+#[tokio::test]
+async fn anthropic_messages_tool_use_whole_and_streamed() {
+    let s = Server::scripted(CALL_REPLY, Duration::ZERO, config()).await;
+    let tools: Value = serde_json::from_str(WEATHER_ANTHROPIC).unwrap();
+    let body = json!({"model": "tiny", "max_tokens": 100, "tools": tools,
+        "messages": [{"role": "user", "content": "weather in Paris?"}]});
+    let (st, r) = s.post("/v1/messages", body.clone()).await;
+    assert_eq!(st, 200, "{r}");
+    assert_eq!(r["type"], "message");
+    assert_eq!(r["role"], "assistant");
+    assert!(r["id"].as_str().unwrap().starts_with("msg_"), "{r}");
+    assert_eq!(r["stop_reason"], "tool_use");
+    let content = r["content"].as_array().unwrap();
+    assert_eq!(content[0]["type"], "thinking");
+    assert_eq!(content[0]["thinking"], "Need weather.");
+    let call = content.last().unwrap();
+    assert_eq!(call["type"], "tool_use");
+    assert_eq!(call["name"], "get_weather");
+    assert_eq!(call["input"], json!({"city": "Paris", "days": 3}));
+    assert!(call["id"].as_str().unwrap().starts_with("toolu_"), "{call}");
+    let usage = &r["usage"];
+    assert!(
+        usage["input_tokens"].as_u64().unwrap() > 0 && usage["output_tokens"].as_u64().unwrap() > 0
+    );
+
+    // count_tokens reads the prompt as the request did
+    let (st, n) = s.post("/v1/messages/count_tokens", body.clone()).await;
+    assert_eq!(st, 200, "{n}");
+    let cached = usage["cache_read_input_tokens"].as_u64().unwrap();
+    assert_eq!(
+        n["input_tokens"].as_u64().unwrap(),
+        usage["input_tokens"].as_u64().unwrap() + cached
+    );
+
+    // streamed: the event sequence Anthropic sends, and the same blocks once put together
+    let mut body = body;
+    body["stream"] = json!(true);
+    let events = anthropic_stream(&s, body).await;
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names.first(), Some(&"message_start"));
+    assert_eq!(&names[names.len() - 2..], ["message_delta", "message_stop"]);
+    for (n, d) in &events {
+        assert_eq!(d["type"], n.as_str(), "each event's data names its event");
+    }
+    let mut thinking = String::new();
+    let mut input_json = String::new();
+    let mut kinds = Vec::new();
+    for (_, d) in &events {
+        match d["type"].as_str().unwrap() {
+            "content_block_start" => {
+                kinds.push(d["content_block"]["type"].as_str().unwrap().to_string())
+            }
+            "content_block_delta" => match d["delta"]["type"].as_str().unwrap() {
+                "thinking_delta" => thinking.push_str(d["delta"]["thinking"].as_str().unwrap()),
+                "input_json_delta" => {
+                    input_json.push_str(d["delta"]["partial_json"].as_str().unwrap())
+                }
+                _ => {}
+            },
+            _ => {}
+        }
+    }
+    assert_eq!(kinds.first().map(String::as_str), Some("thinking"));
+    assert_eq!(kinds.last().map(String::as_str), Some("tool_use"));
+    assert_eq!(thinking, "Need weather.");
+    assert_eq!(
+        serde_json::from_str::<Value>(&input_json).unwrap(),
+        json!({"city": "Paris", "days": 3})
+    );
+    let end = &events[events.len() - 2].1;
+    assert_eq!(end["delta"]["stop_reason"], "tool_use");
+}
+
+#[tokio::test]
+async fn anthropic_messages_stop_sequences_thinking_off_and_errors() {
+    let cfg = ServerConfig {
+        api_key: Some("sekret".into()),
+        ..config()
+    };
+    let s = Server::scripted("The answer is 42. END more text", Duration::ZERO, cfg).await;
+    let post = |body: Value, key: Option<&'static str>| {
+        let req = s.client.post(format!("{}/v1/messages", s.base)).json(&body);
+        let req = match key {
+            Some(k) => req.header("x-api-key", k),
+            None => req,
+        };
+        async move {
+            let r = req.send().await.unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        }
+    };
+    let body = json!({"max_tokens": 50, "stop_sequences": ["END"], "thinking": {"type": "disabled"},
+        "messages": [{"role": "user", "content": "?"}]});
+    let (st, r) = post(body.clone(), Some("sekret")).await;
+    assert_eq!(st, 200, "{r}");
+    assert_eq!(
+        r["content"],
+        json!([{"type": "text", "text": "The answer is 42. "}])
+    );
+    assert_eq!(r["stop_reason"], "stop_sequence");
+    assert_eq!(r["stop_sequence"], "END");
+
+    // errors in Anthropic's envelope, typed by status
+    let (st, r) = post(body.clone(), Some("wrong")).await;
+    assert_eq!(st, 401);
+    assert_eq!(r["type"], "error");
+    assert_eq!(r["error"]["type"], "authentication_error");
+    let (st, r) = post(
+        json!({"messages": [{"role": "user", "content": "?"}]}),
+        Some("sekret"),
+    )
+    .await;
+    assert_eq!(
+        (st, r["error"]["type"].as_str()),
+        (400, Some("invalid_request_error")),
+        "{r}"
+    );
+    assert!(r["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("'max_tokens' is required"));
+    let mut other = body;
+    other["model"] = json!("claude-opus");
+    let (st, r) = post(other, Some("sekret")).await;
+    assert_eq!(
+        (st, r["error"]["type"].as_str()),
+        (404, Some("not_found_error")),
+        "{r}"
+    );
+}

@@ -1,0 +1,720 @@
+//! The Anthropic Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`) on the same
+//! engine, for the clients and agents that speak it (the `anthropic` SDKs; coding agents pointed
+//! at `ANTHROPIC_BASE_URL`). A request is translated into the chat-completions request it means
+//! (system prompt; text, tool_use, tool_result and thinking blocks; tools and tool_choice;
+//! thinking on or off) and checked by the same code; the reply's reasoning, text and tool calls
+//! come back as `thinking`, `text` and `tool_use` blocks, streamed as Anthropic's events.
+//! Errors use Anthropic's envelope, `{"type": "error", "error": {"type", "message"}}`.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Map, Value};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+
+use crate::api::{self, ApiError, ApiResult, Fields};
+use crate::parse::{self, Delta};
+use crate::worker::{Event, Usage};
+use crate::{json_body, prepare_chat_request, render_chat, AppState};
+
+/// Fields of a Messages request (count_tokens takes them too, less the generation ones).
+const MESSAGE_FIELDS: &[&str] = &[
+    "model",
+    "messages",
+    "max_tokens",
+    "system",
+    "stop_sequences",
+    "stream",
+    "temperature",
+    "top_p",
+    "top_k",
+    "tools",
+    "tool_choice",
+    "thinking",
+];
+
+/// An error in Anthropic's envelope, its type from the HTTP status.
+pub fn error(e: ApiError) -> Response {
+    let kind = match e.status.as_u16() {
+        400 => "invalid_request_error",
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        413 => "request_too_large",
+        429 => "rate_limit_error",
+        _ => "api_error",
+    };
+    let body = json!({"type": "error", "error": {"type": kind, "message": e.message}});
+    (e.status, Json(body)).into_response()
+}
+
+fn bad(message: impl Into<String>, field: &str) -> ApiError {
+    ApiError::bad_request(message, Some(field))
+}
+
+/// The text of a string or of a list of text blocks (`what` names the field in errors).
+fn text_of(v: &Value, what: &str) -> ApiResult<String> {
+    match v {
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(blocks) => {
+            let mut text = String::new();
+            for (j, b) in blocks.iter().enumerate() {
+                match (b["type"].as_str(), b["text"].as_str()) {
+                    (Some("text"), Some(t)) => text.push_str(t),
+                    (kind, _) => {
+                        return Err(bad(
+                            format!(
+                                "{what}[{j}]: only text blocks are supported here, got {}",
+                                kind.unwrap_or("a block without a type")
+                            ),
+                            what,
+                        ))
+                    }
+                }
+            }
+            Ok(text)
+        }
+        _ => Err(bad(
+            format!("'{what}' must be a string or a list of text blocks"),
+            what,
+        )),
+    }
+}
+
+/// The chat messages of a Messages request: the system prompt first, tool results as `tool`
+/// messages (before the user's own text of that turn), assistant turns with their reasoning
+/// and tool calls.
+fn chat_messages(f: &Fields) -> ApiResult<Vec<Value>> {
+    let mut out = Vec::new();
+    if let Some(system) = f.get("system") {
+        out.push(json!({"role": "system", "content": text_of(system, "system")?}));
+    }
+    let Some(list) = f.get("messages").and_then(Value::as_array) else {
+        return Err(bad(
+            "'messages' is required and must be a non-empty list",
+            "messages",
+        ));
+    };
+    for (i, m) in list.iter().enumerate() {
+        let role = m.get("role").and_then(Value::as_str);
+        let blocks = match m.get("content") {
+            Some(Value::String(s)) => vec![json!({"type": "text", "text": s})],
+            Some(Value::Array(a)) => a.clone(),
+            _ => {
+                return Err(bad(
+                    format!("messages[{i}].content must be a string or a list of blocks"),
+                    "messages",
+                ))
+            }
+        };
+        let unsupported = |j: usize, kind: Option<&str>| {
+            bad(
+                format!(
+                    "messages[{i}].content[{j}]: {} blocks are not supported (text, tool_use, tool_result and thinking are)",
+                    kind.map_or("untyped".to_string(), |k| format!("'{k}'"))
+                ),
+                "messages",
+            )
+        };
+        match role {
+            Some("user") => {
+                let (mut text, mut results) = (String::new(), 0);
+                for (j, b) in blocks.iter().enumerate() {
+                    match b["type"].as_str() {
+                        Some("text") => text.push_str(b["text"].as_str().ok_or_else(|| {
+                            bad(
+                                format!("messages[{i}].content[{j}].text must be a string"),
+                                "messages",
+                            )
+                        })?),
+                        Some("tool_result") => {
+                            let id = b["tool_use_id"].as_str().ok_or_else(|| {
+                                bad(
+                                    format!("messages[{i}].content[{j}].tool_use_id is required"),
+                                    "messages",
+                                )
+                            })?;
+                            let what = format!("messages[{i}].content[{j}].content");
+                            let content = match &b["content"] {
+                                Value::Null => String::new(),
+                                v => text_of(v, &what)?,
+                            };
+                            let content = if b["is_error"] == Value::Bool(true) {
+                                format!("Error: {content}")
+                            } else {
+                                content
+                            };
+                            out.push(
+                                json!({"role": "tool", "tool_call_id": id, "content": content}),
+                            );
+                            results += 1;
+                        }
+                        kind => return Err(unsupported(j, kind)),
+                    }
+                }
+                if !text.is_empty() || results == 0 {
+                    out.push(json!({"role": "user", "content": text}));
+                }
+            }
+            Some("assistant") => {
+                let (mut text, mut reasoning, mut calls) =
+                    (String::new(), String::new(), Vec::new());
+                for (j, b) in blocks.iter().enumerate() {
+                    match b["type"].as_str() {
+                        Some("text") => text.push_str(b["text"].as_str().unwrap_or_default()),
+                        Some("thinking") => {
+                            reasoning.push_str(b["thinking"].as_str().unwrap_or_default())
+                        }
+                        Some("redacted_thinking") => {}
+                        Some("tool_use") => {
+                            let (Some(id), Some(name)) = (b["id"].as_str(), b["name"].as_str())
+                            else {
+                                return Err(bad(
+                                    format!("messages[{i}].content[{j}]: a tool_use block needs 'id' and 'name'"),
+                                    "messages",
+                                ));
+                            };
+                            let input = match &b["input"] {
+                                Value::Null => json!({}),
+                                v @ Value::Object(_) => v.clone(),
+                                _ => {
+                                    return Err(bad(
+                                        format!(
+                                            "messages[{i}].content[{j}].input must be an object"
+                                        ),
+                                        "messages",
+                                    ))
+                                }
+                            };
+                            calls.push(json!({"id": id, "type": "function", "function": {"name": name, "arguments": input}}));
+                        }
+                        kind => return Err(unsupported(j, kind)),
+                    }
+                }
+                if i + 1 == list.len() {
+                    return Err(bad(
+                        "the last message must be the user's: continuing a prefilled assistant turn is not supported",
+                        "messages",
+                    ));
+                }
+                let mut msg = json!({"role": "assistant", "content": text});
+                if !reasoning.is_empty() {
+                    msg["reasoning_content"] = Value::String(reasoning);
+                }
+                if !calls.is_empty() {
+                    msg["tool_calls"] = Value::Array(calls);
+                }
+                out.push(msg);
+            }
+            _ => {
+                return Err(bad(
+                    format!("messages[{i}].role must be \"user\" or \"assistant\""),
+                    "messages",
+                ))
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Client tools (`{name, description, input_schema}`) as chat-completions functions.
+fn chat_tools(v: &Value) -> ApiResult<Value> {
+    let Some(list) = v.as_array() else {
+        return Err(bad("'tools' must be a list", "tools"));
+    };
+    let mut out = Vec::with_capacity(list.len());
+    for (i, t) in list.iter().enumerate() {
+        if let Some(kind) = t["type"].as_str().filter(|k| *k != "custom") {
+            return Err(bad(
+                format!("tools[{i}]: server tools ('{kind}') are not supported, only client tools"),
+                "tools",
+            ));
+        }
+        let Some(name) = t["name"].as_str().filter(|n| !n.is_empty()) else {
+            return Err(bad(format!("tools[{i}].name is required"), "tools"));
+        };
+        let schema = match &t["input_schema"] {
+            v @ Value::Object(_) => v.clone(),
+            _ => {
+                return Err(bad(
+                    format!("tools[{i}].input_schema must be a JSON schema object"),
+                    "tools",
+                ))
+            }
+        };
+        let mut function = json!({"name": name, "parameters": schema});
+        if let Some(d) = t["description"].as_str() {
+            function["description"] = Value::String(d.to_string());
+        }
+        out.push(json!({"type": "function", "function": function}));
+    }
+    Ok(Value::Array(out))
+}
+
+fn chat_tool_choice(v: &Value) -> ApiResult<Value> {
+    match (v["type"].as_str(), v["name"].as_str()) {
+        (Some("auto"), _) => Ok(json!("auto")),
+        (Some("any"), _) => Ok(json!("required")),
+        (Some("none"), _) => Ok(json!("none")),
+        (Some("tool"), Some(name)) => Ok(json!({"type": "function", "function": {"name": name}})),
+        _ => Err(bad(
+            "'tool_choice' must be {\"type\": \"auto\"}, {\"type\": \"any\"}, {\"type\": \"none\"} or {\"type\": \"tool\", \"name\": ...}",
+            "tool_choice",
+        )),
+    }
+}
+
+/// The chat-completions request a Messages request means (`count_only`: for count_tokens,
+/// which needs no `max_tokens`).
+pub fn chat_request(body: &Value, count_only: bool) -> ApiResult<Value> {
+    let f = Fields::parse(body)?;
+    f.check_known(MESSAGE_FIELDS)?;
+    let mut out = Map::new();
+    out.insert("messages".into(), Value::Array(chat_messages(&f)?));
+    if let Some(m) = f.get("model") {
+        out.insert("model".into(), m.clone());
+    }
+    match f.get("max_tokens") {
+        Some(v) => {
+            out.insert("max_tokens".into(), v.clone());
+        }
+        None if !count_only => return Err(bad("'max_tokens' is required", "max_tokens")),
+        None => {}
+    }
+    if !count_only {
+        for k in ["temperature", "top_p", "top_k", "stream"] {
+            if let Some(v) = f.get(k) {
+                out.insert(k.into(), v.clone());
+            }
+        }
+        if let Some(v) = f.get("stop_sequences") {
+            let ok = v
+                .as_array()
+                .is_some_and(|a| a.len() <= 16 && a.iter().all(Value::is_string));
+            if !ok {
+                return Err(bad(
+                    "'stop_sequences' must be a list of at most 16 strings",
+                    "stop_sequences",
+                ));
+            }
+            out.insert("stop".into(), v.clone());
+        }
+    }
+    if let Some(t) = f.get("tools") {
+        out.insert("tools".into(), chat_tools(t)?);
+    }
+    if let Some(c) = f.get("tool_choice") {
+        out.insert("tool_choice".into(), chat_tool_choice(c)?);
+    }
+    if let Some(t) = f.get("thinking") {
+        let on = match t["type"].as_str() {
+            Some("enabled" | "adaptive") => true,
+            Some("disabled") => false,
+            _ => {
+                return Err(bad(
+                    "'thinking' must be {\"type\": \"enabled\"} or {\"type\": \"disabled\"}",
+                    "thinking",
+                ))
+            }
+        };
+        out.insert(
+            "chat_template_kwargs".into(),
+            json!({"enable_thinking": on}),
+        );
+    }
+    Ok(Value::Object(out))
+}
+
+fn stop_reason(finish: &str, stop_sequence: Option<&str>) -> &'static str {
+    match finish {
+        "length" => "max_tokens",
+        "tool_calls" => "tool_use",
+        _ if stop_sequence.is_some() => "stop_sequence",
+        _ => "end_turn",
+    }
+}
+
+/// Anthropic counts prompt tokens read from the cache apart from the others.
+fn usage_json(u: &Usage) -> Value {
+    json!({"input_tokens": u.prompt_tokens - u.cached_tokens, "output_tokens": u.completion_tokens,
+           "cache_read_input_tokens": u.cached_tokens, "cache_creation_input_tokens": 0})
+}
+
+/// The content blocks of a whole reply.
+fn content_blocks(r: parse::Reply) -> Vec<Value> {
+    let mut blocks = Vec::new();
+    if !r.reasoning.is_empty() {
+        blocks.push(json!({"type": "thinking", "thinking": r.reasoning, "signature": ""}));
+    }
+    if !r.content.is_empty() {
+        blocks.push(json!({"type": "text", "text": r.content}));
+    }
+    for c in r.calls {
+        let input: Value = serde_json::from_str(&c.arguments).unwrap_or_else(|_| json!({}));
+        blocks.push(json!({"type": "tool_use", "id": c.id, "name": c.name, "input": input}));
+    }
+    blocks
+}
+
+/// The block being streamed.
+#[derive(Clone, Copy, PartialEq)]
+enum Open {
+    Thinking,
+    Text,
+    Tool(usize),
+}
+
+/// Turns the parser's deltas into content-block events, opening and closing blocks as the kind
+/// of text changes.
+#[derive(Default)]
+struct BlockStream {
+    next: usize,
+    open: Option<Open>,
+}
+
+impl BlockStream {
+    fn close(&mut self, out: &mut Vec<(&'static str, Value)>) {
+        if self.open.take().is_some() {
+            out.push((
+                "content_block_stop",
+                json!({"type": "content_block_stop", "index": self.next}),
+            ));
+            self.next += 1;
+        }
+    }
+
+    fn start(&mut self, kind: Open, block: Value, out: &mut Vec<(&'static str, Value)>) {
+        self.close(out);
+        self.open = Some(kind);
+        out.push((
+            "content_block_start",
+            json!({"type": "content_block_start", "index": self.next, "content_block": block}),
+        ));
+    }
+
+    fn delta(&self, delta: Value) -> (&'static str, Value) {
+        (
+            "content_block_delta",
+            json!({"type": "content_block_delta", "index": self.next, "delta": delta}),
+        )
+    }
+
+    fn push(&mut self, d: &Delta, out: &mut Vec<(&'static str, Value)>) {
+        match d {
+            Delta::Reasoning(s) if !s.is_empty() => {
+                if self.open != Some(Open::Thinking) {
+                    self.start(
+                        Open::Thinking,
+                        json!({"type": "thinking", "thinking": "", "signature": ""}),
+                        out,
+                    );
+                }
+                out.push(self.delta(json!({"type": "thinking_delta", "thinking": s})));
+            }
+            Delta::Content(s) if !s.is_empty() => {
+                if self.open != Some(Open::Text) {
+                    self.start(Open::Text, json!({"type": "text", "text": ""}), out);
+                }
+                out.push(self.delta(json!({"type": "text_delta", "text": s})));
+            }
+            Delta::CallStart { index, id, name } => self.start(
+                Open::Tool(*index),
+                json!({"type": "tool_use", "id": id, "name": name, "input": {}}),
+                out,
+            ),
+            Delta::CallArguments { index, fragment } if self.open == Some(Open::Tool(*index)) => {
+                out.push(self.delta(json!({"type": "input_json_delta", "partial_json": fragment})));
+            }
+            _ => {}
+        }
+    }
+}
+
+/// `POST /v1/messages`
+pub async fn messages(
+    State(st): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let received = Instant::now();
+    let prepared = json_body(body)
+        .and_then(|b| chat_request(&b, false))
+        .and_then(|chat| prepare_chat_request(&st, &chat, received, "toolu_"));
+    let (job, mut rx, gen) = match prepared {
+        Ok(p) => p,
+        Err(e) => return error(e),
+    };
+    let input_tokens = job.prompt.len();
+    if let Err(e) = st.enqueue(job) {
+        return error(e);
+    }
+    let id = st.next_id("msg").replacen('-', "_", 1);
+    let model = st.cfg.model_name.clone();
+    if gen.stream {
+        let (out_tx, out_rx) = mpsc::unbounded_channel::<Result<SseEvent, Infallible>>();
+        tokio::spawn(async move {
+            let send = |name: &str, v: Value| {
+                out_tx
+                    .send(Ok(SseEvent::default().event(name).data(v.to_string())))
+                    .is_ok()
+            };
+            let start = json!({"type": "message_start", "message": {"id": id, "type": "message", "role": "assistant",
+                "model": model, "content": [], "stop_reason": null, "stop_sequence": null,
+                "usage": {"input_tokens": input_tokens, "output_tokens": 0}}});
+            if !send("message_start", start) {
+                return;
+            }
+            let mut blocks = BlockStream::default();
+            while let Some(ev) = rx.recv().await {
+                let mut out = Vec::new();
+                let last = match ev {
+                    Event::Deltas { deltas, .. } => {
+                        deltas.iter().for_each(|d| blocks.push(d, &mut out));
+                        false
+                    }
+                    Event::Done {
+                        finish_reason,
+                        stop_sequence,
+                        usage,
+                    } => {
+                        blocks.close(&mut out);
+                        let reason = stop_reason(finish_reason, stop_sequence.as_deref());
+                        out.push((
+                            "message_delta",
+                            json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": stop_sequence},
+                                   "usage": usage_json(&usage)}),
+                        ));
+                        out.push(("message_stop", json!({"type": "message_stop"})));
+                        true
+                    }
+                    Event::Error { message, .. } => {
+                        out.push((
+                            "error",
+                            json!({"type": "error", "error": {"type": "api_error", "message": message}}),
+                        ));
+                        true
+                    }
+                };
+                if !out.into_iter().all(|(name, v)| send(name, v)) {
+                    return; // client gone: dropping rx tells the engine to stop
+                }
+                if last {
+                    return;
+                }
+            }
+        });
+        return Sse::new(UnboundedReceiverStream::new(out_rx))
+            .keep_alive(KeepAlive::default())
+            .into_response();
+    }
+
+    let mut deltas = Vec::new();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            Event::Deltas { deltas: d, .. } => deltas.extend(d),
+            Event::Done {
+                finish_reason,
+                stop_sequence,
+                usage,
+            } => {
+                let reason = stop_reason(finish_reason, stop_sequence.as_deref());
+                return Json(
+                    json!({"id": id, "type": "message", "role": "assistant", "model": model,
+                    "content": content_blocks(parse::collect(&deltas)), "stop_reason": reason,
+                    "stop_sequence": stop_sequence, "usage": usage_json(&usage)}),
+                )
+                .into_response();
+            }
+            Event::Error { message, timeout } => {
+                let status = if timeout {
+                    axum::http::StatusCode::GATEWAY_TIMEOUT
+                } else {
+                    axum::http::StatusCode::INTERNAL_SERVER_ERROR
+                };
+                return error(ApiError::new(status, "api_error", "engine_error", message));
+            }
+        }
+    }
+    error(ApiError::new(
+        axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+        "api_error",
+        "engine_error",
+        "the engine ended the request without a result",
+    ))
+}
+
+/// `POST /v1/messages/count_tokens`: the prompt's length in tokens as this model reads it.
+pub async fn count_tokens(
+    State(st): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let counted = (|| -> ApiResult<usize> {
+        let chat = chat_request(&json_body(body)?, true)?;
+        let f = Fields::parse(&chat)?;
+        st.check_model(&f)?;
+        let tools = api::tools(&f)?;
+        let (_, prompt) = render_chat(&st, &f, api::messages(&f)?, &tools)?;
+        Ok(prompt.len())
+    })();
+    match counted {
+        Ok(n) => Json(json!({"input_tokens": n})).into_response(),
+        Err(e) => error(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tool_conversation_becomes_chat_messages() {
+        let body = json!({
+            "model": "m", "max_tokens": 50, "system": [{"type": "text", "text": "Be brief."}],
+            "stop_sequences": ["END"], "thinking": {"type": "disabled"},
+            "tools": [{"name": "get_weather", "description": "Weather", "input_schema": {"type": "object"}}],
+            "tool_choice": {"type": "tool", "name": "get_weather"},
+            "messages": [
+                {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": [
+                    {"type": "thinking", "thinking": "Use the tool.", "signature": "x"},
+                    {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "21C"}]},
+                    {"type": "text", "text": "And tomorrow?"}]}
+            ]
+        });
+        let chat = chat_request(&body, false).unwrap();
+        assert_eq!(
+            chat,
+            json!({
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Weather in Paris?"},
+                    {"role": "assistant", "content": "", "reasoning_content": "Use the tool.",
+                     "tool_calls": [{"id": "toolu_1", "type": "function",
+                                     "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                    {"role": "tool", "tool_call_id": "toolu_1", "content": "21C"},
+                    {"role": "user", "content": "And tomorrow?"}
+                ],
+                "model": "m", "max_tokens": 50, "stop": ["END"],
+                "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"},
+                           "description": "Weather"}}],
+                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                "chat_template_kwargs": {"enable_thinking": false}
+            })
+        );
+    }
+
+    #[test]
+    fn bad_requests_name_the_problem() {
+        let user = json!([{"role": "user", "content": "hi"}]);
+        for (body, says) in [
+            (json!({"messages": user}), "'max_tokens' is required"),
+            (json!({"max_tokens": 5}), "'messages' is required"),
+            (json!({"max_tokens": 5, "messages": user, "n": 2}), "'n'"),
+            (
+                json!({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}),
+                "'image' blocks are not supported",
+            ),
+            (
+                json!({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}),
+                "must be \"user\" or \"assistant\"",
+            ),
+            (
+                json!({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "Sure,"}]}),
+                "prefilled assistant turn",
+            ),
+            (
+                json!({"max_tokens": 5, "messages": user, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}),
+                "server tools",
+            ),
+            (
+                json!({"max_tokens": 5, "messages": user, "tool_choice": {"type": "tool"}}),
+                "'tool_choice' must be",
+            ),
+            (
+                json!({"max_tokens": 5, "messages": user, "thinking": {"type": "maybe"}}),
+                "'thinking' must be",
+            ),
+            (
+                json!({"max_tokens": 5, "messages": user, "stop_sequences": "END"}),
+                "'stop_sequences'",
+            ),
+        ] {
+            let err = chat_request(&body, false).unwrap_err();
+            assert_eq!(err.status.as_u16(), 400);
+            assert!(err.message.contains(says), "{body}: {}", err.message);
+        }
+        assert!(chat_request(&json!({"messages": user}), true).is_ok());
+    }
+
+    #[test]
+    fn deltas_stream_as_content_blocks() {
+        let mut s = BlockStream::default();
+        let mut out = Vec::new();
+        for d in [
+            Delta::Reasoning("Hm".into()),
+            Delta::Reasoning(".".into()),
+            Delta::Content("Let me check.".into()),
+            Delta::CallStart {
+                index: 0,
+                id: "toolu_a".into(),
+                name: "f".into(),
+            },
+            Delta::CallArguments {
+                index: 0,
+                fragment: "{\"x\": ".into(),
+            },
+            Delta::CallArguments {
+                index: 0,
+                fragment: "1}".into(),
+            },
+        ] {
+            s.push(&d, &mut out);
+        }
+        s.close(&mut out);
+        let got: Vec<(String, Value, Value)> = out
+            .into_iter()
+            .map(|(n, v)| {
+                (
+                    n.to_string(),
+                    v["index"].clone(),
+                    v["delta"]["type"].clone(),
+                )
+            })
+            .collect();
+        let want = [
+            ("content_block_start", 0, Value::Null),
+            ("content_block_delta", 0, json!("thinking_delta")),
+            ("content_block_delta", 0, json!("thinking_delta")),
+            ("content_block_stop", 0, Value::Null),
+            ("content_block_start", 1, Value::Null),
+            ("content_block_delta", 1, json!("text_delta")),
+            ("content_block_stop", 1, Value::Null),
+            ("content_block_start", 2, Value::Null),
+            ("content_block_delta", 2, json!("input_json_delta")),
+            ("content_block_delta", 2, json!("input_json_delta")),
+            ("content_block_stop", 2, Value::Null),
+        ];
+        let want: Vec<(String, Value, Value)> = want
+            .into_iter()
+            .map(|(n, i, d)| (n.to_string(), json!(i), d))
+            .collect();
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn finish_reasons_map_to_stop_reasons() {
+        assert_eq!(stop_reason("stop", None), "end_turn");
+        assert_eq!(stop_reason("stop", Some("END")), "stop_sequence");
+        assert_eq!(stop_reason("length", None), "max_tokens");
+        assert_eq!(stop_reason("tool_calls", None), "tool_use");
+    }
+}
