@@ -207,11 +207,11 @@ impl Server {
         (status, r.json().await.unwrap_or(Value::Null))
     }
 
-    /// SSE `data:` payloads of a streaming request.
-    async fn stream(&self, body: Value) -> Vec<String> {
+    /// The server-sent events of a streaming request, as text.
+    async fn sse_text(&self, path: &str, body: Value) -> String {
         let r = self
             .client
-            .post(format!("{}/v1/chat/completions", self.base))
+            .post(format!("{}{path}", self.base))
             .json(&body)
             .send()
             .await
@@ -221,7 +221,12 @@ impl Server {
             .to_str()
             .unwrap()
             .starts_with("text/event-stream"));
-        let text = r.text().await.unwrap();
+        r.text().await.unwrap()
+    }
+
+    /// SSE `data:` payloads of a streaming request.
+    async fn stream(&self, body: Value) -> Vec<String> {
+        let text = self.sse_text("/v1/chat/completions", body).await;
         text.lines()
             .filter_map(|l| l.strip_prefix("data: "))
             .map(String::from)
@@ -897,15 +902,7 @@ const WEATHER_ANTHROPIC: &str = r#"[{"name": "get_weather", "description": "Weat
 
 /// Anthropic SSE: (event name, data) pairs.
 async fn anthropic_stream(s: &Server, body: Value) -> Vec<(String, Value)> {
-    let r = s
-        .client
-        .post(format!("{}/v1/messages", s.base))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 200);
-    let text = r.text().await.unwrap();
+    let text = s.sse_text("/v1/messages", body).await;
     let mut events = Vec::new();
     let mut name = String::new();
     for line in text.lines() {
