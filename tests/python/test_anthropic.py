@@ -67,3 +67,8 @@ def test_errors_surface_as_anthropic_exceptions(client):
     bad = anthropic.Anthropic(base_url=client.base_url, api_key="wrong")
     with pytest.raises(anthropic.AuthenticationError):
         bad.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": "x"}])
+
+
+def test_models_list(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny"] and models[0].type == "model"

@@ -203,9 +203,35 @@ async fn metrics_text(State(st): State<Arc<AppState>>) -> impl IntoResponse {
     )
 }
 
+/// The served model, in a list both the OpenAI and the Anthropic SDKs read (each ignores the
+/// other's fields).
 async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
+    let (id, created) = (&st.cfg.model_name, now());
     Json(
-        json!({"object": "list", "data": [{"id": st.cfg.model_name, "object": "model", "created": now(), "owned_by": "osprey"}]}),
+        json!({"object": "list", "has_more": false, "first_id": id, "last_id": id,
+        "data": [{"id": id, "object": "model", "created": created, "owned_by": "osprey",
+                  "type": "model", "display_name": id, "created_at": rfc3339(created)}]}),
+    )
+}
+
+/// Seconds since the Unix epoch as an RFC 3339 UTC time (days to a civil date by Howard
+/// Hinnant's algorithm).
+fn rfc3339(secs: u64) -> String {
+    let (days, rest) = ((secs / 86_400) as i64, secs % 86_400);
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rest / 3600,
+        rest % 3600 / 60,
+        rest % 60
     )
 }
 
@@ -738,4 +764,17 @@ async fn respond(
         }
     }
     internal("the engine ended the request without a result").into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rfc3339;
+
+    #[test]
+    fn epoch_seconds_as_rfc3339() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(rfc3339(1_796_428_799), "2026-12-04T23:59:59Z");
+        assert_eq!(rfc3339(4_107_542_400), "2100-03-01T00:00:00Z");
+    }
 }
