@@ -32,7 +32,7 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use api::{ApiError, ApiResult, Fields, GenerationRequest, ToolChoice};
 use metrics::Metrics;
 use parse::{Delta, ToolSchemas};
-use structured::{Constraint, Grammars, ResponseFormat};
+use structured::{Constraint, ForcedCall, Grammars, ResponseFormat};
 use worker::{ChatParsing, Event, Job, PrefixCache, TokenLogprob, Usage, Worker};
 
 #[derive(Clone, Debug)]
@@ -216,7 +216,7 @@ async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
 
 /// Seconds since the Unix epoch as an RFC 3339 UTC time (days to a civil date by Howard
 /// Hinnant's algorithm).
-fn rfc3339(secs: u64) -> String {
+pub fn rfc3339(secs: u64) -> String {
     let (days, rest) = ((secs / 86_400) as i64, secs % 86_400);
     let z = days + 719_468;
     let era = z.div_euclid(146_097);
@@ -267,22 +267,37 @@ impl AppState {
         if *rf == ResponseFormat::Text {
             return Ok(None);
         }
-        let grammars = self
-            .grammars
-            .get_or_init(|| Grammars::new(&self.format).map_err(|e| format!("{e:#}")))
-            .as_ref()
-            .map_err(|e| {
-                ApiError::bad_request(
-                    format!("structured outputs are not available with this tokenizer: {e}"),
-                    Some("response_format"),
-                )
-            })?;
+        let grammars = self.grammars().map_err(|e| {
+            ApiError::bad_request(
+                format!("structured outputs are not available with this tokenizer: {e}"),
+                Some("response_format"),
+            )
+        })?;
         grammars.constraint(rf).map_err(|e| {
             ApiError::bad_request(
                 format!("the response_format schema cannot be enforced: {e:#}"),
                 Some("response_format"),
             )
         })
+    }
+
+    /// The vocabulary indexed for grammars (built on first use).
+    fn grammars(&self) -> Result<&Grammars, &String> {
+        self.grammars
+            .get_or_init(|| Grammars::new(&self.format).map_err(|e| format!("{e:#}")))
+            .as_ref()
+    }
+
+    /// A forced tool call held to the tools' schemas; None (the call left free, as the model
+    /// writes it) where the grammar cannot be built.
+    fn tool_call_constraint(&self, forced: ForcedCall) -> Option<Constraint> {
+        match self.grammars() {
+            Ok(g) => g.tool_call(forced),
+            Err(e) => {
+                tracing::warn!("forced tool calls stay unconstrained: {e}");
+                None
+            }
+        }
     }
 
     fn check_model(&self, f: &Fields) -> ApiResult<()> {
@@ -428,7 +443,14 @@ fn prepare_chat_request(
             Some("response_format"),
         ));
     }
-    let constraint = st.constraint(&response_format)?;
+    let constraint = match (st.constraint(&response_format)?, &choice, &tools) {
+        (Some(c), ..) => Some(c),
+        (None, ToolChoice::Required, Some(t)) => st.tool_call_constraint(ForcedCall::AnyOf(t)),
+        (None, ToolChoice::Function(name), Some(t)) => {
+            st.tool_call_constraint(ForcedCall::Named(t, name))
+        }
+        _ => None,
+    };
     let (text, prompt) = render_chat(st, &f, messages, &tools)?;
     let max_tokens = st.max_tokens(prompt.len(), &gen)?;
     let branch = st.format.assistant_turn_start(&prompt);

@@ -74,17 +74,17 @@ impl ResponseFormat {
             ResponseFormat::JsonSchema { schema, strict } => (schema.clone(), *strict),
         };
         if let Some(obj) = schema.as_object_mut() {
-            obj.entry("x-guidance").or_insert_with(|| {
-                json!({
-                    "whitespace_flexible": false,
-                    "item_separator": ", ",
-                    "key_separator": ": ",
-                    "lenient": !strict,
-                })
-            });
+            obj.entry("x-guidance")
+                .or_insert_with(|| separators(!strict));
         }
         Some(schema)
     }
+}
+
+/// llguidance's JSON options: `json.dumps`'s separators, no free whitespace, and with `lenient`
+/// keywords it cannot enforce ignored rather than refused.
+fn separators(lenient: bool) -> Value {
+    json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": ", "lenient": lenient})
 }
 
 /// The vocabulary indexed for grammars: built once, shared by every request.
@@ -136,6 +136,119 @@ impl Grammars {
         }
         Ok(Some(Constraint { matcher }))
     }
+}
+
+/// How a forced tool call continues after the opening the server injects (tool_choice
+/// "required": `<tool_call>\n<function=`; a named function: also its name and `>\n`).
+pub enum ForcedCall<'a> {
+    AnyOf(&'a Value),
+    Named(&'a Value, &'a str),
+}
+
+impl Grammars {
+    /// A constraint holding a forced tool call to the tools' schemas: a function of the list
+    /// (for "required"), then its parameters in the schema's order (the required ones, and each
+    /// optional one or not), each value typed: strings as free text up to the closing tag (or
+    /// one of their `enum`), other types as JSON of their schema; then the call's closing tags.
+    /// None when a schema is beyond this (a `$ref`, say): the call is then left free as before.
+    pub fn tool_call(&self, forced: ForcedCall) -> Option<Constraint> {
+        let lark = tool_call_lark(forced)?;
+        let parser = self
+            .factory
+            .create_parser(TopLevelGrammar::from_lark(lark))
+            .ok()?;
+        let matcher = Matcher::new(Ok(parser));
+        matcher
+            .get_error()
+            .is_none()
+            .then_some(Constraint { matcher })
+    }
+}
+
+/// A Lark string literal (JSON's escaping is Lark's).
+fn lit(s: &str) -> String {
+    Value::String(s.to_string()).to_string()
+}
+
+/// The Lark rules of one function's parameters and closing tags, named `body_{f}`.
+fn function_lark(f: usize, function: &Value, rules: &mut Vec<String>) -> Option<()> {
+    let params = &function["parameters"];
+    let required: Vec<&str> = params["required"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect();
+    let mut body = Vec::new();
+    for (k, (name, schema)) in params["properties"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .enumerate()
+    {
+        if schema.get("$ref").is_some() {
+            return None;
+        }
+        let open = lit(&format!("<parameter={name}>\n"));
+        let value = format!("v_{f}_{k}");
+        let strings: Option<Vec<String>> = schema["enum"]
+            .as_array()
+            .and_then(|e| e.iter().map(|v| v.as_str().map(lit)).collect());
+        match (schema["type"].as_str(), strings) {
+            (Some("string") | None, Some(choices)) if !choices.is_empty() => rules.push(format!(
+                "{value}: ({}) \"\\n</parameter>\\n\"",
+                choices.join(" | ")
+            )),
+            (Some("string") | None, _) => {
+                rules.push(format!("{value}[suffix=\"\\n</parameter>\\n\"]: /(?s:.*)/"))
+            }
+            (Some(_), _) => {
+                let mut schema = schema.clone();
+                schema
+                    .as_object_mut()?
+                    .insert("x-guidance".into(), separators(false));
+                rules.push(format!("j_{f}_{k}: %json {schema}"));
+                rules.push(format!("{value}: j_{f}_{k} \"\\n</parameter>\\n\""));
+            }
+        }
+        rules.push(format!("p_{f}_{k}: {open} {value}"));
+        let optional = if required.contains(&name.as_str()) {
+            ""
+        } else {
+            "?"
+        };
+        body.push(format!("p_{f}_{k}{optional}"));
+    }
+    rules.push(format!(
+        "body_{f}: {} \"</function>\\n\" </tool_call>",
+        body.join(" ")
+    ));
+    Some(())
+}
+
+fn tool_call_lark(forced: ForcedCall) -> Option<String> {
+    let mut rules = Vec::new();
+    let tools = match forced {
+        ForcedCall::AnyOf(tools) | ForcedCall::Named(tools, _) => tools.as_array()?,
+    };
+    let mut starts = Vec::new();
+    for (f, t) in tools.iter().enumerate() {
+        let name = t["function"]["name"].as_str()?;
+        match forced {
+            ForcedCall::Named(_, wanted) if wanted != name => continue,
+            ForcedCall::Named(..) => starts.push(format!("body_{f}")),
+            ForcedCall::AnyOf(_) => {
+                rules.push(format!("call_{f}: {} body_{f}", lit(&format!("{name}>\n"))));
+                starts.push(format!("call_{f}"));
+            }
+        }
+        function_lark(f, &t["function"], &mut rules)?;
+    }
+    if starts.is_empty() {
+        return None;
+    }
+    rules.insert(0, format!("start: {}", starts.join(" | ")));
+    Some(rules.join("\n"))
 }
 
 /// One reply's grammar state.
@@ -195,13 +308,24 @@ mod tests {
     /// allowed token taken, until the end of turn (or `limit` tokens). Returns the text and
     /// whether it ended with the end of turn.
     fn run(rf: &ResponseFormat, seed: u64, limit: usize) -> (String, bool) {
+        run_with(
+            grammars().constraint(rf).unwrap().unwrap(),
+            seed,
+            limit,
+            &[],
+        )
+    }
+
+    /// `prefer`: a token sequence the stand-in model starts every fourth step and, once started,
+    /// follows while the grammar lets it (random logits alone never close a free-text value).
+    fn run_with(mut c: Constraint, seed: u64, limit: usize, prefer: &[u32]) -> (String, bool) {
         let f = format();
         let im_end = f.tokenizer.token_to_id("<|im_end|>").unwrap();
-        let mut c = grammars().constraint(rf).unwrap().unwrap();
         let mut state = seed;
         let mut tokens = Vec::new();
-        for _ in 0..limit {
-            let logits: Vec<f32> = (0..f.vocab_size)
+        let mut at = 0;
+        for step in 0..limit {
+            let mut logits: Vec<f32> = (0..f.vocab_size)
                 .map(|_| {
                     state = state
                         .wrapping_mul(6364136223846793005)
@@ -209,6 +333,10 @@ mod tests {
                     (state >> 40) as f32 / (1u64 << 24) as f32
                 })
                 .collect();
+            let next = prefer.get(at).filter(|_| at > 0 || step % 4 == 3);
+            if let Some(&t) = next {
+                logits[t as usize] += 1.0;
+            }
             let masked = c.mask(&logits).unwrap();
             let best = (0..masked.len())
                 .max_by(|&a, &b| masked[a].total_cmp(&masked[b]))
@@ -216,6 +344,11 @@ mod tests {
             if best == im_end {
                 return (f.decode(&tokens).unwrap(), true);
             }
+            at = if next == Some(&best) {
+                (at + 1) % prefer.len()
+            } else {
+                0
+            };
             c.advance(best).unwrap();
             tokens.push(best);
         }
@@ -345,6 +478,81 @@ mod tests {
         assert!(grammars()
             .constraint(&ResponseFormat::Text)
             .unwrap()
+            .is_none());
+    }
+
+    const TOOLS: &str = r#"[
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                           "unit": {"enum": ["C", "F"]}, "hot": {"type": "boolean"}},
+            "required": ["city", "days"]}}},
+        {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+    ]"#;
+
+    /// The calls a reply parses into, with their typed arguments.
+    fn calls_of(text: &str) -> Vec<(String, Value)> {
+        let tools: Value = serde_json::from_str(TOOLS).unwrap();
+        let mut p = crate::parse::OutputParser::new(
+            false,
+            Some(crate::parse::ToolSchemas::from_tools(&tools)),
+            "call_",
+        );
+        let mut deltas = p.push(text);
+        deltas.extend(p.finish());
+        crate::parse::collect(&deltas)
+            .calls
+            .into_iter()
+            .map(|c| (c.name, serde_json::from_str(&c.arguments).unwrap()))
+            .collect()
+    }
+
+    #[test]
+    fn a_forced_call_holds_random_logits_to_the_tools_schemas() {
+        let tools: Value = serde_json::from_str(TOOLS).unwrap();
+        let close = format().encode("\n</parameter>\n").unwrap();
+        for seed in 0..6 {
+            let c = grammars()
+                .tool_call(ForcedCall::Named(&tools, "get_weather"))
+                .unwrap();
+            let (text, ended) = run_with(c, seed, 300, &close);
+            assert!(ended, "{text:?}");
+            let calls = calls_of(&format!("<tool_call>\n<function=get_weather>\n{text}"));
+            assert_eq!(calls.len(), 1, "{text:?}");
+            let args = calls[0].1.as_object().unwrap();
+            assert!(args["city"].is_string(), "{text:?}");
+            assert!(
+                (1..=7).contains(&args["days"].as_i64().unwrap()),
+                "{text:?}"
+            );
+            if let Some(u) = args.get("unit") {
+                assert!(u == "C" || u == "F", "{text:?}");
+            }
+            if let Some(h) = args.get("hot") {
+                assert!(h.is_boolean(), "{text:?}");
+            }
+            assert!(args
+                .keys()
+                .all(|k| ["city", "days", "unit", "hot"].contains(&k.as_str())));
+
+            let c = grammars().tool_call(ForcedCall::AnyOf(&tools)).unwrap();
+            let (text, ended) = run_with(c, seed, 300, &close);
+            assert!(ended, "{text:?}");
+            let calls = calls_of(&format!("<tool_call>\n<function={text}"));
+            assert_eq!(calls.len(), 1, "{text:?}");
+            assert!(
+                ["get_weather", "get_time"].contains(&calls[0].0.as_str()),
+                "{text:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_schema_with_references_leaves_the_call_free() {
+        let tools = json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+            "properties": {"x": {"$ref": "#/$defs/X"}}, "$defs": {"X": {"type": "integer"}}}}}]);
+        assert!(grammars().tool_call(ForcedCall::AnyOf(&tools)).is_none());
+        assert!(grammars()
+            .tool_call(ForcedCall::Named(&tools, "g"))
             .is_none());
     }
 }

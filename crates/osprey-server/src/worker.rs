@@ -25,7 +25,8 @@ pub struct ChatParsing {
     pub tools: Option<ToolSchemas>,
     /// Text forced at the start of the answer (tool_choice "required" or a named function).
     pub force: Option<String>,
-    /// The answer's grammar (`response_format`), applied once the reasoning is over.
+    /// The answer's grammar (`response_format`, or a forced tool call's), applied once the
+    /// reasoning is over and any forced text is in.
     pub constraint: Option<Constraint>,
     /// How tool-call ids begin (`call_` for OpenAI clients, `toolu_` for Anthropic ones).
     pub call_id_prefix: &'static str,
@@ -432,7 +433,10 @@ impl Worker {
         let device_ok = job.gen.logprobs.is_none() && constraint.is_none();
         while reply.generated < job.max_tokens {
             let logits_now = &logits[..valid_vocab];
-            let mut held = constraint.as_mut().filter(|_| !reply.in_reasoning());
+            // (a forced tool call's grammar starts after its injected opening)
+            let mut held = constraint
+                .as_mut()
+                .filter(|_| !reply.in_reasoning() && reply.force.is_none());
             let token = match held.as_mut() {
                 Some(c) => sampler.sample(&c.mask(logits_now)?),
                 None => sampler.sample(logits_now),

@@ -1045,3 +1045,48 @@ async fn anthropic_messages_stop_sequences_thinking_off_and_errors() {
         "{r}"
     );
 }
+
+#[tokio::test]
+async fn forced_tool_calls_are_held_to_the_schema() {
+    // random weights write no call of their own; forced (tool_choice "required", or Anthropic's
+    // "any"), every call is complete and typed by its schema
+    let s = Server::tiny(config()).await;
+    let alarm = json!({"name": "set_alarm", "parameters": {"type": "object", "required": ["hour", "loud"],
+        "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23}, "loud": {"type": "boolean"},
+                       "tone": {"enum": ["beep", "chime"]}}}});
+    let check = |args: &Value| {
+        assert!((0..=23).contains(&args["hour"].as_i64().unwrap()), "{args}");
+        assert!(args["loud"].is_boolean(), "{args}");
+        let keys: Vec<&String> = args.as_object().unwrap().keys().collect();
+        assert!(
+            keys.iter()
+                .all(|k| ["hour", "loud", "tone"].contains(&k.as_str())),
+            "{args}"
+        );
+        if let Some(t) = args.get("tone") {
+            assert!(t == "beep" || t == "chime", "{args}");
+        }
+    };
+    for seed in 0..3 {
+        // (random weights spell the grammar's tags a few letters a token, hence the room)
+        let body = json!({"messages": user("Wake me up"), "max_tokens": 160, "seed": seed, "tool_choice": "required",
+            "tools": [{"type": "function", "function": alarm}], "chat_template_kwargs": {"enable_thinking": false}});
+        let (st, r) = s.post("/v1/chat/completions", body).await;
+        assert_eq!(st, 200, "{r}");
+        let c = &r["choices"][0];
+        assert_eq!(c["finish_reason"], "tool_calls", "{r}");
+        let call = &c["message"]["tool_calls"][0]["function"];
+        assert_eq!(call["name"], "set_alarm");
+        check(&serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap());
+
+        let body = json!({"max_tokens": 160, "thinking": {"type": "disabled"}, "tool_choice": {"type": "any"},
+            "tools": [{"name": "set_alarm", "input_schema": alarm["parameters"]}],
+            "messages": [{"role": "user", "content": "Wake me up"}], "temperature": 1.0, "top_k": 50});
+        let (st, r) = s.post("/v1/messages", body).await;
+        assert_eq!(st, 200, "{r}");
+        assert_eq!(r["stop_reason"], "tool_use", "{r}");
+        let call = r["content"].as_array().unwrap().last().unwrap().clone();
+        assert_eq!(call["name"], "set_alarm");
+        check(&call["input"]);
+    }
+}
