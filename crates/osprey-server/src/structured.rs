@@ -1,13 +1,15 @@
-//! Structured outputs: `response_format` `{"type": "json_object"}` or `{"type": "json_schema",
-//! ...}` holds the answer (after any reasoning) to JSON, or to JSON matching a schema, by masking
-//! each step's logits with llguidance (the grammar engine of mistral.rs and of vLLM's `guidance`
-//! backend): before a token is sampled, every token the grammar cannot take next gets -inf.
+//! Grammars on the reply, by masking each step's logits with llguidance (the grammar engine of
+//! mistral.rs and of vLLM's `guidance` backend): before a token is sampled, every token the
+//! grammar cannot take next gets -inf. Two uses: structured outputs (`response_format`
+//! `{"type": "json_object"}` or `{"type": "json_schema", ...}` hold the answer, after any
+//! reasoning, to JSON matching the schema) and forced tool calls (a call that `tool_choice`
+//! demands is held to the tools' schemas after its injected opening).
 //!
 //! The vocabulary is indexed once per server (a byte trie of the tokenizer's 248K tokens); each
-//! request compiles its schema into a matcher that follows the reply token by token. Every added
-//! token (`<|im_end|>`, and also `<think>` and `<tool_call>`) is marked special, so the grammar
-//! spells text with ordinary tokens only; the end of turn is allowed exactly when the JSON is
-//! complete.
+//! request compiles its grammar into a matcher that follows the reply token by token. Every added
+//! token (`<|im_end|>`, and also `<think>` and `<tool_call>`) is marked special, so a grammar
+//! spells text with ordinary tokens and names a special token only where it means it (a call's
+//! closing `</tool_call>`); the end of turn is allowed exactly when the grammar is complete.
 
 use std::sync::Arc;
 
