@@ -60,7 +60,7 @@ struct AppState {
     vocab_size: usize,
     ids: AtomicU64,
     /// The vocabulary indexed for response_format grammars, built by the first request that
-    /// asks for one (~2 s, blocking that request: most servers never need it).
+    /// asks for one (~1 s and ~200 MB, blocking that request: most servers never need it).
     grammars: OnceLock<Result<Grammars, String>>,
 }
 

@@ -11,14 +11,17 @@
 //! spells text with ordinary tokens and names a special token only where it means it (a call's
 //! closing `</tool_call>`); the end of turn is allowed exactly when the grammar is complete.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Context, Result};
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie, TokenId};
-use llguidance::{token_bytes_from_tokenizer_json, Matcher, ParserFactory};
+use llguidance::{Matcher, ParserFactory};
 use osprey_prompt::PromptFormat;
 use serde_json::{json, Value};
+use tokenizers::decoders::DecoderWrapper;
+use tokenizers::Tokenizer;
 
 /// What a request's `response_format` asks for.
 #[derive(Clone, Debug, PartialEq)]
@@ -96,22 +99,7 @@ pub struct Grammars {
 
 impl Grammars {
     pub fn new(format: &PromptFormat) -> Result<Self> {
-        let tokenizer: Value = serde_json::from_str(
-            &format
-                .tokenizer
-                .to_string(false)
-                .map_err(|e| anyhow!("tokenizer: {e}"))?,
-        )?;
-        let mut words = token_bytes_from_tokenizer_json(&tokenizer)
-            .context("structured outputs need a byte-level BPE tokenizer")?;
-        for added in tokenizer["added_tokens"].as_array().into_iter().flatten() {
-            let id = added["id"].as_u64().unwrap_or(u64::MAX) as usize;
-            if let Some(w) = words.get_mut(id) {
-                if w.first() != Some(&TokTrie::SPECIAL_TOKEN_MARKER) {
-                    w.insert(0, TokTrie::SPECIAL_TOKEN_MARKER);
-                }
-            }
-        }
+        let words = token_bytes(&format.tokenizer)?;
         let end_of_turn = format
             .tokenizer
             .token_to_id("<|im_end|>")
@@ -138,6 +126,43 @@ impl Grammars {
         }
         Ok(Some(Constraint { matcher }))
     }
+}
+
+/// Each token's bytes, for the trie: a byte-level BPE token's characters mapped back to bytes
+/// (GPT-2's alphabet: the printable bytes stand for themselves, the other 68 for U+0100 onwards
+/// in byte order); an added token's text behind the special marker. (Read from the loaded
+/// tokenizer: parsing its 15 MB JSON again held ~200 MB.)
+fn token_bytes(tokenizer: &Tokenizer) -> Result<Vec<Vec<u8>>> {
+    if !matches!(tokenizer.get_decoder(), Some(DecoderWrapper::ByteLevel(_))) {
+        bail!("structured outputs need a byte-level BPE tokenizer");
+    }
+    let mut byte_of = HashMap::with_capacity(256);
+    let mut next = 0x100u32;
+    for b in 0..=255u8 {
+        let c = if matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF) {
+            char::from(b)
+        } else {
+            next += 1;
+            char::from_u32(next - 1).context("byte-level alphabet")?
+        };
+        byte_of.insert(c, b);
+    }
+    let added = tokenizer.get_added_tokens_decoder();
+    let vocab = tokenizer.get_vocab(true);
+    let mut words = vec![Vec::new(); vocab.values().max().map_or(0, |&m| m as usize + 1)];
+    for (text, id) in vocab {
+        words[id as usize] = if added.contains_key(&id) {
+            [&[TokTrie::SPECIAL_TOKEN_MARKER], text.as_bytes()].concat()
+        } else {
+            text.chars()
+                .map(|c| byte_of.get(&c).copied())
+                .collect::<Option<Vec<u8>>>()
+                .with_context(|| {
+                    format!("token {id} ({text:?}) is not in the byte-level alphabet")
+                })?
+        };
+    }
+    Ok(words)
 }
 
 /// How a forced tool call continues after the opening the server injects (tool_choice
@@ -546,6 +571,24 @@ mod tests {
                 "{text:?}"
             );
         }
+    }
+
+    #[test]
+    fn token_bytes_match_llguidance_reading_of_the_tokenizer_json() {
+        let tok = &format().tokenizer;
+        let json: Value = serde_json::from_str(&tok.to_string(false).unwrap()).unwrap();
+        let mut theirs = llguidance::token_bytes_from_tokenizer_json(&json).unwrap();
+        for id in tok.get_added_tokens_decoder().keys() {
+            let w = &mut theirs[*id as usize];
+            if w.first() != Some(&TokTrie::SPECIAL_TOKEN_MARKER) {
+                w.insert(0, TokTrie::SPECIAL_TOKEN_MARKER);
+            }
+        }
+        let ours = token_bytes(tok).unwrap();
+        assert_eq!(ours.len(), 248_077);
+        assert_eq!(ours, theirs);
+        let space_a = tok.token_to_id("Ġa").unwrap() as usize;
+        assert_eq!(ours[space_a], b" a");
     }
 
     #[test]
