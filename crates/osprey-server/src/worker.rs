@@ -429,7 +429,8 @@ impl Worker {
         // Each turn of this loop samples one token on the host from `logits`; then a backend
         // that chooses tokens itself (the GPU) runs on until the reply ends or needs the host
         // (forced text to inject), else the host decodes token by token. Log-probabilities need
-        // the logits of every token, and a response_format masks them: both keep the host path.
+        // the logits of every token, and a grammar (response_format, a forced tool call) masks
+        // them: both keep the whole reply on the host path.
         let device_ok = job.gen.logprobs.is_none() && constraint.is_none();
         while reply.generated < job.max_tokens {
             let logits_now = &logits[..valid_vocab];
