@@ -59,8 +59,9 @@ struct AppState {
     metrics: Arc<Metrics>,
     vocab_size: usize,
     ids: AtomicU64,
-    /// The vocabulary indexed for response_format grammars, built by the first request that
-    /// asks for one (~1 s and ~200 MB, blocking that request: most servers never need it).
+    /// The vocabulary indexed for grammars (response_format, forced tool calls), built by the
+    /// first request that needs one (~1 s and ~200 MB, blocking that request: a server that is
+    /// never asked for one never pays).
     grammars: OnceLock<Result<Grammars, String>>,
 }
 
