@@ -23,7 +23,7 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use crate::api::{self, ApiError, ApiResult, Fields};
 use crate::parse::{self, Delta};
 use crate::worker::{Event, Usage};
-use crate::{json_body, prepare_chat_request, render_chat, AppState};
+use crate::{engine_error, internal, json_body, prepare_chat_request, render_chat, AppState};
 
 /// Fields of a Messages request (count_tokens takes them too, less the generation ones).
 const MESSAGE_FIELDS: &[&str] = &[
@@ -532,22 +532,10 @@ pub async fn messages(
                 )
                 .into_response();
             }
-            Event::Error { message, timeout } => {
-                let status = if timeout {
-                    axum::http::StatusCode::GATEWAY_TIMEOUT
-                } else {
-                    axum::http::StatusCode::INTERNAL_SERVER_ERROR
-                };
-                return error(ApiError::new(status, "api_error", "engine_error", message));
-            }
+            Event::Error { message, timeout } => return error(engine_error(message, timeout)),
         }
     }
-    error(ApiError::new(
-        axum::http::StatusCode::INTERNAL_SERVER_ERROR,
-        "api_error",
-        "engine_error",
-        "the engine ended the request without a result",
-    ))
+    error(internal("the engine ended the request without a result"))
 }
 
 /// `POST /v1/messages/count_tokens`: the prompt's length in tokens as this model reads it.

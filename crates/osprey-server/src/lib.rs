@@ -381,6 +381,17 @@ impl AppState {
     }
 }
 
+/// The engine's failure of a request (a 504 when it ran past its deadline).
+fn engine_error(message: String, timeout: bool) -> ApiError {
+    let status = if timeout {
+        StatusCode::GATEWAY_TIMEOUT
+    } else {
+        StatusCode::INTERNAL_SERVER_ERROR
+    };
+    let code = if timeout { "timeout" } else { "engine_error" };
+    ApiError::new(status, "server_error", code, message)
+}
+
 fn internal(msg: &str) -> ApiError {
     ApiError::new(
         StatusCode::INTERNAL_SERVER_ERROR,
@@ -771,18 +782,7 @@ async fn respond(
                 return Json(body).into_response();
             }
             Event::Error { message, timeout } => {
-                let status = if timeout {
-                    StatusCode::GATEWAY_TIMEOUT
-                } else {
-                    StatusCode::INTERNAL_SERVER_ERROR
-                };
-                return ApiError::new(
-                    status,
-                    "server_error",
-                    if timeout { "timeout" } else { "engine_error" },
-                    message,
-                )
-                .into_response();
+                return engine_error(message, timeout).into_response();
             }
         }
     }

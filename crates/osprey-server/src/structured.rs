@@ -117,14 +117,17 @@ impl Grammars {
         let Some(schema) = format.schema() else {
             return Ok(None);
         };
-        let parser = self
-            .factory
-            .create_parser(TopLevelGrammar::from_json_schema(schema))?;
-        let matcher = Matcher::new(Ok(parser));
-        if let Some(e) = matcher.get_error() {
-            bail!("{e}");
+        self.compile(TopLevelGrammar::from_json_schema(schema))
+            .map(Some)
+    }
+
+    /// A grammar made into a reply's matcher; an error names what could not be compiled.
+    fn compile(&self, grammar: TopLevelGrammar) -> Result<Constraint> {
+        let matcher = Matcher::new(Ok(self.factory.create_parser(grammar)?));
+        match matcher.get_error() {
+            Some(e) => bail!("{e}"),
+            None => Ok(Constraint { matcher }),
         }
-        Ok(Some(Constraint { matcher }))
     }
 }
 
@@ -179,16 +182,8 @@ impl Grammars {
     /// one of their `enum`), other types as JSON of their schema; then the call's closing tags.
     /// None when a schema is beyond this (a `$ref`, say): the call is then left free as before.
     pub fn tool_call(&self, forced: ForcedCall) -> Option<Constraint> {
-        let lark = tool_call_lark(forced)?;
-        let parser = self
-            .factory
-            .create_parser(TopLevelGrammar::from_lark(lark))
-            .ok()?;
-        let matcher = Matcher::new(Ok(parser));
-        matcher
-            .get_error()
-            .is_none()
-            .then_some(Constraint { matcher })
+        self.compile(TopLevelGrammar::from_lark(tool_call_lark(forced)?))
+            .ok()
     }
 }
 
