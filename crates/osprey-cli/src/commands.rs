@@ -107,7 +107,14 @@ fn cuda_backend(
     let chunk = args
         .prefill_chunk
         .unwrap_or(osprey_cuda::DEFAULT_CUDA_PREFILL_CHUNK);
-    let b = osprey_cuda::CudaBackend::new(weights, max_context, valid, chunk, args.kv_cache)?;
+    let b = osprey_cuda::CudaBackend::new(
+        weights,
+        max_context,
+        valid,
+        chunk,
+        args.kv_cache,
+        args.gpu_state_copies,
+    )?;
     let mem: Vec<String> = b
         .memory_report()
         .iter()
@@ -476,8 +483,8 @@ pub fn check(
     if args.backend != "cuda" {
         bail!("osprey check compares a GPU backend with the CPU reference: pass --backend cuda");
     }
-    if steps == 0 || prompt_tokens == 0 || prefill_tokens < 2 {
-        bail!("--steps and --prompt-tokens must be at least 1, --prefill-tokens at least 2");
+    if steps == 0 || prompt_tokens == 0 || prefill_tokens < 16 {
+        bail!("--steps and --prompt-tokens must be at least 1, --prefill-tokens at least 16");
     }
     let chunk = args.prefill_chunk.unwrap_or(128);
     let dir = model_dir(args)?;

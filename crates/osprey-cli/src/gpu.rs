@@ -4,7 +4,9 @@
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
-use osprey_cuda::{CudaDecoder, GdnPrefill};
+use std::sync::atomic::Ordering;
+
+use osprey_cuda::{CudaBackend, CudaDecoder, GdnPrefill};
 use osprey_engine::sampler::{argmax, Sampler, SamplingParams};
 use osprey_engine::{CpuBackend, Engine};
 use osprey_model::ModelWeights;
@@ -45,6 +47,10 @@ const MAX_RELATIVE_RMS: f32 = 1e-2;
 /// (percent-level after 40 layers); for the 4-layer check models the expected difference is a few
 /// 1e-3. A wrong kernel (a misplaced tile, a wrong row) gives O(1).
 const MAX_PREFILL_RELATIVE_RMS: f32 = 3e-2;
+
+/// The other branch the resume check runs past the kept copy: prompt tokens, then decode steps.
+const RESUME_BRANCH: usize = 37;
+const RESUME_STEPS: usize = 5;
 
 /// One comparison of a GPU logits row with the CPU reference.
 struct Compared {
@@ -154,6 +160,9 @@ pub fn check(
     let prefill_rel = c_chunked.rel.max(c_whole.rel).max(c_recurrent_gdn.rel);
 
     let sampling = check_sampling(&mut gpu, &long, valid, prefill_len)?;
+    let (kv_name, device) = (gpu.kv_cache().to_string(), gpu.device_name());
+    drop(gpu);
+    let resumed = check_resume(m, context, chunk, &long, &cpu_logits, &make_prompt)?;
 
     let pass = sampling.pass
         && decode.worst_rel <= MAX_RELATIVE_RMS
@@ -162,7 +171,8 @@ pub fn check(
         && prefill_rel <= MAX_PREFILL_RELATIVE_RMS
         && prefill_disagree == 0
         && after.worst_rel <= MAX_PREFILL_RELATIVE_RMS
-        && after.disagree == 0;
+        && after.disagree == 0
+        && resumed.pass;
     println!(
         "decode: cuda vs cpu over {steps} steps after a {prompt_len}-token prompt: worst relative RMS {:.2e} (limit {MAX_RELATIVE_RMS:.0e}), worst max |Δ| {:.3e}, greedy disagreements {}, device token record {}",
         decode.worst_rel, decode.worst_abs, decode.disagree,
@@ -173,6 +183,7 @@ pub fn check(
         c_chunked.rel, c_whole.rel, c_recurrent_gdn.rel, c_between.rel
     );
     println!("{}", sampling.summary);
+    println!("{}", resumed.summary);
     println!(
         "prefill then decode: {steps} teacher-forced steps: worst relative RMS {:.2e}, greedy disagreements {} -> {}",
         after.worst_rel,
@@ -181,7 +192,7 @@ pub fn check(
     );
     if let Some(path) = out {
         let report = json!({
-            "kind": "check", "backend": "cuda", "kv_cache": gpu.kv_cache().to_string(), "device": gpu.device_name(), "commit": git_commit(), "date": utc_now(),
+            "kind": "check", "backend": "cuda", "kv_cache": kv_name, "device": device, "commit": git_commit(), "date": utc_now(),
             "command": std::env::args().collect::<Vec<_>>().join(" "), "model": m.dir.display().to_string(),
             "prompt_tokens": prompt_len, "steps": steps, "worst_relative_rms": decode.worst_rel, "worst_max_abs": decode.worst_abs,
             "limit_relative_rms": MAX_RELATIVE_RMS, "greedy_disagreements": decode.disagree, "device_token_record_consistent": record_ok,
@@ -193,6 +204,7 @@ pub fn check(
                 "chunked_vs_whole_relative_rms": c_between.rel, "greedy_disagreements": prefill_disagree,
                 "decode_after_prefill": {"steps": steps, "worst_relative_rms": after.worst_rel, "worst_max_abs": after.worst_abs, "greedy_disagreements": after.disagree, "per_step": after.rows},
             },
+            "resume_from_state_copy": resumed.report,
             "gpu_sampling": sampling.report,
             "pass": pass, "per_step": decode.rows,
         });
@@ -202,6 +214,73 @@ pub fn check(
         bail!("CUDA logits differ from the CPU reference beyond tolerance");
     }
     Ok(())
+}
+
+/// A session resumed from a state copy the backend kept on the device after another branch ran
+/// past it, as a chat's next turn resumes (through `CudaBackend`, as the server runs it): the
+/// prompt's first part (an odd length, so the conv buffers' parity differs from the branch's),
+/// kept; another branch by prefill and decode steps; then the rest of the prompt after the kept
+/// part, by prefill, and again with its first tokens by steps. Both must give the whole prompt's
+/// CPU logits, and the backend must have restored its copy for each instead of rebuilding.
+fn check_resume(
+    m: &GpuModel,
+    context: usize,
+    chunk: usize,
+    long: &[u32],
+    cpu_logits: &[f32],
+    make_prompt: &dyn Fn(usize) -> Vec<u32>,
+) -> Result<SamplingCheck> {
+    let weights = ModelWeights::load(m.dir)?;
+    let valid = weights.config.vocab_size.min(TOKENIZER_VOCAB);
+    let backend = CudaBackend::new(&weights, context, valid, chunk, m.kv, 2)?;
+    let restored = backend.restore_count();
+    let engine = Engine::new(Box::new(backend));
+    let split = (long.len() / 2) | 1;
+    let other: Vec<u32> = make_prompt(RESUME_BRANCH)
+        .iter()
+        .map(|t| (t + 7) % valid as u32)
+        .collect();
+    let mut kept = engine.new_session();
+    engine.prefill(&mut kept, &long[..split])?;
+    engine.keep_state(&kept)?;
+    let mut branch = kept.clone();
+    engine.prefill(&mut branch, &other)?;
+    for &t in &other[..RESUME_STEPS] {
+        engine.decode(&mut branch, t)?;
+    }
+    let mut by_prefill = kept.clone();
+    let (rest_by_prefill, _) = engine.prefill(&mut by_prefill, &long[split..])?;
+    let mut by_steps = kept.clone();
+    for &t in &long[split..split + RESUME_STEPS] {
+        engine.decode(&mut by_steps, t)?;
+    }
+    let (first_by_steps, _) = engine.prefill(&mut by_steps, &long[split + RESUME_STEPS..])?;
+    let restores = restored.load(Ordering::Relaxed);
+    let compared: Vec<Compared> = [&rest_by_prefill, &first_by_steps]
+        .iter()
+        .map(|l| Compared::new(&cpu_logits[..valid], &l[..valid]))
+        .collect();
+    let disagree = compared
+        .iter()
+        .zip([&rest_by_prefill, &first_by_steps])
+        .filter(|(c, l)| c.disagrees(argmax(&l[..valid])))
+        .count();
+    let worst = compared.iter().map(|c| c.rel).fold(0.0, f32::max);
+    let pass = worst <= MAX_PREFILL_RELATIVE_RMS && disagree == 0 && restores == 2;
+    Ok(SamplingCheck {
+        pass,
+        summary: format!(
+            "resumed from a state copy at {split} of {} tokens after another branch ({RESUME_BRANCH} tokens + {RESUME_STEPS} steps), copies restored {restores} of 2: the rest by prefill {:.2e}, its first {RESUME_STEPS} by steps {:.2e} relative RMS vs cpu (limit {MAX_PREFILL_RELATIVE_RMS:.0e}); greedy disagreements {disagree}",
+            long.len(), compared[0].rel, compared[1].rel
+        ),
+        report: json!({
+            "copy_at": split, "prompt_tokens": long.len(), "other_branch_tokens": RESUME_BRANCH, "other_branch_steps": RESUME_STEPS,
+            "copies_restored": restores, "copies_expected": 2,
+            "rest_by_prefill_relative_rms": compared[0].rel, "rest_by_prefill_max_abs": compared[0].max_abs,
+            "first_steps_then_prefill_relative_rms": compared[1].rel, "first_steps_then_prefill_max_abs": compared[1].max_abs,
+            "limit_relative_rms": MAX_PREFILL_RELATIVE_RMS, "greedy_disagreements": disagree, "pass": pass,
+        }),
+    })
 }
 
 /// Total variation distance allowed between the GPU sampler's empirical distribution over

@@ -42,6 +42,12 @@ pub struct ModelArgs {
     /// same way).
     #[arg(long, default_value = "bf16")]
     pub kv_cache: osprey_engine::KvCache,
+    /// GPU: copies of the Gated DeltaNet state kept on the device (~63 MB each at full size) at
+    /// the points a chat may branch from (a reply's start and end), so that the next turn, a
+    /// retry or another branch resumes there instead of prefilling from the first token (only
+    /// while the attention layers' cache still holds that point's rows). 0 turns it off.
+    #[arg(long, default_value_t = 16)]
+    pub gpu_state_copies: usize,
 }
 
 /// Sampling settings; unset values come from the model's generation_config.json.

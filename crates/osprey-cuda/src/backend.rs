@@ -1,11 +1,13 @@
 //! The CUDA backend behind the engine's `Backend` interface: `osprey generate`, `chat` and `serve`
-//! run on it. The device holds one session's state at a time; a forward call for another session
-//! (or after a snapshot was restored) rebuilds the device state by prefilling that session's
-//! tokens (only the missing suffix when the device already holds a prefix of them). Several tokens
-//! run through the batched prefill path, a single token through the captured decode step; logits
-//! come back to the host for sampling.
+//! run on it. The device holds one session's state at a time. A forward call whose tokens extend
+//! what the device holds runs only the new ones; for another branch it restores the longest copy
+//! of the Gated DeltaNet state kept on the device (`keep_state`, see `snapshots`) whose K/V rows
+//! are still in the cache, else rebuilds the state by prefilling from the first token. Several
+//! tokens run through the batched prefill path, a single token through the captured decode step;
+//! logits come back to the host for sampling.
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, bail, Result};
 use osprey_engine::sampler::Sampler;
@@ -13,12 +15,16 @@ use osprey_engine::{Backend, KvCache, LogitsFor, SessionState};
 use osprey_model::config::ModelConfig;
 use osprey_model::ModelWeights;
 
+use crate::decoder::RecurrentCopy;
+use crate::snapshots::{Start, StateBook};
 use crate::CudaDecoder;
 
 struct Device {
     decoder: CudaDecoder,
-    /// Tokens whose state the device holds.
-    tokens: Vec<u32>,
+    /// What the device holds, what its K/V rows hold, and the state copies kept on it.
+    book: StateBook<RecurrentCopy>,
+    /// How many calls resumed from a kept copy (checks, logs).
+    restored: Arc<AtomicUsize>,
 }
 
 /// Tokens per prefill chunk unless the caller asks otherwise: long enough to keep the tensor
@@ -39,26 +45,34 @@ unsafe impl Send for Device {}
 
 impl CudaBackend {
     /// Uploads the weights and allocates state for `max_context` positions; prompts run in chunks
-    /// of `prefill_chunk` tokens; the attention layers keep K/V as `kv` says.
+    /// of `prefill_chunk` tokens; the attention layers keep K/V as `kv` says; up to
+    /// `state_copies` copies of the GDN state are kept on the device (allocated on use).
     pub fn new(
         weights: &ModelWeights,
         max_context: usize,
         valid_vocab: usize,
         prefill_chunk: usize,
         kv: KvCache,
+        state_copies: usize,
     ) -> Result<Self> {
         if prefill_chunk == 0 {
             bail!("the prefill chunk must be at least 1 token");
         }
         let decoder = CudaDecoder::new(weights, max_context, valid_vocab, kv)?;
+        let mut memory = decoder.memory_report().to_vec();
+        memory.push((
+            "state copies, at most (allocated on use)",
+            state_copies * decoder.recurrent_copy_bytes(),
+        ));
         Ok(CudaBackend {
             prefill_chunk,
             device_name: decoder.device_name(),
-            memory: decoder.memory_report().to_vec(),
+            memory,
             config: weights.config.clone(),
             device: Mutex::new(Device {
                 decoder,
-                tokens: Vec::new(),
+                book: StateBook::new(state_copies),
+                restored: Arc::new(AtomicUsize::new(0)),
             }),
         })
     }
@@ -71,39 +85,78 @@ impl CudaBackend {
     pub fn memory_report(&self) -> &[(&'static str, usize)] {
         &self.memory
     }
+
+    /// Counts the calls that resumed from a kept state copy instead of what the device held or
+    /// a rebuild (`osprey check` asserts it).
+    pub fn restore_count(&self) -> Arc<AtomicUsize> {
+        match self.device.lock() {
+            Ok(d) => d.restored.clone(),
+            Err(poisoned) => poisoned.into_inner().restored.clone(),
+        }
+    }
+
+    fn device(&self) -> Result<std::sync::MutexGuard<'_, Device>> {
+        self.device
+            .lock()
+            .map_err(|_| anyhow!("the CUDA device state is poisoned by an earlier failure"))
+    }
 }
 
 impl Device {
-    /// Brings the device state to `history` followed by `then` (reusing a held prefix), by
-    /// prefill or one step, without copying the history (a decode step passes the whole session).
-    fn catch_up(&mut self, history: &[u32], then: &[u32], chunk: usize) -> Result<()> {
-        let held = self.tokens.len();
-        let (in_history, in_then) = self.tokens.split_at(held.min(history.len()));
-        if !(history.starts_with(in_history) && then.starts_with(in_then)) {
-            self.decoder.reset()?;
-            self.tokens.clear();
+    /// Brings the device state to `history` followed by `then`, leaving at least `min_run` of
+    /// those tokens to run (1 when the last one's logits are wanted): continues what it holds,
+    /// or restores a kept copy, or starts from an empty state; then runs the rest by prefill or
+    /// one step.
+    fn catch_up(
+        &mut self,
+        history: &[u32],
+        then: &[u32],
+        min_run: usize,
+        chunk: usize,
+    ) -> Result<()> {
+        let target = [history, then].concat();
+        let ran = self.reach(&target, min_run, chunk);
+        if ran.is_err() {
+            // the device state is now unknown: the next call rebuilds it from scratch
+            self.book.lost();
         }
-        let held = self.tokens.len();
-        let missing: Vec<u32> = history.iter().chain(then).skip(held).copied().collect();
-        let ran = match missing.len() {
-            0 => Ok(()),
-            1 => self
-                .decoder
-                .set_token(missing[0])
-                .and_then(|_| self.decoder.step()),
-            _ => self.decoder.prefill(held, &missing, chunk),
+        ran
+    }
+
+    fn reach(&mut self, target: &[u32], min_run: usize, chunk: usize) -> Result<()> {
+        let from = match self.book.start(target, min_run) {
+            Start::Held => self.book.held().len(),
+            Start::Restore { index, len } => {
+                let saved = self
+                    .book
+                    .saved(index)
+                    .ok_or_else(|| anyhow!("state copy {index} is not kept"))?;
+                self.decoder.restore_recurrent(saved, len)?;
+                self.book.holds(&target[..len]);
+                self.restored.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(
+                    "resumed from the state copy at {len} tokens ({} to run)",
+                    target.len() - len
+                );
+                len
+            }
+            Start::Empty => {
+                self.decoder.reset()?;
+                self.book.holds(&[]);
+                0
+            }
         };
-        match ran {
-            Ok(()) => {
-                self.tokens.extend_from_slice(&missing);
-                Ok(())
+        let missing = &target[from..];
+        match missing.len() {
+            0 => {}
+            1 => {
+                self.decoder.set_token(missing[0])?;
+                self.decoder.step()?;
             }
-            Err(e) => {
-                // the device state is now unknown: the next call rebuilds it from scratch
-                self.tokens.clear();
-                Err(e)
-            }
+            _ => self.decoder.prefill(from, missing, chunk)?,
         }
+        self.book.ran(missing);
+        Ok(())
     }
 }
 
@@ -128,10 +181,7 @@ impl Backend for CudaBackend {
         if !CudaDecoder::can_sample(sampler.params()) {
             return Ok(None);
         }
-        let mut d = self
-            .device
-            .lock()
-            .map_err(|_| anyhow!("the CUDA device state is poisoned by an earlier failure"))?;
+        let mut d = self.device()?;
         // each step runs one token: the steps that fit the allocated context
         let room = d.decoder.max_context.saturating_sub(history.len());
         if room == 0 {
@@ -142,7 +192,7 @@ impl Backend for CudaBackend {
             );
         }
         let max_steps = max_steps.min(room);
-        d.catch_up(history, &[], self.prefill_chunk)?;
+        d.catch_up(history, &[], 0, self.prefill_chunk)?;
         let mut chosen = Vec::new();
         let ran = d.decoder.set_sampling(Some(sampler)).and_then(|_| {
             d.decoder.run_steps(first, max_steps, &mut |t| {
@@ -154,19 +204,30 @@ impl Backend for CudaBackend {
         let steps = match ran.and_then(|n| off.map(|_| n)) {
             Ok(n) => n,
             Err(e) => {
-                d.tokens.clear();
+                d.book.lost();
                 return Err(e);
             }
         };
         let mut consumed = vec![first];
         consumed.extend_from_slice(&chosen[..steps.saturating_sub(1).min(chosen.len())]);
-        d.tokens.extend_from_slice(&consumed);
-        state.position = d.tokens.len();
+        d.book.ran(&consumed);
+        state.position = d.book.held().len();
         Ok(Some(consumed))
     }
 
     fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    fn keep_state(&self, tokens: &[u32]) -> Result<()> {
+        let mut d = self.device()?;
+        if d.book.held() != tokens || !d.book.wants_copy() {
+            return Ok(());
+        }
+        let reuse = d.book.evict_for_copy();
+        let copy = d.decoder.save_recurrent(reuse)?;
+        d.book.keep(copy);
+        Ok(())
     }
 
     fn new_state(&self) -> SessionState {
@@ -184,10 +245,7 @@ impl Backend for CudaBackend {
         tokens: &[u32],
         want: LogitsFor,
     ) -> Result<Vec<f32>> {
-        let mut d = self
-            .device
-            .lock()
-            .map_err(|_| anyhow!("the CUDA device state is poisoned by an earlier failure"))?;
+        let mut d = self.device()?;
         let needed = history.len() + tokens.len();
         if needed > d.decoder.max_context {
             bail!("the context is full: {needed} tokens, {} allocated on the GPU (raise --max-context)", d.decoder.max_context);
@@ -195,7 +253,7 @@ impl Backend for CudaBackend {
         if want == LogitsFor::All {
             // scoring: every position's logits, token by token through the decode step (the
             // path generation uses), after the held prefix is brought up to date
-            d.catch_up(history, &[], self.prefill_chunk)?;
+            d.catch_up(history, &[], 0, self.prefill_chunk)?;
             let mut all = Vec::with_capacity(tokens.len() * self.config.vocab_size);
             for &t in tokens {
                 let logits = d
@@ -206,19 +264,20 @@ impl Backend for CudaBackend {
                 match logits {
                     Ok(l) => {
                         all.extend(l);
-                        d.tokens.push(t);
+                        d.book.ran(&[t]);
                     }
                     Err(e) => {
-                        d.tokens.clear();
+                        d.book.lost();
                         return Err(e);
                     }
                 }
             }
-            state.position = d.tokens.len();
+            state.position = d.book.held().len();
             return Ok(all);
         }
-        d.catch_up(history, tokens, self.prefill_chunk)?;
-        state.position = d.tokens.len();
+        let min_run = usize::from(want != LogitsFor::None);
+        d.catch_up(history, tokens, min_run, self.prefill_chunk)?;
+        state.position = d.book.held().len();
         match want {
             LogitsFor::None => Ok(Vec::new()),
             _ => d.decoder.logits(),

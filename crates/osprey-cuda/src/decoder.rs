@@ -581,6 +581,13 @@ pub struct KernelTime {
     pub micros: f64,
 }
 
+/// A copy of the part of a session's state that later tokens overwrite: every Gated DeltaNet
+/// layer's conv buffers (both parities: the step reads one and writes the other by position) and
+/// fp32 recurrent state. The K/V rows are not in it: later tokens only append to them.
+pub struct RecurrentCopy {
+    buffers: Vec<CudaSlice<f32>>,
+}
+
 pub struct CudaDecoder {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
@@ -1839,6 +1846,58 @@ impl CudaDecoder {
         Ok(())
     }
 
+    /// Bytes of one `RecurrentCopy`: every GDN layer's two conv buffers and recurrent state.
+    pub fn recurrent_copy_bytes(&self) -> usize {
+        self.gdn_state_buffers().map(|b| 4 * b.len()).sum()
+    }
+
+    fn gdn_state_buffers(&self) -> impl Iterator<Item = &CudaSlice<f32>> {
+        self.layers.iter().flat_map(|l| match &l.mixer {
+            LayerDev::Gdn { conv, state, .. } => vec![&conv[0], &conv[1], state],
+            LayerDev::Attention { .. } => Vec::new(),
+        })
+    }
+
+    /// Copies the session's state that is not in the K/V rows (see `RecurrentCopy`) into `into`,
+    /// or into new buffers when it is None; device to device, on the stream.
+    pub fn save_recurrent(&self, into: Option<RecurrentCopy>) -> Result<RecurrentCopy> {
+        let mut copy = match into {
+            Some(c) => c,
+            None => RecurrentCopy {
+                buffers: self
+                    .gdn_state_buffers()
+                    .map(|b| self.stream.alloc_zeros::<f32>(b.len()))
+                    .collect::<Result<_, _>>()?,
+            },
+        };
+        for (from, to) in self.gdn_state_buffers().zip(copy.buffers.iter_mut()) {
+            self.stream.memcpy_dtod(from, to)?;
+        }
+        Ok(copy)
+    }
+
+    /// Puts a saved state back and moves the position to `position`, the number of tokens it
+    /// was saved after. The K/V rows below `position` must still hold that session's (the caller's
+    /// book keeps track: `snapshots::StateBook`).
+    pub fn restore_recurrent(&mut self, from: &RecurrentCopy, position: usize) -> Result<()> {
+        let stream = self.stream.clone();
+        let mut saved = from.buffers.iter();
+        for l in &mut self.layers {
+            if let LayerDev::Gdn { conv, state, .. } = &mut l.mixer {
+                for to in conv.iter_mut().chain(std::iter::once(state)) {
+                    let from = saved.next().ok_or_else(|| {
+                        anyhow!("the saved state has fewer layers than the model")
+                    })?;
+                    stream.memcpy_dtod(from, to)?;
+                }
+            }
+        }
+        // the record of choices is indexed by steps since a reset, which stay below the position
+        // only if they restart with it
+        stream.memcpy_htod(&[0i32], &mut self.s.step)?;
+        self.set_position(position)
+    }
+
     /// Moves the position (benchmarks: the work of a step depends only on the context length).
     pub fn set_position(&mut self, pos: usize) -> Result<()> {
         if pos >= self.max_context {
@@ -1920,7 +1979,7 @@ impl CudaDecoder {
 
     /// How the captured step chooses its token from now on: `None` is argmax; a sampler's
     /// settings and token counts (for its penalties) switch the GPU sampler on. Greedy settings
-    /// without penalties keep the lm_head launch's argmax.
+    /// without penalties keep the lm_head launch's argmax. Restarts the step counter.
     pub fn set_sampling(&mut self, sampler: Option<&Sampler>) -> Result<()> {
         let mut params = SampleParams::default();
         if let Some(sm) = sampler {
@@ -1963,6 +2022,9 @@ impl CudaDecoder {
         }
         self.stream
             .memcpy_htod(&[params], &mut self.s.sample_params)?;
+        // the draws' counter and the record of choices start over: a seeded run draws the same
+        // numbers whatever the device ran before (a resumed session is not reset)
+        self.stream.memcpy_htod(&[0i32], &mut self.s.step)?;
         Ok(())
     }
 
@@ -2034,7 +2096,7 @@ impl CudaDecoder {
         Ok(self.stream.clone_dtoh(&self.s.token)?[0] as u32)
     }
 
-    /// Tokens chosen by the first `n` steps since `reset`.
+    /// Tokens chosen by the first `n` steps since `reset` or `set_sampling`.
     pub fn history(&self, n: usize) -> Result<Vec<u32>> {
         let h = self.stream.clone_dtoh(&self.s.history)?;
         Ok(h.into_iter().take(n).map(|t| t as u32).collect())

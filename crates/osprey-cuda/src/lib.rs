@@ -7,10 +7,11 @@
 mod args;
 mod backend;
 mod decoder;
+mod snapshots;
 pub mod timeline;
 
 pub use backend::{CudaBackend, DEFAULT_CUDA_PREFILL_CHUNK};
-pub use decoder::{CudaDecoder, GdnPrefill, KernelTime, KERNELS_DIR_ENV};
+pub use decoder::{CudaDecoder, GdnPrefill, KernelTime, RecurrentCopy, KERNELS_DIR_ENV};
 
 #[cfg(osprey_kernels)]
 pub(crate) const CUBINS: &[(&str, &[u8])] = &[

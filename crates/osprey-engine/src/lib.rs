@@ -56,6 +56,14 @@ pub trait Backend: Send + Sync {
     ) -> Result<Option<Vec<u32>>> {
         Ok(None)
     }
+    /// Called where a session may later branch off (a chat reply's start and end): keeps what
+    /// the backend needs to resume from the state after `tokens` once other tokens have run. A
+    /// backend whose state lives in `SessionState` needs nothing (a session's snapshot is a
+    /// copy); one that holds it on a device copies it there, when the device holds exactly
+    /// `tokens`.
+    fn keep_state(&self, _tokens: &[u32]) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// The contract of `Backend::decode_on_device` for a backend whose next token is a function of
@@ -207,6 +215,12 @@ impl Engine {
                 seconds: start.elapsed().as_secs_f64(),
             },
         ))
+    }
+
+    /// Marks the session's present state as one to resume from later (see
+    /// `Backend::keep_state`).
+    pub fn keep_state(&self, s: &Session) -> Result<()> {
+        self.backend.keep_state(&s.tokens)
     }
 
     /// Runs one token; returns its logits.

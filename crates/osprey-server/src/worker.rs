@@ -133,7 +133,6 @@ impl PrefixCache {
         Some((best.session.clone(), logits))
     }
 
-    /// Keeps a copy of `session` (and, if given, the logits of its last token).
     /// A session for `prompt`: the longest cached prefix, prefilled on to `branch` (the start of
     /// the reply's turn, where a later conversation forks) and snapshotted there when the branch
     /// lies past the cached prefix. Returns the session, how many tokens came from the cache, and
@@ -151,15 +150,20 @@ impl PrefixCache {
         if logits.is_none() {
             if let Some(b) = branch.filter(|&b| b > cached && b < prompt.len()) {
                 engine.prefill(&mut session, &prompt[cached..b])?;
-                self.insert(&session, None);
+                self.insert(engine, &session, None);
             }
         }
         Ok((session, cached, logits))
     }
 
-    pub fn insert(&mut self, session: &Session, logits: Option<&[f32]>) {
+    /// Keeps a copy of `session` (and, if given, the logits of its last token); a backend that
+    /// holds the state on a device keeps its own copy there (`Engine::keep_state`).
+    pub fn insert(&mut self, engine: &Engine, session: &Session, logits: Option<&[f32]>) {
         if self.max_entries == 0 || session.tokens.is_empty() {
             return;
+        }
+        if let Err(e) = engine.keep_state(session) {
+            tracing::warn!("the backend could not keep a copy of the session state: {e:#}");
         }
         if let Some(e) = self
             .entries
@@ -383,7 +387,7 @@ impl Worker {
             None => {
                 let from = session.tokens.len();
                 let (l, _) = engine.prefill(&mut session, &prompt[from..])?;
-                self.cache.insert(&session, Some(&l));
+                self.cache.insert(engine, &session, Some(&l));
                 l
             }
         };
@@ -493,7 +497,7 @@ impl Worker {
                     if !last_ran {
                         engine.decode(&mut session, last)?;
                     }
-                    self.cache.insert(&session, None);
+                    self.cache.insert(&self.engine, &session, None);
                     break;
                 }
                 Next::Finished => break,

@@ -2,7 +2,7 @@
 //! scripted backend (fixed replies through the real tokenizer) for exact streaming and parsing.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use futures_util::StreamExt;
@@ -68,6 +68,14 @@ struct Scripted {
     delay: Duration,
     /// Chooses tokens itself like the GPU backend (one step ahead of what it hands over).
     device: bool,
+    /// What the server asked of it: the states it was told to keep, the histories it ran after.
+    calls: Arc<Mutex<Calls>>,
+}
+
+#[derive(Default)]
+struct Calls {
+    kept: Vec<Vec<u32>>,
+    ran_after: Vec<Vec<u32>>,
 }
 
 impl Scripted {
@@ -101,6 +109,9 @@ impl Backend for Scripted {
     ) -> anyhow::Result<Vec<f32>> {
         std::thread::sleep(self.delay);
         state.position += tokens.len();
+        if let Ok(mut c) = self.calls.lock() {
+            c.ran_after.push(history.to_vec());
+        }
         let seq: Vec<u32> = history.iter().chain(tokens).copied().collect();
         let next = self.next_after(&seq);
         let mut logits = vec![0.0; self.config.vocab_size];
@@ -132,6 +143,13 @@ impl Backend for Scripted {
         let ran = osprey_engine::decode_by_steps(history, first, max_steps, &choose, on_token);
         state.position += ran.len();
         Ok(Some(ran))
+    }
+
+    fn keep_state(&self, tokens: &[u32]) -> anyhow::Result<()> {
+        if let Ok(mut c) = self.calls.lock() {
+            c.kept.push(tokens.to_vec());
+        }
+        Ok(())
     }
 }
 
@@ -169,16 +187,31 @@ impl Server {
 
     /// `device`: the backend chooses tokens itself, as the GPU does.
     async fn scripted_on(reply: &str, delay: Duration, cfg: ServerConfig, device: bool) -> Server {
+        Server::scripted_calls(reply, delay, cfg, device).await.0
+    }
+
+    /// A scripted server and the record of what it asked of its backend.
+    async fn scripted_calls(
+        reply: &str,
+        delay: Duration,
+        cfg: ServerConfig,
+        device: bool,
+    ) -> (Server, Arc<Mutex<Calls>>) {
         let format = PromptFormat::from_dir(tiny_dir()).unwrap();
         let mut script = format.encode(reply).unwrap();
         script.push(248046); // <|im_end|>
+        let calls = Arc::new(Mutex::new(Calls::default()));
         let backend = Scripted {
             config: ModelConfig::from_dir(tiny_dir()).unwrap(),
             script,
             delay,
             device,
+            calls: calls.clone(),
         };
-        Server::start(Engine::new(Box::new(backend)), cfg).await
+        (
+            Server::start(Engine::new(Box::new(backend)), cfg).await,
+            calls,
+        )
     }
 
     async fn post(&self, path: &str, body: Value) -> (u16, Value) {
@@ -804,6 +837,53 @@ async fn device_decoding_gives_the_host_path_replies() {
             .as_u64()
             .unwrap_or(0)
             > 0
+    );
+}
+
+#[tokio::test]
+async fn the_backend_keeps_the_state_the_next_turn_resumes_from() {
+    // the template drops an earlier reply's reasoning, so turn 2 does not extend what the device
+    // ran in turn 1: a backend holding state on a device (the GPU) must have been told to keep the
+    // state turn 2 resumes from, or it prefills the whole conversation again
+    let (s, calls) = Server::scripted_calls(CALL_REPLY, Duration::ZERO, config(), true).await;
+    let tools: Value = serde_json::from_str(WEATHER).unwrap();
+    let (_, r1) = s
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": user("weather?"), "tools": tools, "max_tokens": 100}),
+        )
+        .await;
+    let message = &r1["choices"][0]["message"];
+    assert!(
+        message["reasoning_content"]
+            .as_str()
+            .is_some_and(|r| !r.is_empty()),
+        "{r1}"
+    );
+    let call = &message["tool_calls"][0];
+    let kept = calls.lock().unwrap().kept.clone();
+    let ran_before = calls.lock().unwrap().ran_after.len();
+    let turn2 = json!([{"role": "user", "content": "weather?"}, message,
+        {"role": "tool", "tool_call_id": call["id"], "content": "sunny"},
+        {"role": "user", "content": "and tomorrow?"}]);
+    let (st, r2) = s
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": turn2, "tools": tools, "max_tokens": 100}),
+        )
+        .await;
+    assert_eq!(st, 200, "{r2}");
+    let cached = r2["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap() as usize;
+    let resumed = calls.lock().unwrap().ran_after[ran_before].clone();
+    assert!(cached > 0);
+    assert_eq!(resumed.len(), cached, "turn 2 ran after the cached prefix");
+    assert!(
+        kept.contains(&resumed),
+        "turn 2 resumed from a state the backend was not told to keep ({} tokens; kept: {:?})",
+        resumed.len(),
+        kept.iter().map(Vec::len).collect::<Vec<_>>()
     );
 }
 

@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""Multi-turn chat over `osprey serve`: time to first token of each turn of one conversation,
+with the GPU's state copies on and off. The chat template drops an earlier reply's reasoning, so
+each new turn's prompt leaves what the device ran at the start of the last reply: with copies
+the server resumes from the copy kept there and prefills only the new tokens; without, the GPU
+prefills the whole conversation again.
+
+    python3 tools/bench_turns.py --osprey target/release/osprey --model /tmp/full --turns 4 \
+        --user-tokens 8000 --out bench/results/cuda-serve-turns-full.json
+
+Each turn adds a user message of about --user-tokens tokens (distinct text, so nothing but the
+conversation's own prefix is reused) and asks for --reply-tokens tokens of reply (greedy, with
+reasoning on: a random model's reply is all reasoning). Streams each reply and reads the usage
+chunk. Needs: requests.
+"""
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+import requests
+
+
+def user_text(turn, tokens):
+    # about one token a word for these short numbered words
+    return " ".join(f"w{turn}x{i % 997}" for i in range(tokens // 3))
+
+
+def run_conversation(a, copies, port):
+    server = subprocess.Popen([a.osprey, "serve", "--model", a.model, "--backend", "cuda",
+                               "--port", str(port), "--max-context", str(a.max_context),
+                               "--gpu-state-copies", str(copies)])
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(1200):
+            try:
+                if requests.get(base + "/health", timeout=1).ok:
+                    break
+            except requests.RequestException:
+                time.sleep(0.5)
+        else:
+            raise SystemExit("server did not come up")
+        messages, turns = [], []
+        for turn in range(a.turns):
+            messages.append({"role": "user", "content": user_text(turn, a.user_tokens)})
+            body = {"messages": messages, "max_tokens": a.reply_tokens, "temperature": 0, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            t0 = time.time()
+            first = None
+            reasoning, content, usage = [], [], {}
+            with requests.post(base + "/v1/chat/completions", json=body, stream=True, timeout=600) as r:
+                if r.status_code != 200:
+                    raise SystemExit(f"turn {turn}: HTTP {r.status_code} {r.text[:300]}")
+                for line in r.iter_lines():
+                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    for c in chunk.get("choices", []):
+                        d = c.get("delta", {})
+                        if d.get("reasoning_content") or d.get("content"):
+                            first = first or time.time()
+                            reasoning.append(d.get("reasoning_content") or "")
+                            content.append(d.get("content") or "")
+            done = time.time()
+            messages.append({"role": "assistant", "content": "".join(content),
+                             "reasoning_content": "".join(reasoning)})
+            row = {"turn": turn + 1, "prompt_tokens": usage.get("prompt_tokens"),
+                   "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens"),
+                   "completion_tokens": usage.get("completion_tokens"),
+                   "time_to_first_token_s": round((first or done) - t0, 4), "seconds": round(done - t0, 4)}
+            print(f"copies {copies:>2}: turn {row['turn']}: {row['prompt_tokens']} prompt tokens "
+                  f"({row['cached_tokens']} cached), first token in {row['time_to_first_token_s']:.3f} s, "
+                  f"{row['completion_tokens']} tokens in {row['seconds']:.2f} s", flush=True)
+            turns.append(row)
+        return turns
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--osprey", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--user-tokens", type=int, default=8000)
+    ap.add_argument("--reply-tokens", type=int, default=64)
+    ap.add_argument("--max-context", type=int, default=65536)
+    ap.add_argument("--port", type=int, default=8012)
+    ap.add_argument("--out", help="write the results as JSON here")
+    a = ap.parse_args()
+    runs = {copies: run_conversation(a, copies, a.port) for copies in (16, 0)}
+    if a.out:
+        try:
+            device = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                                    capture_output=True, text=True, check=True).stdout.splitlines()[0].strip()
+        except (OSError, subprocess.CalledProcessError, IndexError):
+            device = "unknown"
+        out = {"kind": "serve-turns", "backend": "cuda", "device": device,
+               "commit": os.environ.get("OSPREY_COMMIT", "unknown"),
+               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+               "command": " ".join(["python3", "tools/bench_turns.py"] + sys.argv[1:]),
+               "note": "one conversation; each turn's time to first token over HTTP (its prompt's prefill), "
+                       "with --gpu-state-copies 16 and 0",
+               "results": [{"gpu_state_copies": c, "turns": t} for c, t in runs.items()]}
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
