@@ -25,6 +25,8 @@ struct Device {
     book: StateBook<RecurrentCopy>,
     /// How many calls resumed from a kept copy (checks, logs).
     restored: Arc<AtomicUsize>,
+    /// Tokens of callers' histories run again (`Backend::recomputed_tokens`).
+    recomputed: usize,
 }
 
 /// Tokens per prefill chunk unless the caller asks otherwise: long enough to keep the tensor
@@ -73,6 +75,7 @@ impl CudaBackend {
                 decoder,
                 book: StateBook::new(state_copies),
                 restored: Arc::new(AtomicUsize::new(0)),
+                recomputed: 0,
             }),
         })
     }
@@ -115,7 +118,7 @@ impl Device {
         chunk: usize,
     ) -> Result<()> {
         let target = [history, then].concat();
-        let ran = self.reach(&target, min_run, chunk);
+        let ran = self.reach(&target, history.len(), min_run, chunk);
         if ran.is_err() {
             // the device state is now unknown: the next call rebuilds it from scratch
             self.book.lost();
@@ -123,7 +126,14 @@ impl Device {
         ran
     }
 
-    fn reach(&mut self, target: &[u32], min_run: usize, chunk: usize) -> Result<()> {
+    /// `catch_up` for `target`, of which the first `history` tokens are the caller's history.
+    fn reach(
+        &mut self,
+        target: &[u32],
+        history: usize,
+        min_run: usize,
+        chunk: usize,
+    ) -> Result<()> {
         let from = match self.book.start(target, min_run) {
             Start::Held => self.book.held().len(),
             Start::Restore { index, len } => {
@@ -146,6 +156,7 @@ impl Device {
                 0
             }
         };
+        self.recomputed += history.saturating_sub(from);
         let missing = &target[from..];
         match missing.len() {
             0 => {}
@@ -217,6 +228,10 @@ impl Backend for CudaBackend {
 
     fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    fn recomputed_tokens(&self) -> usize {
+        self.device().map_or(0, |d| d.recomputed)
     }
 
     fn keep_state(&self, tokens: &[u32]) -> Result<()> {

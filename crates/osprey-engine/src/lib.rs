@@ -64,6 +64,12 @@ pub trait Backend: Send + Sync {
     fn keep_state(&self, _tokens: &[u32]) -> Result<()> {
         Ok(())
     }
+    /// Tokens of calls' `history` that the backend ran again so far, because it no longer held
+    /// their state (a device backend after another branch ran and no kept copy served). Lets a
+    /// server report as cached only the prompt tokens that were not computed.
+    fn recomputed_tokens(&self) -> usize {
+        0
+    }
 }
 
 /// The contract of `Backend::decode_on_device` for a backend whose next token is a function of
@@ -221,6 +227,11 @@ impl Engine {
     /// `Backend::keep_state`).
     pub fn keep_state(&self, s: &Session) -> Result<()> {
         self.backend.keep_state(&s.tokens)
+    }
+
+    /// See `Backend::recomputed_tokens`.
+    pub fn recomputed_tokens(&self) -> usize {
+        self.backend.recomputed_tokens()
     }
 
     /// Runs one token; returns its logits.

@@ -375,6 +375,7 @@ impl Worker {
         // longest cached prefix, then prefill up to the branch point (snapshot) and the rest; a
         // cached copy of the whole prompt with its logits needs no prefill
         let started = Instant::now();
+        let recomputed_before = engine.recomputed_tokens();
         let (mut session, cached, ready) = self.cache.resume(engine, prompt, job.branch)?;
         let counter = if cached > 0 {
             &self.metrics.cache_hits
@@ -391,9 +392,13 @@ impl Worker {
                 l
             }
         };
+        let recomputed = engine
+            .recomputed_tokens()
+            .saturating_sub(recomputed_before)
+            .min(cached);
         self.metrics.record_prefill(
-            prompt.len() - cached,
-            cached,
+            prompt.len() - cached + recomputed,
+            cached - recomputed,
             started.elapsed().as_secs_f64(),
         );
 
@@ -540,10 +545,16 @@ impl Worker {
         if parser.as_ref().is_some_and(|p| p.tool_calls() > 0) && finish == "stop" {
             finish = "tool_calls";
         }
+        // a backend that holds the state on a device may have run cached tokens again (also
+        // when decoding starts: a whole-prompt hit skips the prefill)
+        let recomputed = self
+            .engine
+            .recomputed_tokens()
+            .saturating_sub(recomputed_before);
         let usage = Usage {
             prompt_tokens: prompt.len(),
             completion_tokens: generated,
-            cached_tokens: cached,
+            cached_tokens: cached.saturating_sub(recomputed),
         };
         let stop_sequence = stops
             .matched()

@@ -76,6 +76,9 @@ struct Scripted {
 struct Calls {
     kept: Vec<Vec<u32>>,
     ran_after: Vec<Vec<u32>>,
+    /// Acts as a device backend that lost every state: each call's history is run again.
+    forgets: bool,
+    recomputed: usize,
 }
 
 impl Scripted {
@@ -111,6 +114,9 @@ impl Backend for Scripted {
         state.position += tokens.len();
         if let Ok(mut c) = self.calls.lock() {
             c.ran_after.push(history.to_vec());
+            if c.forgets {
+                c.recomputed += history.len();
+            }
         }
         let seq: Vec<u32> = history.iter().chain(tokens).copied().collect();
         let next = self.next_after(&seq);
@@ -136,6 +142,11 @@ impl Backend for Scripted {
         if !self.device {
             return Ok(None);
         }
+        if let Ok(mut c) = self.calls.lock() {
+            if c.forgets {
+                c.recomputed += history.len();
+            }
+        }
         let choose = |seq: &[u32]| {
             std::thread::sleep(self.delay);
             self.next_after(seq)
@@ -143,6 +154,10 @@ impl Backend for Scripted {
         let ran = osprey_engine::decode_by_steps(history, first, max_steps, &choose, on_token);
         state.position += ran.len();
         Ok(Some(ran))
+    }
+
+    fn recomputed_tokens(&self) -> usize {
+        self.calls.lock().map_or(0, |c| c.recomputed)
     }
 
     fn keep_state(&self, tokens: &[u32]) -> anyhow::Result<()> {
@@ -884,6 +899,17 @@ async fn the_backend_keeps_the_state_the_next_turn_resumes_from() {
         "turn 2 resumed from a state the backend was not told to keep ({} tokens; kept: {:?})",
         resumed.len(),
         kept.iter().map(Vec::len).collect::<Vec<_>>()
+    );
+    // a backend that had to run the cached prefix again (it lost the state): nothing was cached
+    calls.lock().unwrap().forgets = true;
+    let retry = json!({"messages": user("weather, again?"), "max_tokens": 4});
+    let (_, first) = s.post("/v1/chat/completions", retry.clone()).await;
+    let (_, again) = s.post("/v1/chat/completions", retry).await;
+    let cached = |r: &Value| r["usage"]["prompt_tokens_details"]["cached_tokens"].clone();
+    assert_eq!(
+        (cached(&first), cached(&again)),
+        (json!(0), json!(0)),
+        "{again}"
     );
 }
 
