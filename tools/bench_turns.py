@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""Multi-turn chat over `osprey serve`: time to first token of each turn of one conversation,
-with the GPU's state copies on and off. The chat template drops an earlier reply's reasoning, so
-each new turn's prompt leaves what the device ran at the start of the last reply: with copies
-the server resumes from the copy kept there and prefills only the new tokens; without, the GPU
-prefills the whole conversation again.
+"""Multi-turn chats over `osprey serve`: time to first token of each turn, with the GPU's
+session copies on (--gpu-cache-mib 8192) and off (0). The chat template drops an earlier reply's
+reasoning, so each new turn's prompt leaves what the device ran at the start of the last reply:
+with copies the server resumes from the copy kept there and prefills only the new tokens;
+without, the GPU prefills the whole conversation again. Two runs: one conversation, and two
+conversations taking turns (each return to a conversation also copies back the K/V rows the
+other one wrote over).
 
     python3 tools/bench_turns.py --osprey target/release/osprey --model /tmp/full --turns 4 \
         --user-tokens 8000 --out bench/results/cuda-serve-turns-full.json
@@ -24,15 +26,16 @@ import time
 import requests
 
 
-def user_text(turn, tokens):
-    # about one token a word for these short numbered words
-    return " ".join(f"w{turn}x{i % 997}" for i in range(tokens // 3))
+def user_text(conversation, turn, tokens):
+    # about three tokens a word for these short numbered words
+    return " ".join(f"{conversation}{turn}x{i % 997}" for i in range(tokens // 3))
 
 
-def run_conversation(a, copies, port):
+def run_turns(a, cache_mib, order, port):
+    """Runs the turns of the conversations named in `order` (one turn each time a name comes)."""
     server = subprocess.Popen([a.osprey, "serve", "--model", a.model, "--backend", "cuda",
                                "--port", str(port), "--max-context", str(a.max_context),
-                               "--gpu-state-copies", str(copies)])
+                               "--gpu-cache-mib", str(cache_mib)])
     base = f"http://127.0.0.1:{port}"
     try:
         for _ in range(1200):
@@ -43,9 +46,11 @@ def run_conversation(a, copies, port):
                 time.sleep(0.5)
         else:
             raise SystemExit("server did not come up")
-        messages, turns = [], []
-        for turn in range(a.turns):
-            messages.append({"role": "user", "content": user_text(turn, a.user_tokens)})
+        chats, turns = {}, []
+        for name in order:
+            messages = chats.setdefault(name, [])
+            turn = len(messages) // 2
+            messages.append({"role": "user", "content": user_text(name, turn, a.user_tokens)})
             body = {"messages": messages, "max_tokens": a.reply_tokens, "temperature": 0, "stream": True,
                     "stream_options": {"include_usage": True}}
             t0 = time.time()
@@ -69,11 +74,11 @@ def run_conversation(a, copies, port):
             done = time.time()
             messages.append({"role": "assistant", "content": "".join(content),
                              "reasoning_content": "".join(reasoning)})
-            row = {"turn": turn + 1, "prompt_tokens": usage.get("prompt_tokens"),
+            row = {"conversation": name, "turn": turn + 1, "prompt_tokens": usage.get("prompt_tokens"),
                    "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens"),
                    "completion_tokens": usage.get("completion_tokens"),
                    "time_to_first_token_s": round((first or done) - t0, 4), "seconds": round(done - t0, 4)}
-            print(f"copies {copies:>2}: turn {row['turn']}: {row['prompt_tokens']} prompt tokens "
+            print(f"cache {cache_mib:>4} MiB: {name} turn {row['turn']}: {row['prompt_tokens']} prompt tokens "
                   f"({row['cached_tokens']} cached), first token in {row['time_to_first_token_s']:.3f} s, "
                   f"{row['completion_tokens']} tokens in {row['seconds']:.2f} s", flush=True)
             turns.append(row)
@@ -94,7 +99,9 @@ def main():
     ap.add_argument("--port", type=int, default=8012)
     ap.add_argument("--out", help="write the results as JSON here")
     a = ap.parse_args()
-    runs = {copies: run_conversation(a, copies, a.port) for copies in (16, 0)}
+    orders = {"one conversation": ["A"] * a.turns, "two taking turns": ["A", "B"] * a.turns}
+    runs = [{"scenario": scenario, "gpu_cache_mib": mib, "turns": run_turns(a, mib, order, a.port)}
+            for scenario, order in orders.items() for mib in (8192, 0)]
     if a.out:
         try:
             device = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
@@ -105,9 +112,9 @@ def main():
                "commit": os.environ.get("OSPREY_COMMIT", "unknown"),
                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                "command": " ".join(["python3", "tools/bench_turns.py"] + sys.argv[1:]),
-               "note": "one conversation; each turn's time to first token over HTTP (its prompt's prefill), "
-                       "with --gpu-state-copies 16 and 0",
-               "results": [{"gpu_state_copies": c, "turns": t} for c, t in runs.items()]}
+               "note": "each turn's time to first token over HTTP (its prompt's prefill), "
+                       "with --gpu-cache-mib 8192 and 0",
+               "results": runs}
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
 

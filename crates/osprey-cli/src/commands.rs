@@ -113,7 +113,7 @@ fn cuda_backend(
         valid,
         chunk,
         args.kv_cache,
-        args.gpu_state_copies,
+        args.gpu_cache_mib << 20,
     )?;
     let mem: Vec<String> = b
         .memory_report()

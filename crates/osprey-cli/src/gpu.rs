@@ -216,12 +216,15 @@ pub fn check(
     Ok(())
 }
 
-/// A session resumed from a state copy the backend kept on the device after another branch ran
-/// past it, as a chat's next turn resumes (through `CudaBackend`, as the server runs it): the
-/// prompt's first part (an odd length, so the conv buffers' parity differs from the branch's),
-/// kept; another branch by prefill and decode steps; then the rest of the prompt after the kept
-/// part, by prefill, and again with its first tokens by steps. Both must give the whole prompt's
-/// CPU logits, and the backend must have restored its copy for each instead of rebuilding.
+/// A session resumed from a copy the backend kept on the device, through `CudaBackend` as the
+/// server runs it: the prompt's first part (an odd length, so the conv buffers' parity differs
+/// from the later runs') is kept; another branch runs on from it by prefill and decode steps;
+/// then the rest of the prompt after the kept part, by prefill, and again with its first tokens
+/// by steps (a chat's next turn: the copy's K/V rows are still in the cache); then another
+/// conversation from its first token (which writes over those rows, so the backend stashes them
+/// in the copy first) and the rest of the prompt again (the rows copied back). Each must give the
+/// whole prompt's CPU logits, and the backend must have restored its copy each time instead of
+/// rebuilding.
 fn check_resume(
     m: &GpuModel,
     context: usize,
@@ -232,14 +235,17 @@ fn check_resume(
 ) -> Result<SamplingCheck> {
     let weights = ModelWeights::load(m.dir)?;
     let valid = weights.config.vocab_size.min(TOKENIZER_VOCAB);
-    let backend = CudaBackend::new(&weights, context, valid, chunk, m.kv, 2)?;
+    let backend = CudaBackend::new(&weights, context, valid, chunk, m.kv, 1 << 30)?;
     let restored = backend.restore_count();
     let engine = Engine::new(Box::new(backend));
     let split = (long.len() / 2) | 1;
-    let other: Vec<u32> = make_prompt(RESUME_BRANCH)
-        .iter()
-        .map(|t| (t + 7) % valid as u32)
-        .collect();
+    let shifted = |n: usize| -> Vec<u32> {
+        make_prompt(n)
+            .iter()
+            .map(|t| (t + 7) % valid as u32)
+            .collect()
+    };
+    let other = shifted(RESUME_BRANCH);
     let mut kept = engine.new_session();
     engine.prefill(&mut kept, &long[..split])?;
     engine.keep_state(&kept)?;
@@ -255,29 +261,35 @@ fn check_resume(
         engine.decode(&mut by_steps, t)?;
     }
     let (first_by_steps, _) = engine.prefill(&mut by_steps, &long[split + RESUME_STEPS..])?;
+    let mut stranger = engine.new_session();
+    engine.prefill(&mut stranger, &shifted(split + RESUME_BRANCH))?;
+    let mut back = kept.clone();
+    let (rows_copied_back, _) = engine.prefill(&mut back, &long[split..])?;
     let restores = restored.load(Ordering::Relaxed);
-    let compared: Vec<Compared> = [&rest_by_prefill, &first_by_steps]
+    let runs = [&rest_by_prefill, &first_by_steps, &rows_copied_back];
+    let compared: Vec<Compared> = runs
         .iter()
         .map(|l| Compared::new(&cpu_logits[..valid], &l[..valid]))
         .collect();
     let disagree = compared
         .iter()
-        .zip([&rest_by_prefill, &first_by_steps])
+        .zip(runs)
         .filter(|(c, l)| c.disagrees(argmax(&l[..valid])))
         .count();
     let worst = compared.iter().map(|c| c.rel).fold(0.0, f32::max);
-    let pass = worst <= MAX_PREFILL_RELATIVE_RMS && disagree == 0 && restores == 2;
+    let pass = worst <= MAX_PREFILL_RELATIVE_RMS && disagree == 0 && restores == 3;
     Ok(SamplingCheck {
         pass,
         summary: format!(
-            "resumed from a state copy at {split} of {} tokens after another branch ({RESUME_BRANCH} tokens + {RESUME_STEPS} steps), copies restored {restores} of 2: the rest by prefill {:.2e}, its first {RESUME_STEPS} by steps {:.2e} relative RMS vs cpu (limit {MAX_PREFILL_RELATIVE_RMS:.0e}); greedy disagreements {disagree}",
-            long.len(), compared[0].rel, compared[1].rel
+            "resumed from a session copy at {split} of {} tokens, restored {restores} of 3 times: after another branch ({RESUME_BRANCH} tokens + {RESUME_STEPS} steps) the rest by prefill {:.2e}, its first {RESUME_STEPS} by steps {:.2e}; after another conversation, with the stashed K/V rows copied back, {:.2e} relative RMS vs cpu (limit {MAX_PREFILL_RELATIVE_RMS:.0e}); greedy disagreements {disagree}",
+            long.len(), compared[0].rel, compared[1].rel, compared[2].rel
         ),
         report: json!({
             "copy_at": split, "prompt_tokens": long.len(), "other_branch_tokens": RESUME_BRANCH, "other_branch_steps": RESUME_STEPS,
-            "copies_restored": restores, "copies_expected": 2,
+            "copies_restored": restores, "copies_expected": 3,
             "rest_by_prefill_relative_rms": compared[0].rel, "rest_by_prefill_max_abs": compared[0].max_abs,
             "first_steps_then_prefill_relative_rms": compared[1].rel, "first_steps_then_prefill_max_abs": compared[1].max_abs,
+            "after_another_conversation_relative_rms": compared[2].rel, "after_another_conversation_max_abs": compared[2].max_abs,
             "limit_relative_rms": MAX_PREFILL_RELATIVE_RMS, "greedy_disagreements": disagree, "pass": pass,
         }),
     })

@@ -42,12 +42,13 @@ pub struct ModelArgs {
     /// same way).
     #[arg(long, default_value = "bf16")]
     pub kv_cache: osprey_engine::KvCache,
-    /// GPU: copies of the Gated DeltaNet state kept on the device (~63 MB each at full size) at
-    /// the points a chat may branch from (a reply's start and end), so that the next turn, a
-    /// retry or another branch resumes there instead of prefilling from the first token (only
-    /// while the attention layers' cache still holds that point's rows). 0 turns it off.
-    #[arg(long, default_value_t = 16)]
-    pub gpu_state_copies: usize,
+    /// GPU: memory for session copies kept on the device at the points a chat may branch from
+    /// (a reply's start and end), so that the next turn, a retry or a return to another
+    /// conversation resumes there instead of prefilling from the first token: each copy is the
+    /// Gated DeltaNet state (~63 MB at full size) plus the K/V rows (20 KB a token, bf16) that
+    /// other conversations wrote over since. Least recently used out first; 0 turns it off.
+    #[arg(long, default_value_t = 8192)]
+    pub gpu_cache_mib: usize,
 }
 
 /// Sampling settings; unset values come from the model's generation_config.json.

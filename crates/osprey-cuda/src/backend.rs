@@ -1,8 +1,8 @@
 //! The CUDA backend behind the engine's `Backend` interface: `osprey generate`, `chat` and `serve`
 //! run on it. The device holds one session's state at a time. A forward call whose tokens extend
-//! what the device holds runs only the new ones; for another branch it restores the longest copy
-//! of the Gated DeltaNet state kept on the device (`keep_state`, see `snapshots`) whose K/V rows
-//! are still in the cache, else rebuilds the state by prefilling from the first token. Several
+//! what the device holds runs only the new ones; for another branch or conversation it restores
+//! the longest session copy kept on the device (`keep_state`, see `snapshots`) that its tokens
+//! extend, else rebuilds the state by prefilling from the first token. Several
 //! tokens run through the batched prefill path, a single token through the captured decode step;
 //! logits come back to the host for sampling.
 
@@ -15,14 +15,14 @@ use osprey_engine::{Backend, KvCache, LogitsFor, SessionState};
 use osprey_model::config::ModelConfig;
 use osprey_model::ModelWeights;
 
-use crate::decoder::RecurrentCopy;
+use crate::decoder::SessionCopy;
 use crate::snapshots::{Start, StateBook};
 use crate::CudaDecoder;
 
 struct Device {
     decoder: CudaDecoder,
     /// What the device holds, what its K/V rows hold, and the state copies kept on it.
-    book: StateBook<RecurrentCopy>,
+    book: StateBook<SessionCopy>,
     /// How many calls resumed from a kept copy (checks, logs).
     restored: Arc<AtomicUsize>,
     /// Tokens of callers' histories run again (`Backend::recomputed_tokens`).
@@ -47,25 +47,28 @@ unsafe impl Send for Device {}
 
 impl CudaBackend {
     /// Uploads the weights and allocates state for `max_context` positions; prompts run in chunks
-    /// of `prefill_chunk` tokens; the attention layers keep K/V as `kv` says; up to
-    /// `state_copies` copies of the GDN state are kept on the device (allocated on use).
+    /// of `prefill_chunk` tokens; the attention layers keep K/V as `kv` says; copies of session
+    /// states kept on the device (`keep_state`) take at most `copy_budget` bytes (allocated on
+    /// use).
     pub fn new(
         weights: &ModelWeights,
         max_context: usize,
         valid_vocab: usize,
         prefill_chunk: usize,
         kv: KvCache,
-        state_copies: usize,
+        copy_budget: usize,
     ) -> Result<Self> {
         if prefill_chunk == 0 {
             bail!("the prefill chunk must be at least 1 token");
         }
         let decoder = CudaDecoder::new(weights, max_context, valid_vocab, kv)?;
         let mut memory = decoder.memory_report().to_vec();
-        memory.push((
-            "state copies, at most (allocated on use)",
-            state_copies * decoder.recurrent_copy_bytes(),
-        ));
+        memory.push(("session copies, at most (allocated on use)", copy_budget));
+        let book = StateBook::new(
+            copy_budget,
+            decoder.session_copy_bytes(),
+            decoder.kv_row_bytes(),
+        );
         Ok(CudaBackend {
             prefill_chunk,
             device_name: decoder.device_name(),
@@ -73,7 +76,7 @@ impl CudaBackend {
             config: weights.config.clone(),
             device: Mutex::new(Device {
                 decoder,
-                book: StateBook::new(state_copies),
+                book,
                 restored: Arc::new(AtomicUsize::new(0)),
                 recomputed: 0,
             }),
@@ -134,18 +137,32 @@ impl Device {
         min_run: usize,
         chunk: usize,
     ) -> Result<()> {
-        let from = match self.book.start(target, min_run) {
+        let start = self.book.start(target, min_run);
+        let restoring = match start {
+            Start::Restore { id, .. } => Some(id),
+            _ => None,
+        };
+        // rows other kept sessions still need, before this call writes over them
+        for st in self.book.before_writing(target, restoring) {
+            let copy = self
+                .book
+                .saved_mut(st.id)
+                .ok_or_else(|| anyhow!("session copy {} is not kept", st.id))?;
+            self.decoder.stash_rows(copy, st.from, st.to)?;
+        }
+        let from = match start {
             Start::Held => self.book.held().len(),
-            Start::Restore { index, len } => {
+            Start::Restore { id, len, rows_from } => {
                 let saved = self
                     .book
-                    .saved(index)
-                    .ok_or_else(|| anyhow!("state copy {index} is not kept"))?;
-                self.decoder.restore_recurrent(saved, len)?;
+                    .saved(id)
+                    .ok_or_else(|| anyhow!("session copy {id} is not kept"))?;
+                self.decoder.restore_session(saved, rows_from)?;
                 self.book.holds(&target[..len]);
                 self.restored.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(
-                    "resumed from the state copy at {len} tokens ({} to run)",
+                    "resumed from the session copy at {len} tokens ({} K/V rows copied back, {} tokens to run)",
+                    len - rows_from,
                     target.len() - len
                 );
                 len
@@ -239,8 +256,7 @@ impl Backend for CudaBackend {
         if d.book.held() != tokens || !d.book.wants_copy() {
             return Ok(());
         }
-        let reuse = d.book.evict_for_copy();
-        let copy = d.decoder.save_recurrent(reuse)?;
+        let copy = d.decoder.save_session(tokens.len())?;
         d.book.keep(copy);
         Ok(())
     }

@@ -581,11 +581,24 @@ pub struct KernelTime {
     pub micros: f64,
 }
 
-/// A copy of the part of a session's state that later tokens overwrite: every Gated DeltaNet
-/// layer's conv buffers (both parities: the step reads one and writes the other by position) and
-/// fp32 recurrent state. The K/V rows are not in it: later tokens only append to them.
-pub struct RecurrentCopy {
-    buffers: Vec<CudaSlice<f32>>,
+/// A copy of a session's state after its first `len` tokens: every Gated DeltaNet layer's conv
+/// buffers (both parities: the step reads one and writes the other by position) and fp32
+/// recurrent state, and the attention layers' K/V rows from `stashed_from` to `len` once a later
+/// call was about to write over them (`stash_rows`; the rows below stay in the cache).
+pub struct SessionCopy {
+    gdn: Vec<CudaSlice<f32>>,
+    len: usize,
+    stashed_from: usize,
+    /// Per attention layer, its rows `stashed_from..len` (empty until something is stashed).
+    rows: Vec<StashedRows>,
+}
+
+/// An attention layer's K/V rows `[rows, Hkv, D]` and, for the int8 cache, their scales
+/// `[Hkv, rows]`.
+struct StashedRows {
+    k: CudaSlice<u8>,
+    v: CudaSlice<u8>,
+    scales: Option<[CudaSlice<f32>; 2]>,
 }
 
 pub struct CudaDecoder {
@@ -1846,9 +1859,21 @@ impl CudaDecoder {
         Ok(())
     }
 
-    /// Bytes of one `RecurrentCopy`: every GDN layer's two conv buffers and recurrent state.
-    pub fn recurrent_copy_bytes(&self) -> usize {
+    /// Bytes of a `SessionCopy`'s GDN state.
+    pub fn session_copy_bytes(&self) -> usize {
         self.gdn_state_buffers().map(|b| 4 * b.len()).sum()
+    }
+
+    /// Bytes of one position's K/V rows over all attention layers (what a stashed row costs).
+    pub fn kv_row_bytes(&self) -> usize {
+        self.kv_caches()
+            .map(|c| {
+                (c.k.len() + c.v.len()) / self.max_context
+                    + c.scales
+                        .as_ref()
+                        .map_or(0, |s| 4 * (s[0].len() + s[1].len()) / self.max_context)
+            })
+            .sum()
     }
 
     fn gdn_state_buffers(&self) -> impl Iterator<Item = &CudaSlice<f32>> {
@@ -1858,30 +1883,138 @@ impl CudaDecoder {
         })
     }
 
-    /// Copies the session's state that is not in the K/V rows (see `RecurrentCopy`) into `into`,
-    /// or into new buffers when it is None; device to device, on the stream.
-    pub fn save_recurrent(&self, into: Option<RecurrentCopy>) -> Result<RecurrentCopy> {
-        let mut copy = match into {
-            Some(c) => c,
-            None => RecurrentCopy {
-                buffers: self
-                    .gdn_state_buffers()
-                    .map(|b| self.stream.alloc_zeros::<f32>(b.len()))
-                    .collect::<Result<_, _>>()?,
-            },
-        };
-        for (from, to) in self.gdn_state_buffers().zip(copy.buffers.iter_mut()) {
-            self.stream.memcpy_dtod(from, to)?;
-        }
-        Ok(copy)
+    fn kv_caches(&self) -> impl Iterator<Item = &KvCacheDev> {
+        self.layers.iter().filter_map(|l| match &l.mixer {
+            LayerDev::Attention { kv, .. } => Some(kv),
+            LayerDev::Gdn { .. } => None,
+        })
     }
 
-    /// Puts a saved state back and moves the position to `position`, the number of tokens it
-    /// was saved after. The K/V rows below `position` must still hold that session's (the caller's
-    /// book keeps track: `snapshots::StateBook`).
-    pub fn restore_recurrent(&mut self, from: &RecurrentCopy, position: usize) -> Result<()> {
+    /// Copies the session's GDN state after its first `len` tokens (what the device holds) into
+    /// new buffers; device to device, on the stream. Its K/V rows stay in the cache.
+    pub fn save_session(&self, len: usize) -> Result<SessionCopy> {
+        let mut gdn = Vec::new();
+        for b in self.gdn_state_buffers() {
+            let mut to = self.stream.alloc_zeros::<f32>(b.len())?;
+            self.stream.memcpy_dtod(b, &mut to)?;
+            gdn.push(to);
+        }
+        Ok(SessionCopy {
+            gdn,
+            len,
+            stashed_from: len,
+            rows: Vec::new(),
+        })
+    }
+
+    /// Copies the cache's K/V rows `from..to` into the front of `copy`'s stash (which holds the
+    /// rows from `to` on), before a call writes other tokens' rows there.
+    pub fn stash_rows(&self, copy: &mut SessionCopy, from: usize, to: usize) -> Result<()> {
+        let len = copy.len;
+        if to != copy.stashed_from || from > to {
+            bail!(
+                "cannot stash rows {from}..{to}: the copy's stash starts at {}",
+                copy.stashed_from
+            );
+        }
+        if from == to {
+            return Ok(());
+        }
+        let (added, n) = (to - from, len - from);
+        let old = std::mem::take(&mut copy.rows);
+        let mut rows = Vec::new();
+        for (j, c) in self.kv_caches().enumerate() {
+            let held = old.get(j);
+            let per = c.k.len() / self.max_context;
+            let join =
+                |cache: &CudaSlice<u8>, stash: Option<&CudaSlice<u8>>| -> Result<CudaSlice<u8>> {
+                    let mut out = self.stream.alloc_zeros::<u8>(n * per)?;
+                    self.stream.memcpy_dtod(
+                        &cache.slice(from * per..to * per),
+                        &mut out.slice_mut(..added * per),
+                    )?;
+                    if let Some(st) = stash {
+                        self.stream
+                            .memcpy_dtod(st, &mut out.slice_mut(added * per..))?;
+                    }
+                    Ok(out)
+                };
+            let k = join(&c.k, held.map(|h| &h.k))?;
+            let v = join(&c.v, held.map(|h| &h.v))?;
+            let scales = match &c.scales {
+                None => None,
+                Some(sc) => {
+                    let heads = sc[0].len() / self.max_context;
+                    let mut pair = Vec::new();
+                    for (i, cache) in sc.iter().enumerate() {
+                        let mut out = self.stream.alloc_zeros::<f32>(heads * n)?;
+                        for h in 0..heads {
+                            let at = h * self.max_context;
+                            self.stream.memcpy_dtod(
+                                &cache.slice(at + from..at + to),
+                                &mut out.slice_mut(h * n..h * n + added),
+                            )?;
+                            if let Some(st) = held.and_then(|h| h.scales.as_ref()) {
+                                let was = len - to;
+                                self.stream.memcpy_dtod(
+                                    &st[i].slice(h * was..(h + 1) * was),
+                                    &mut out.slice_mut(h * n + added..(h + 1) * n),
+                                )?;
+                            }
+                        }
+                        pair.push(out);
+                    }
+                    let [a, b]: [CudaSlice<f32>; 2] = pair
+                        .try_into()
+                        .map_err(|_| anyhow!("an int8 cache has two scale arrays"))?;
+                    Some([a, b])
+                }
+            };
+            rows.push(StashedRows { k, v, scales });
+        }
+        copy.rows = rows;
+        copy.stashed_from = from;
+        Ok(())
+    }
+
+    /// Puts a saved session back: its stashed K/V rows from `rows_from` (the cache holds that
+    /// session's rows below it: the caller's book keeps track, `snapshots::StateBook`) and its
+    /// GDN state, and moves the position to its length.
+    pub fn restore_session(&mut self, copy: &SessionCopy, rows_from: usize) -> Result<()> {
+        let (len, stashed) = (copy.len, copy.stashed_from);
+        if rows_from < stashed || rows_from > len {
+            bail!("rows {rows_from}..{len} are not all in the copy (it stashed {stashed}..{len})");
+        }
         let stream = self.stream.clone();
-        let mut saved = from.buffers.iter();
+        let max = self.max_context;
+        if rows_from < len {
+            let (skip, n, was) = (rows_from - stashed, len - rows_from, len - stashed);
+            let caches = self.layers.iter_mut().filter_map(|l| match &mut l.mixer {
+                LayerDev::Attention { kv, .. } => Some(kv),
+                LayerDev::Gdn { .. } => None,
+            });
+            for (c, st) in caches.zip(&copy.rows) {
+                let per = c.k.len() / max;
+                for (cache, stash) in [(&mut c.k, &st.k), (&mut c.v, &st.v)] {
+                    stream.memcpy_dtod(
+                        &stash.slice(skip * per..was * per),
+                        &mut cache.slice_mut(rows_from * per..len * per),
+                    )?;
+                }
+                if let (Some(sc), Some(ss)) = (&mut c.scales, &st.scales) {
+                    let heads = sc[0].len() / max;
+                    for (cache, stash) in sc.iter_mut().zip(ss) {
+                        for h in 0..heads {
+                            stream.memcpy_dtod(
+                                &stash.slice(h * was + skip..h * was + skip + n),
+                                &mut cache.slice_mut(h * max + rows_from..h * max + len),
+                            )?;
+                        }
+                    }
+                }
+            }
+        }
+        let mut saved = copy.gdn.iter();
         for l in &mut self.layers {
             if let LayerDev::Gdn { conv, state, .. } = &mut l.mixer {
                 for to in conv.iter_mut().chain(std::iter::once(state)) {
@@ -1895,7 +2028,7 @@ impl CudaDecoder {
         // the record of choices is indexed by steps since a reset, which stay below the position
         // only if they restart with it
         stream.memcpy_htod(&[0i32], &mut self.s.step)?;
-        self.set_position(position)
+        self.set_position(len)
     }
 
     /// Moves the position (benchmarks: the work of a step depends only on the context length).

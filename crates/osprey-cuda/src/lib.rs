@@ -11,7 +11,7 @@ mod snapshots;
 pub mod timeline;
 
 pub use backend::{CudaBackend, DEFAULT_CUDA_PREFILL_CHUNK};
-pub use decoder::{CudaDecoder, GdnPrefill, KernelTime, RecurrentCopy, KERNELS_DIR_ENV};
+pub use decoder::{CudaDecoder, GdnPrefill, KernelTime, SessionCopy, KERNELS_DIR_ENV};
 
 #[cfg(osprey_kernels)]
 pub(crate) const CUBINS: &[(&str, &[u8])] = &[
