@@ -27,8 +27,8 @@ import requests
 
 
 def user_text(conversation, turn, tokens):
-    # about three tokens a word for these short numbered words
-    return " ".join(f"{conversation}{turn}x{i % 997}" for i in range(tokens // 3))
+    # about six tokens a word for these short numbered words
+    return " ".join(f"{conversation}{turn}x{i % 997}" for i in range(tokens // 6))
 
 
 def run_turns(a, cache_mib, order, port):

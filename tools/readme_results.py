@@ -188,6 +188,9 @@ def checks():
         ("prefill (chunked, whole, both GDN forms), last-position logits", lambda d: f"{pre(d):.1e}", f"{tiny['prefill']['limit_relative_rms']:.0e}"),
         ("prefill then decode, worst relative RMS", lambda d: f"{d['prefill']['decode_after_prefill']['worst_relative_rms']:.1e}", f"{tiny['prefill']['limit_relative_rms']:.0e}"),
         ("greedy disagreements (outside near-ties)", lambda d: str(d["greedy_disagreements"] + d["prefill"]["greedy_disagreements"] + d["prefill"]["decode_after_prefill"]["greedy_disagreements"]), "0"),
+        ("resumed from a session copy after another branch and another conversation, worst relative RMS",
+         lambda d: f"{max(v for k, v in d['resume_from_state_copy'].items() if k.endswith('relative_rms') and k != 'limit_relative_rms'):.1e}"
+         if "resume_from_state_copy" in d else "—", f"{tiny['prefill']['limit_relative_rms']:.0e}"),
         ("GPU sampling: total variation vs the host distribution", lambda d: f"{d['gpu_sampling']['total_variation']:.3f}", f"{tiny['gpu_sampling']['limit_total_variation']}"),
         ("passed", lambda d: "yes" if d["pass"] else "NO", ""),
     ]
@@ -198,6 +201,22 @@ def checks():
     if tiny.get("commit") == full4.get("commit"):
         return "\n".join(rows) + source(tiny, "cuda-check-tiny.json, cuda-check-fullwidth-4l.json") + int8_source
     return "\n".join(rows) + source(tiny, "cuda-check-tiny.json") + "<br>" + source(full4, "cuda-check-fullwidth-4l.json").strip() + int8_source
+
+
+def serve_turns():
+    """Time to first token per turn, GPU session copies on and off, per scenario."""
+    d = load("cuda-serve-turns-full.json")
+    runs = {(r["scenario"], r["gpu_cache_mib"]): r["turns"] for r in d["results"]}
+    rows = ["| scenario | turn | prompt tokens | computed with copies (cached) | first token, with copies | without (all computed) |",
+            "|---|---|---|---|---|---|"]
+    for scenario in dict.fromkeys(r["scenario"] for r in d["results"]):
+        on = runs[(scenario, max(m for s, m in runs if s == scenario))]
+        off = runs[(scenario, 0)]
+        for a, b in zip(on, off):
+            rows.append(f"| {scenario} | {a['conversation']} {a['turn']} | {a['prompt_tokens']:,} | "
+                        f"{a['prompt_tokens'] - a['cached_tokens']:,} ({a['cached_tokens']:,}) | "
+                        f"{a['time_to_first_token_s']:.2f} s | {b['time_to_first_token_s']:.2f} s |")
+    return "\n".join(rows) + source(d, "cuda-serve-turns-full.json")
 
 
 def compare():
@@ -245,7 +264,7 @@ def fidelity_tiny():
 
 TABLES = {"prefill": prefill, "prefill-profile": prefill_profile, "decode": decode, "decode-profile": decode_profile,
           "decode-phases": decode_phases,
-          "checks": checks, "compare-mlx": compare, "fidelity-full": fidelity_full, "fidelity-tiny": fidelity_tiny}
+          "checks": checks, "serve-turns": serve_turns, "compare-mlx": compare, "fidelity-full": fidelity_full, "fidelity-tiny": fidelity_tiny}
 
 
 def render(text):
