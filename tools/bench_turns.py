@@ -19,11 +19,12 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 
 import requests
+
+from serving import gpu_name, serving
 
 
 def user_text(conversation, turn, tokens):
@@ -33,19 +34,8 @@ def user_text(conversation, turn, tokens):
 
 def run_turns(a, cache_mib, order, port):
     """Runs the turns of the conversations named in `order` (one turn each time a name comes)."""
-    server = subprocess.Popen([a.osprey, "serve", "--model", a.model, "--backend", "cuda",
-                               "--port", str(port), "--max-context", str(a.max_context),
-                               "--gpu-cache-mib", str(cache_mib)])
-    base = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(1200):
-            try:
-                if requests.get(base + "/health", timeout=1).ok:
-                    break
-            except requests.RequestException:
-                time.sleep(0.5)
-        else:
-            raise SystemExit("server did not come up")
+    with serving(a.osprey, a.model, "cuda", port, "--max-context", str(a.max_context),
+                 "--gpu-cache-mib", str(cache_mib)) as base:
         chats, turns = {}, []
         for name in order:
             messages = chats.setdefault(name, [])
@@ -83,9 +73,6 @@ def run_turns(a, cache_mib, order, port):
                   f"{row['completion_tokens']} tokens in {row['seconds']:.2f} s", flush=True)
             turns.append(row)
         return turns
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
 
 
 def main():
@@ -103,12 +90,7 @@ def main():
     runs = [{"scenario": scenario, "gpu_cache_mib": mib, "turns": run_turns(a, mib, order, a.port)}
             for scenario, order in orders.items() for mib in (8192, 0)]
     if a.out:
-        try:
-            device = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                                    capture_output=True, text=True, check=True).stdout.splitlines()[0].strip()
-        except (OSError, subprocess.CalledProcessError, IndexError):
-            device = "unknown"
-        out = {"kind": "serve-turns", "backend": "cuda", "device": device,
+        out = {"kind": "serve-turns", "backend": "cuda", "device": gpu_name(),
                "commit": os.environ.get("OSPREY_COMMIT", "unknown"),
                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                "command": " ".join(["python3", "tools/bench_turns.py"] + sys.argv[1:]),

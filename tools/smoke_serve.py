@@ -13,11 +13,12 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 
 import requests
+
+from serving import gpu_name, serving
 
 
 def main():
@@ -29,18 +30,7 @@ def main():
     ap.add_argument("--out", help="write the results as JSON here")
     a = ap.parse_args()
     results = []
-    server = subprocess.Popen([a.osprey, "serve", "--model", a.model, "--backend", a.backend,
-                               "--port", str(a.port), "--max-context", "8192"])
-    base = f"http://127.0.0.1:{a.port}"
-    try:
-        for _ in range(600):
-            try:
-                if requests.get(base + "/health", timeout=1).ok:
-                    break
-            except requests.RequestException:
-                time.sleep(0.5)
-        else:
-            raise SystemExit("server did not come up")
+    with serving(a.osprey, a.model, a.backend, a.port, "--max-context", "8192") as base:
         tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
             "type": "object", "properties": {"city": {"type": "string"}}}}}]
         user = [{"role": "user", "content": "Tell me about ospreys."}]
@@ -89,19 +79,11 @@ def main():
         print("\n".join(lines)[:1500])
         if a.out:
             write_json(a, results, lines, failed)
-        sys.exit(1 if failed else 0)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+    sys.exit(1 if failed else 0)
 
 
 def write_json(a, results, metrics, failed):
-    try:
-        device = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                                text=True, check=True).stdout.splitlines()[0].strip()
-    except (OSError, subprocess.CalledProcessError, IndexError):
-        device = "unknown"
-    out = {"kind": "serve", "backend": a.backend, "device": device,
+    out = {"kind": "serve", "backend": a.backend, "device": gpu_name(),
            "commit": os.environ.get("OSPREY_COMMIT", "unknown"),
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
            "command": " ".join(["python3", "tools/smoke_serve.py"] + sys.argv[1:]),

@@ -1,0 +1,37 @@
+"""Helpers the serve benchmarks share: `osprey serve` started and stopped around a block, and the
+GPU's name for the results. Needs: requests."""
+import contextlib
+import subprocess
+import time
+
+import requests
+
+
+@contextlib.contextmanager
+def serving(osprey, model, backend, port, *args):
+    """Starts `osprey serve` on 127.0.0.1:`port` (extra flags in `args`), waits until /health
+    answers and yields the base URL; stops the server on leaving."""
+    server = subprocess.Popen([osprey, "serve", "--model", model, "--backend", backend,
+                               "--port", str(port), *args])
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(1200):
+            try:
+                if requests.get(base + "/health", timeout=1).ok:
+                    break
+            except requests.RequestException:
+                time.sleep(0.5)
+        else:
+            raise SystemExit("server did not come up")
+        yield base
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def gpu_name():
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, check=True).stdout.splitlines()[0].strip()
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        return "unknown"
