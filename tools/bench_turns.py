@@ -5,7 +5,8 @@ reasoning, so each new turn's prompt leaves what the device ran at the start of 
 with copies the server resumes from the copy kept there and prefills only the new tokens;
 without, the GPU prefills the whole conversation again. Two runs: one conversation, and two
 conversations taking turns (each return to a conversation also copies back the K/V rows the
-other one wrote over).
+other one wrote over), and new conversations that open with one long system prompt (an agent's
+sub-tasks: each resumes from the copy kept at the system prompt's end).
 
     python3 tools/bench_turns.py --osprey target/release/osprey --model /tmp/full --turns 4 \
         --user-tokens 8000 --out bench/results/cuda-serve-turns-full.json
@@ -34,13 +35,18 @@ def user_text(conversation, turn, tokens):
 
 def run_turns(a, cache_mib, order, port):
     """Runs the turns of the conversations named in `order` (one turn each time a name comes)."""
-    with serving(a.osprey, a.model, "cuda", port, "--max-context", str(a.max_context),
+    with serving(a.osprey, a.model, a.backend, port, "--max-context", str(a.max_context),
                  "--gpu-cache-mib", str(cache_mib)) as base:
         chats, turns = {}, []
         for name in order:
-            messages = chats.setdefault(name, [])
+            # a conversation named "S..." opens with the system prompt all of them share, then a
+            # short task; the others add a long user message each turn
+            shared = name.startswith("S")
+            messages = chats.setdefault(name, [{"role": "system", "content": user_text("S", 0, a.user_tokens)}]
+                                        if shared else [])
             turn = len(messages) // 2
-            messages.append({"role": "user", "content": user_text(name, turn, a.user_tokens)})
+            size = a.user_tokens // 64 if shared else a.user_tokens
+            messages.append({"role": "user", "content": user_text(name, turn, size)})
             body = {"messages": messages, "max_tokens": a.reply_tokens, "temperature": 0, "stream": True,
                     "stream_options": {"include_usage": True}}
             t0 = time.time()
@@ -79,6 +85,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--osprey", required=True)
     ap.add_argument("--model", required=True)
+    ap.add_argument("--backend", default="cuda")
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--user-tokens", type=int, default=8000)
     ap.add_argument("--reply-tokens", type=int, default=64)
@@ -86,11 +93,12 @@ def main():
     ap.add_argument("--port", type=int, default=8012)
     ap.add_argument("--out", help="write the results as JSON here")
     a = ap.parse_args()
-    orders = {"one conversation": ["A"] * a.turns, "two taking turns": ["A", "B"] * a.turns}
+    orders = {"one conversation": ["A"] * a.turns, "two taking turns": ["A", "B"] * a.turns,
+              "new conversations, one system prompt": [f"S{i + 1}" for i in range(a.turns)]}
     runs = [{"scenario": scenario, "gpu_cache_mib": mib, "turns": run_turns(a, mib, order, a.port)}
             for scenario, order in orders.items() for mib in (8192, 0)]
     if a.out:
-        out = {"kind": "serve-turns", "backend": "cuda", "device": gpu_name(),
+        out = {"kind": "serve-turns", "backend": a.backend, "device": gpu_name(),
                "commit": os.environ.get("OSPREY_COMMIT", "unknown"),
                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                "command": " ".join(["python3", "tools/bench_turns.py"] + sys.argv[1:]),

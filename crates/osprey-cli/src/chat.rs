@@ -67,7 +67,7 @@ pub fn run(args: &ModelArgs, max_tokens: usize, sampling: &SamplingArgs) -> Resu
         let prompt = format.encode(&text)?;
         // chat prompts always grow, so a hit is a proper prefix (never a whole-prompt hit)
         let (mut session, _, _) =
-            cache.resume(&engine, &prompt, format.assistant_turn_start(&prompt))?;
+            cache.resume(&engine, &prompt, &format.branch_points(&prompt, usize::MAX))?;
         let opts = GenerateOptions {
             max_tokens,
             stop_ids: format.stop_ids.clone(),

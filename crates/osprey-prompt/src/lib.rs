@@ -42,6 +42,7 @@ pub struct PromptFormat {
     pub vocab_size: usize,
     /// Tokens of `<|im_start|>assistant\n`, the opening of an assistant turn.
     assistant_header: Vec<u32>,
+    user_header: Vec<u32>,
 }
 
 impl PromptFormat {
@@ -85,11 +86,15 @@ impl PromptFormat {
                 }
             }
         }
-        let assistant_header = tokenizer
-            .encode("<|im_start|>assistant\n", false)
-            .map_err(|e| anyhow::anyhow!("tokenizer: {e}"))?
-            .get_ids()
-            .to_vec();
+        let header = |text: &str| -> Result<Vec<u32>> {
+            Ok(tokenizer
+                .encode(text, false)
+                .map_err(|e| anyhow::anyhow!("tokenizer: {e}"))?
+                .get_ids()
+                .to_vec())
+        };
+        let assistant_header = header("<|im_start|>assistant\n")?;
+        let user_header = header("<|im_start|>user\n")?;
         Ok(PromptFormat {
             tokenizer,
             template,
@@ -97,6 +102,7 @@ impl PromptFormat {
             defaults,
             vocab_size,
             assistant_header,
+            user_header,
         })
     }
 
@@ -137,6 +143,30 @@ impl PromptFormat {
         ids.windows(h.len())
             .rposition(|w| w == h.as_slice())
             .map(|i| i + h.len())
+    }
+
+    /// Position of the first `<|im_start|>user\n` in `ids` when something comes before it: the
+    /// end of the system prompt and tool definitions, which new conversations of one agent share.
+    pub fn first_user_turn_start(&self, ids: &[u32]) -> Option<usize> {
+        let h = &self.user_header;
+        ids.windows(h.len())
+            .position(|w| w == h.as_slice())
+            .filter(|&i| i > 0)
+    }
+
+    /// Where to snapshot a chat prompt's state for reuse, ascending: the end of a system part of
+    /// at least `min_shared` tokens (other conversations start with it), and the start of the
+    /// reply's turn (the conversation's next turn resumes there).
+    pub fn branch_points(&self, ids: &[u32], min_shared: usize) -> Vec<usize> {
+        let shared = self
+            .first_user_turn_start(ids)
+            .filter(|&at| at >= min_shared);
+        let mut points: Vec<usize> = shared
+            .into_iter()
+            .chain(self.assistant_turn_start(ids))
+            .collect();
+        points.dedup();
+        points
     }
 
     pub fn incremental(&self) -> IncrementalDecoder<'_> {

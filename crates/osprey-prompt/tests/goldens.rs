@@ -148,3 +148,37 @@ fn assistant_turn_start_is_after_the_last_assistant_header() {
     assert_eq!(ids[at], 248068);
     assert_eq!(f.assistant_turn_start(&[1, 2, 3]), None);
 }
+
+#[test]
+fn branch_points_are_the_system_parts_end_and_the_reply_start() {
+    let f = format();
+    let opts = ChatOptions {
+        add_generation_prompt: true,
+        ..Default::default()
+    };
+    let system = "You are a careful agent. ".repeat(20);
+    let msgs = serde_json::json!([{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]);
+    let ids = f.encode_chat(&msgs, &opts).unwrap();
+    let shared = f.first_user_turn_start(&ids).unwrap();
+    // ... <|im_end|> \n | <|im_start|> user \n Hi
+    assert_eq!(ids[shared], 248045);
+    assert_eq!(ids[shared - 1], 198);
+    let other = serde_json::json!([{"role": "system", "content": system}, {"role": "user", "content": "Something else"}]);
+    let other_ids = f.encode_chat(&other, &opts).unwrap();
+    assert_eq!(
+        ids[..shared],
+        other_ids[..shared],
+        "conversations share the system part"
+    );
+    let reply = f.assistant_turn_start(&ids).unwrap();
+    assert_eq!(f.branch_points(&ids, 0), vec![shared, reply]);
+    // a short system part is not worth a snapshot; no system part has none
+    assert_eq!(f.branch_points(&ids, shared + 1), vec![reply]);
+    let bare = f
+        .encode_chat(
+            &serde_json::json!([{"role": "user", "content": "Hi"}]),
+            &opts,
+        )
+        .unwrap();
+    assert_eq!(f.first_user_turn_start(&bare), None);
+}

@@ -401,6 +401,12 @@ fn internal(msg: &str) -> ApiError {
     )
 }
 
+/// A system part (system prompt and tool definitions) at least this long gets its own prefix
+/// snapshot, which later conversations starting with it resume from: an agent's sub-tasks each
+/// open a conversation with the same long instructions. Shorter ones are cheaper to prefill again
+/// than to keep.
+const MIN_SHARED_PREFIX: usize = 256;
+
 const CHAT_FIELDS: &[&str] = &[
     "messages",
     "tools",
@@ -465,7 +471,7 @@ fn prepare_chat_request(
     };
     let (text, prompt) = render_chat(st, &f, messages, &tools)?;
     let max_tokens = st.max_tokens(prompt.len(), &gen)?;
-    let branch = st.format.assistant_turn_start(&prompt);
+    let branches = st.format.branch_points(&prompt, MIN_SHARED_PREFIX);
     let schemas = tools.as_ref().map(ToolSchemas::from_tools);
     let force = match &choice {
         ToolChoice::Required => Some("<tool_call>\n<function=".to_string()),
@@ -486,7 +492,7 @@ fn prepare_chat_request(
     let (tx, rx) = mpsc::unbounded_channel();
     let job = Job {
         prompt,
-        branch,
+        branches,
         gen: gen.clone(),
         max_tokens,
         chat: Some(chat),
@@ -589,7 +595,7 @@ async fn completions(
         let (tx, rx) = mpsc::unbounded_channel();
         let job = Job {
             prompt,
-            branch: None,
+            branches: Vec::new(),
             gen: gen.clone(),
             max_tokens,
             chat: None,

@@ -34,8 +34,9 @@ pub struct ChatParsing {
 
 pub struct Job {
     pub prompt: Vec<u32>,
-    /// Snapshot the state here (the start of the assistant turn: where the next turn branches).
-    pub branch: Option<usize>,
+    /// Snapshot the state at these positions, ascending (a shared system part's end, the start
+    /// of the assistant turn: where other conversations and the next turn branch).
+    pub branches: Vec<usize>,
     pub gen: GenerationRequest,
     pub max_tokens: usize,
     pub chat: Option<ChatParsing>,
@@ -133,24 +134,27 @@ impl PrefixCache {
         Some((best.session.clone(), logits))
     }
 
-    /// A session for `prompt`: the longest cached prefix, prefilled on to `branch` (the start of
-    /// the reply's turn, where a later conversation forks) and snapshotted there when the branch
-    /// lies past the cached prefix. Returns the session, how many tokens came from the cache, and
-    /// the logits of the whole prompt when the cache held exactly it (then nothing is left to run).
+    /// A session for `prompt`: the longest cached prefix, prefilled on to each of `branches`
+    /// past it (ascending: where other conversations or the next turn fork) and snapshotted
+    /// there. Returns the session, how many tokens came from the cache, and the logits of the
+    /// whole prompt when the cache held exactly it (then nothing is left to run).
     pub fn resume(
         &mut self,
         engine: &Engine,
         prompt: &[u32],
-        branch: Option<usize>,
+        branches: &[usize],
     ) -> anyhow::Result<(Session, usize, Option<Vec<f32>>)> {
         let (mut session, logits) = self
             .lookup(prompt)
             .unwrap_or_else(|| (engine.new_session(), None));
         let cached = session.tokens.len();
         if logits.is_none() {
-            if let Some(b) = branch.filter(|&b| b > cached && b < prompt.len()) {
-                engine.prefill(&mut session, &prompt[cached..b])?;
-                self.insert(engine, &session, None);
+            for &b in branches {
+                let from = session.tokens.len();
+                if b > from && b < prompt.len() {
+                    engine.prefill(&mut session, &prompt[from..b])?;
+                    self.insert(engine, &session, None);
+                }
             }
         }
         Ok((session, cached, logits))
@@ -376,7 +380,7 @@ impl Worker {
         // cached copy of the whole prompt with its logits needs no prefill
         let started = Instant::now();
         let recomputed_before = engine.recomputed_tokens();
-        let (mut session, cached, ready) = self.cache.resume(engine, prompt, job.branch)?;
+        let (mut session, cached, ready) = self.cache.resume(engine, prompt, &job.branches)?;
         let counter = if cached > 0 {
             &self.metrics.cache_hits
         } else {

@@ -913,6 +913,39 @@ async fn the_backend_keeps_the_state_the_next_turn_resumes_from() {
     );
 }
 
+#[tokio::test]
+async fn conversations_with_one_long_system_prompt_share_its_state() {
+    let (s, calls) = Server::scripted_calls(CALL_REPLY, Duration::ZERO, config(), true).await;
+    let system = "You are an agent with many rules. ".repeat(60);
+    let ask = |question: &str| {
+        json!({"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+               "max_tokens": 8})
+    };
+    let (_, first) = s.post("/v1/chat/completions", ask("first task")).await;
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let ran_before = calls.lock().unwrap().ran_after.len();
+    let (_, second) = s.post("/v1/chat/completions", ask("another task")).await;
+    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap() as usize;
+    // the system part (~400 tokens), up to the first user header
+    assert!(cached >= 256, "{second}");
+    {
+        let c = calls.lock().unwrap();
+        let resumed = &c.ran_after[ran_before];
+        assert_eq!(resumed.len(), cached);
+        assert!(c.kept.contains(resumed), "the system part's state was kept");
+    }
+    // a short system prompt gets no snapshot of its own
+    let short = |question: &str| {
+        json!({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": question}],
+               "max_tokens": 8})
+    };
+    s.post("/v1/chat/completions", short("one")).await;
+    let (_, again) = s.post("/v1/chat/completions", short("two")).await;
+    assert_eq!(again["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+}
+
 /// The answer's JSON and finish reason of a chat reply.
 fn json_answer(r: &Value) -> (Value, String) {
     let c = &r["choices"][0];
