@@ -142,13 +142,17 @@ impl Device {
             Start::Restore { id, .. } => Some(id),
             _ => None,
         };
-        // rows other kept sessions still need, before this call writes over them
+        // rows other kept sessions still need, before this call writes over them; a copy whose
+        // rows cannot be stashed (out of device memory) is dropped, the call goes on
         for st in self.book.before_writing(target, restoring) {
-            let copy = self
-                .book
-                .saved_mut(st.id)
-                .ok_or_else(|| anyhow!("session copy {} is not kept", st.id))?;
-            self.decoder.stash_rows(copy, st.from, st.to)?;
+            let stashed = match self.book.saved_mut(st.id) {
+                Some(copy) => self.decoder.stash_rows(copy, st.from, st.to),
+                None => continue,
+            };
+            if let Err(e) = stashed {
+                tracing::warn!("dropped a session copy whose K/V rows could not be kept: {e:#}");
+                self.book.forget(st.id);
+            }
         }
         let from = match start {
             Start::Held => self.book.held().len(),

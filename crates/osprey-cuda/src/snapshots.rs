@@ -226,6 +226,11 @@ impl<S> StateBook<S> {
         }
     }
 
+    /// Drops copy `id` (its stash could not be made).
+    pub fn forget(&mut self, id: u64) {
+        self.kept.retain(|k| k.id != id);
+    }
+
     /// The device state is unknown (a failed run): nothing it holds, no row and no copy is
     /// trusted.
     pub fn lost(&mut self) {
@@ -377,6 +382,15 @@ mod tests {
         );
         assert_eq!(stashes, vec![]);
         assert_eq!(b.held(), &[1, 2, 3, 4, 10]);
+    }
+
+    #[test]
+    fn a_copy_whose_stash_failed_is_forgotten() {
+        let mut b = book_with(&[1, 2, 3, 4], &[4], 100);
+        let (_, stashes) = call(&mut b, &[1, 5, 6], 1);
+        assert_eq!(stashes.len(), 1);
+        b.forget(stashes[0].id);
+        assert_eq!(b.start(&[1, 2, 3, 4, 10], 1), Start::Empty);
     }
 
     #[test]
