@@ -9,14 +9,13 @@ other one wrote over), and new conversations that open with one long system prom
 sub-tasks: each resumes from the copy kept at the system prompt's end).
 
     python3 tools/bench_turns.py --osprey target/release/osprey --model /tmp/full --turns 4 \
-        --user-tokens 8000 --out bench/results/cuda-serve-turns-full.json
+        --user-tokens 16000 --out bench/results/cuda-serve-turns-full.json
 
 Each turn adds a user message of about --user-tokens tokens (distinct text, so nothing but the
 conversation's own prefix is reused) and asks for --reply-tokens tokens of reply (greedy, with
 reasoning on: a random model's reply is all reasoning). Streams each reply and reads the usage
 chunk. Needs: requests.
 """
-import argparse
 import datetime
 import json
 import os
@@ -25,7 +24,7 @@ import time
 
 import requests
 
-from serving import gpu_name, serving
+from serving import arguments, gpu_name, serving
 
 
 def user_text(conversation, turn, tokens):
@@ -82,16 +81,11 @@ def run_turns(a, cache_mib, order, port):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--osprey", required=True)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--backend", default="cuda")
+    ap = arguments(__doc__.split("\n")[0], 8012)
     ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--user-tokens", type=int, default=8000)
+    ap.add_argument("--user-tokens", type=int, default=16000)
     ap.add_argument("--reply-tokens", type=int, default=64)
     ap.add_argument("--max-context", type=int, default=65536)
-    ap.add_argument("--port", type=int, default=8012)
-    ap.add_argument("--out", help="write the results as JSON here")
     a = ap.parse_args()
     orders = {"one conversation": ["A"] * a.turns, "two taking turns": ["A", "B"] * a.turns,
               "new conversations, one system prompt": [f"S{i + 1}" for i in range(a.turns)]}

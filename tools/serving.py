@@ -1,10 +1,23 @@
 """Helpers the serve benchmarks share: `osprey serve` started and stopped around a block, and the
 GPU's name for the results. Needs: requests."""
+import argparse
 import contextlib
 import subprocess
 import time
 
 import requests
+
+
+def arguments(description, port):
+    """The flags every serve benchmark takes: the binary, the checkpoint, the backend, the port
+    and where to write the results."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--osprey", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--backend", default="cuda")
+    ap.add_argument("--port", type=int, default=port)
+    ap.add_argument("--out", help="write the results as JSON here")
+    return ap
 
 
 @contextlib.contextmanager

@@ -9,7 +9,6 @@ With --out FILE it also writes what it printed as JSON (kind "serve", for bench/
 
 Needs: requests (no openai client on the GPU machine; CI runs the openai-client tests).
 """
-import argparse
 import datetime
 import json
 import os
@@ -18,17 +17,11 @@ import time
 
 import requests
 
-from serving import gpu_name, serving
+from serving import arguments, gpu_name, serving
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--osprey", required=True)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--backend", default="cuda")
-    ap.add_argument("--port", type=int, default=8011)
-    ap.add_argument("--out", help="write the results as JSON here")
-    a = ap.parse_args()
+    a = arguments(__doc__.split("\n")[0], 8011).parse_args()
     results = []
     with serving(a.osprey, a.model, a.backend, a.port, "--max-context", "8192") as base:
         tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
