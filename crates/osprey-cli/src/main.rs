@@ -43,8 +43,9 @@ pub struct ModelArgs {
     #[arg(long, default_value = "bf16")]
     pub kv_cache: osprey_engine::KvCache,
     /// GPU: memory for session copies kept on the device at the points a chat may branch from
-    /// (a reply's start and end), so that the next turn, a retry or a return to another
-    /// conversation resumes there instead of prefilling from the first token: each copy is the
+    /// (a reply's start and end, a long system prompt's end), so that the next turn, a retry, a
+    /// return to another conversation or a new one with the same system prompt resumes there
+    /// instead of prefilling from the first token: each copy is the
     /// Gated DeltaNet state (~63 MB at full size) plus the K/V rows (20 KB a token, bf16) that
     /// other conversations wrote over since. Least recently used out first; 0 turns it off.
     #[arg(long, default_value_t = 8192)]
