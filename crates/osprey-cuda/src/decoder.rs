@@ -1988,6 +1988,9 @@ impl CudaDecoder {
         let stream = self.stream.clone();
         let max = self.max_context;
         if rows_from < len {
+            if copy.rows.len() != self.kv_caches().count() {
+                bail!("the copy's stash has {} layers' rows", copy.rows.len());
+            }
             let (skip, n, was) = (rows_from - stashed, len - rows_from, len - stashed);
             let caches = self.layers.iter_mut().filter_map(|l| match &mut l.mixer {
                 LayerDev::Attention { kv, .. } => Some(kv),
