@@ -16,7 +16,7 @@ use std::sync::Arc;
 use anyhow::{anyhow, bail, Context, Result};
 use cudarc::driver::{
     sys, CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream,
-    DevicePtr, LaunchConfig,
+    DevicePtr, DeviceRepr, LaunchConfig, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
 use osprey_engine::sampler::{Sampler, SamplingParams};
@@ -599,6 +599,76 @@ struct StashedRows {
     k: CudaSlice<u8>,
     v: CudaSlice<u8>,
     scales: Option<[CudaSlice<f32>; 2]>,
+}
+
+/// How a cache buffer holds one position's values: in `runs` runs, `stride` apart, of `per`
+/// values a position (K or V: one run, a row of Hkv·D values; the int8 scales: a run per KV
+/// head, one value). A stash keeps each run's rows contiguous.
+#[derive(Clone, Copy)]
+struct RowRuns {
+    runs: usize,
+    stride: usize,
+    per: usize,
+}
+
+impl RowRuns {
+    /// `runs` runs of `max_context` positions each in `buffer`.
+    fn of<T>(buffer: &CudaSlice<T>, runs: usize, max_context: usize) -> Self {
+        RowRuns {
+            runs,
+            stride: buffer.len() / runs,
+            per: buffer.len() / runs / max_context,
+        }
+    }
+
+    /// A stash of rows `from..len`: rows `from..to` from `cache`, then `old` (rows `to..len`).
+    fn stash<T: DeviceRepr + ValidAsZeroBits>(
+        self,
+        stream: &Arc<CudaStream>,
+        cache: &CudaSlice<T>,
+        old: Option<&CudaSlice<T>>,
+        from: usize,
+        to: usize,
+        len: usize,
+    ) -> Result<CudaSlice<T>> {
+        let (n, added, was, per) = (len - from, to - from, len - to, self.per);
+        let mut out = stream.alloc_zeros::<T>(self.runs * n * per)?;
+        for run in 0..self.runs {
+            let (at, o) = (run * self.stride, run * n * per);
+            stream.memcpy_dtod(
+                &cache.slice(at + from * per..at + to * per),
+                &mut out.slice_mut(o..o + added * per),
+            )?;
+            if let Some(old) = old {
+                stream.memcpy_dtod(
+                    &old.slice(run * was * per..(run + 1) * was * per),
+                    &mut out.slice_mut(o + added * per..o + n * per),
+                )?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Writes rows `rows_from..len` of a stash of rows `stashed..len` back into `cache`.
+    fn unstash<T>(
+        self,
+        stream: &Arc<CudaStream>,
+        stash: &CudaSlice<T>,
+        cache: &mut CudaSlice<T>,
+        stashed: usize,
+        rows_from: usize,
+        len: usize,
+    ) -> Result<()> {
+        let (skip, was, per) = (rows_from - stashed, len - stashed, self.per);
+        for run in 0..self.runs {
+            let (at, o) = (run * self.stride, run * was * per);
+            stream.memcpy_dtod(
+                &stash.slice(o + skip * per..o + was * per),
+                &mut cache.slice_mut(at + rows_from * per..at + len * per),
+            )?;
+        }
+        Ok(())
+    }
 }
 
 pub struct CudaDecoder {
@@ -1844,17 +1914,17 @@ impl CudaDecoder {
 
     /// Clears the session state: position 0, empty caches and recurrent state.
     pub fn reset(&mut self) -> Result<()> {
-        for l in &mut self.layers {
-            match &mut l.mixer {
-                LayerDev::Gdn { conv, state, .. } => {
-                    self.stream.memset_zeros(&mut conv[0])?;
-                    self.stream.memset_zeros(&mut conv[1])?;
-                    self.stream.memset_zeros(state)?;
-                }
-                LayerDev::Attention { .. } => {}
-            }
+        let stream = self.stream.clone();
+        for b in self.gdn_state_buffers_mut() {
+            stream.memset_zeros(b)?;
         }
-        self.set_position(0)?;
+        self.start_at(0)
+    }
+
+    /// Moves the position to `pos` and restarts the step counter: the record of choices is
+    /// indexed by steps since, which stay below the position only if they restart with it.
+    fn start_at(&mut self, pos: usize) -> Result<()> {
+        self.set_position(pos)?;
         self.stream.memcpy_htod(&[0i32], &mut self.s.step)?;
         Ok(())
     }
@@ -1876,6 +1946,8 @@ impl CudaDecoder {
             .sum()
     }
 
+    /// Every GDN layer's conv buffers (both parities) and recurrent state: what a session copy
+    /// saves, a reset clears and a restore writes back.
     fn gdn_state_buffers(&self) -> impl Iterator<Item = &CudaSlice<f32>> {
         self.layers.iter().flat_map(|l| match &l.mixer {
             LayerDev::Gdn { conv, state, .. } => vec![&conv[0], &conv[1], state],
@@ -1883,8 +1955,25 @@ impl CudaDecoder {
         })
     }
 
+    fn gdn_state_buffers_mut(&mut self) -> impl Iterator<Item = &mut CudaSlice<f32>> {
+        self.layers.iter_mut().flat_map(|l| match &mut l.mixer {
+            LayerDev::Gdn { conv, state, .. } => {
+                let [even, odd] = conv;
+                vec![even, odd, state]
+            }
+            LayerDev::Attention { .. } => Vec::new(),
+        })
+    }
+
     fn kv_caches(&self) -> impl Iterator<Item = &KvCacheDev> {
         self.layers.iter().filter_map(|l| match &l.mixer {
+            LayerDev::Attention { kv, .. } => Some(kv),
+            LayerDev::Gdn { .. } => None,
+        })
+    }
+
+    fn kv_caches_mut(&mut self) -> impl Iterator<Item = &mut KvCacheDev> {
+        self.layers.iter_mut().filter_map(|l| match &mut l.mixer {
             LayerDev::Attention { kv, .. } => Some(kv),
             LayerDev::Gdn { .. } => None,
         })
@@ -1920,54 +2009,23 @@ impl CudaDecoder {
         if from == to {
             return Ok(());
         }
-        let (added, n) = (to - from, len - from);
+        let (stream, max) = (&self.stream, self.max_context);
         let old = std::mem::take(&mut copy.rows);
         let mut rows = Vec::new();
         for (j, c) in self.kv_caches().enumerate() {
-            let held = old.get(j);
-            let per = c.k.len() / self.max_context;
-            let join =
-                |cache: &CudaSlice<u8>, stash: Option<&CudaSlice<u8>>| -> Result<CudaSlice<u8>> {
-                    let mut out = self.stream.alloc_zeros::<u8>(n * per)?;
-                    self.stream.memcpy_dtod(
-                        &cache.slice(from * per..to * per),
-                        &mut out.slice_mut(..added * per),
-                    )?;
-                    if let Some(st) = stash {
-                        self.stream
-                            .memcpy_dtod(st, &mut out.slice_mut(added * per..))?;
-                    }
-                    Ok(out)
-                };
-            let k = join(&c.k, held.map(|h| &h.k))?;
-            let v = join(&c.v, held.map(|h| &h.v))?;
+            let old = old.get(j);
+            let kv = RowRuns::of(&c.k, 1, max);
+            let k = kv.stash(stream, &c.k, old.map(|o| &o.k), from, to, len)?;
+            let v = kv.stash(stream, &c.v, old.map(|o| &o.v), from, to, len)?;
             let scales = match &c.scales {
                 None => None,
-                Some(sc) => {
-                    let heads = sc[0].len() / self.max_context;
-                    let mut pair = Vec::new();
-                    for (i, cache) in sc.iter().enumerate() {
-                        let mut out = self.stream.alloc_zeros::<f32>(heads * n)?;
-                        for h in 0..heads {
-                            let at = h * self.max_context;
-                            self.stream.memcpy_dtod(
-                                &cache.slice(at + from..at + to),
-                                &mut out.slice_mut(h * n..h * n + added),
-                            )?;
-                            if let Some(st) = held.and_then(|h| h.scales.as_ref()) {
-                                let was = len - to;
-                                self.stream.memcpy_dtod(
-                                    &st[i].slice(h * was..(h + 1) * was),
-                                    &mut out.slice_mut(h * n + added..(h + 1) * n),
-                                )?;
-                            }
-                        }
-                        pair.push(out);
-                    }
-                    let [a, b]: [CudaSlice<f32>; 2] = pair
-                        .try_into()
-                        .map_err(|_| anyhow!("an int8 cache has two scale arrays"))?;
-                    Some([a, b])
+                Some([ks, vs]) => {
+                    let r = RowRuns::of(ks, ks.len() / max, max);
+                    let prev = old.and_then(|o| o.scales.as_ref());
+                    Some([
+                        r.stash(stream, ks, prev.map(|p| &p[0]), from, to, len)?,
+                        r.stash(stream, vs, prev.map(|p| &p[1]), from, to, len)?,
+                    ])
                 }
             };
             rows.push(StashedRows { k, v, scales });
@@ -1985,53 +2043,30 @@ impl CudaDecoder {
         if rows_from < stashed || rows_from > len {
             bail!("rows {rows_from}..{len} are not all in the copy (it stashed {stashed}..{len})");
         }
-        let stream = self.stream.clone();
-        let max = self.max_context;
+        let (stream, max) = (self.stream.clone(), self.max_context);
         if rows_from < len {
             if copy.rows.len() != self.kv_caches().count() {
                 bail!("the copy's stash has {} layers' rows", copy.rows.len());
             }
-            let (skip, n, was) = (rows_from - stashed, len - rows_from, len - stashed);
-            let caches = self.layers.iter_mut().filter_map(|l| match &mut l.mixer {
-                LayerDev::Attention { kv, .. } => Some(kv),
-                LayerDev::Gdn { .. } => None,
-            });
-            for (c, st) in caches.zip(&copy.rows) {
-                let per = c.k.len() / max;
-                for (cache, stash) in [(&mut c.k, &st.k), (&mut c.v, &st.v)] {
-                    stream.memcpy_dtod(
-                        &stash.slice(skip * per..was * per),
-                        &mut cache.slice_mut(rows_from * per..len * per),
-                    )?;
-                }
+            for (c, st) in self.kv_caches_mut().zip(&copy.rows) {
+                let kv = RowRuns::of(&c.k, 1, max);
+                kv.unstash(&stream, &st.k, &mut c.k, stashed, rows_from, len)?;
+                kv.unstash(&stream, &st.v, &mut c.v, stashed, rows_from, len)?;
                 if let (Some(sc), Some(ss)) = (&mut c.scales, &st.scales) {
-                    let heads = sc[0].len() / max;
+                    let r = RowRuns::of(&sc[0], sc[0].len() / max, max);
                     for (cache, stash) in sc.iter_mut().zip(ss) {
-                        for h in 0..heads {
-                            stream.memcpy_dtod(
-                                &stash.slice(h * was + skip..h * was + skip + n),
-                                &mut cache.slice_mut(h * max + rows_from..h * max + len),
-                            )?;
-                        }
+                        r.unstash(&stream, stash, cache, stashed, rows_from, len)?;
                     }
                 }
             }
         }
-        let mut saved = copy.gdn.iter();
-        for l in &mut self.layers {
-            if let LayerDev::Gdn { conv, state, .. } = &mut l.mixer {
-                for to in conv.iter_mut().chain(std::iter::once(state)) {
-                    let from = saved.next().ok_or_else(|| {
-                        anyhow!("the saved state has fewer layers than the model")
-                    })?;
-                    stream.memcpy_dtod(from, to)?;
-                }
-            }
+        if copy.gdn.len() != self.gdn_state_buffers().count() {
+            bail!("the saved state has {} GDN buffers", copy.gdn.len());
         }
-        // the record of choices is indexed by steps since a reset, which stay below the position
-        // only if they restart with it
-        stream.memcpy_htod(&[0i32], &mut self.s.step)?;
-        self.set_position(len)
+        for (to, from) in self.gdn_state_buffers_mut().zip(&copy.gdn) {
+            stream.memcpy_dtod(from, to)?;
+        }
+        self.start_at(len)
     }
 
     /// Moves the position (benchmarks: the work of a step depends only on the context length).
