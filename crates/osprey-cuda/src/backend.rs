@@ -120,8 +120,13 @@ impl Device {
         min_run: usize,
         chunk: usize,
     ) -> Result<()> {
-        let target = [history, then].concat();
-        let ran = self.reach(&target, history.len(), min_run, chunk);
+        // a step (or decoding) right after exactly what the device holds, the common case on the
+        // host path: no plan, and no copy of the history
+        let ran = if then.len() <= min_run && self.book.continues(history) {
+            self.run(history.len(), then, chunk)
+        } else {
+            self.reach(&[history, then].concat(), history.len(), min_run, chunk)
+        };
         if ran.is_err() {
             // the device state is now unknown: the next call rebuilds it from scratch
             self.book.lost();
@@ -178,7 +183,11 @@ impl Device {
             }
         };
         self.recomputed += history.saturating_sub(from);
-        let missing = &target[from..];
+        self.run(from, &target[from..], chunk)
+    }
+
+    /// Runs `missing` after the `from` tokens the device holds: by prefill, or one step.
+    fn run(&mut self, from: usize, missing: &[u32], chunk: usize) -> Result<()> {
         match missing.len() {
             0 => {}
             1 => {

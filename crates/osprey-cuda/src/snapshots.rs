@@ -160,9 +160,8 @@ impl<S> StateBook<S> {
     /// whose stash would not fit the budget even with less recently used copies dropped, is
     /// dropped; `restoring` (the copy the call starts from) is never dropped.
     pub fn before_writing(&mut self, target: &[u32], restoring: Option<u64>) -> Vec<Stash> {
-        let rows = std::mem::take(&mut self.rows);
-        self.kept.retain(|k| Self::usable(&rows, k));
-        self.rows = rows;
+        let rows = &self.rows;
+        self.kept.retain(|k| Self::usable(rows, k));
         let mut order: Vec<(u64, u64)> = self.kept.iter().map(|k| (k.used, k.id)).collect();
         order.sort_unstable_by(|a, b| b.cmp(a));
         let mut stashes: Vec<Stash> = Vec::new();
@@ -207,23 +206,38 @@ impl<S> StateBook<S> {
     pub fn holds(&mut self, tokens: &[u32]) {
         self.held.clear();
         self.held.extend_from_slice(tokens);
-        self.rows_written();
-    }
-
-    /// Extends what the device holds by `tokens` it just ran (and wrote the rows of).
-    pub fn ran(&mut self, tokens: &[u32]) {
-        self.held.extend_from_slice(tokens);
-        self.rows_written();
-    }
-
-    /// The rows past the longest prefix `held` shares with `rows` were just written: the rows
-    /// beyond them no longer hold, nor do the copies whose rows were there and not stashed.
-    fn rows_written(&mut self) {
         if !self.rows.starts_with(&self.held) {
-            self.rows.clone_from(&self.held);
-            let rows = &self.rows;
-            self.kept.retain(|k| Self::usable(rows, k));
+            self.rows_replaced();
         }
+    }
+
+    /// Extends what the device holds by `tokens` it just ran (and wrote the rows of). `held` is
+    /// always a prefix of `rows`, so only the new tokens' rows need comparing: a step costs
+    /// nothing in the length of the session.
+    pub fn ran(&mut self, tokens: &[u32]) {
+        let at = self.held.len();
+        self.held.extend_from_slice(tokens);
+        if self.rows.len() <= at {
+            // the rows ended with what the device held: they grow with it, no copy loses any
+            self.rows.extend_from_slice(tokens);
+        } else if self.rows.get(at..self.held.len()) != Some(tokens) {
+            self.rows_replaced();
+        }
+    }
+
+    /// Rows past the longest prefix `held` shares with `rows` were written: the rows beyond
+    /// them no longer hold, nor do the copies whose rows were there and not stashed.
+    fn rows_replaced(&mut self) {
+        self.rows.clone_from(&self.held);
+        let rows = &self.rows;
+        self.kept.retain(|k| Self::usable(rows, k));
+    }
+
+    /// Whether the device holds exactly `history` and the cache no rows past it: a call that
+    /// runs at most `min_run` tokens after it then has nothing to restore or stash (a longer
+    /// usable copy would have to leave fewer than `min_run` to run), so it continues.
+    pub fn continues(&self, history: &[u32]) -> bool {
+        !self.held.is_empty() && self.rows.len() == self.held.len() && self.held == history
     }
 
     /// Drops copy `id` (its stash could not be made).
@@ -436,6 +450,27 @@ mod tests {
         b.ran(&[1, 5, 6]);
         assert_eq!(b.copies(), vec![]);
         assert_eq!(b.start(&[1, 2, 3, 4, 9], 1), Start::Empty);
+    }
+
+    #[test]
+    fn steps_after_exactly_what_is_held_continue_without_a_plan() {
+        let mut b = book_with(&[1, 2, 3], &[2], 100);
+        assert!(b.continues(&[1, 2, 3]));
+        // what the general path would decide for a step after it
+        assert_eq!(b.start(&[1, 2, 3, 4], 1), Start::Held);
+        assert_eq!(b.before_writing(&[1, 2, 3, 4], None), vec![]);
+        assert!(!b.continues(&[1, 2]));
+        assert!(!StateBook::<usize>::new(100, COPY, 1).continues(&[]));
+        // rows of another branch past what is held: the general path decides
+        b.holds(&[1, 2]);
+        assert!(!b.continues(&[1, 2]));
+        // a step that rewrites the same token keeps the rows; another token replaces them
+        b.ran(&[3]);
+        assert_eq!(b.copies(), vec![(2, 2)]);
+        b.holds(&[1]);
+        b.ran(&[7]);
+        assert!(b.continues(&[1, 7]));
+        assert_eq!(b.copies(), vec![]);
     }
 
     #[test]
