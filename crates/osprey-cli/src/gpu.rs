@@ -2,10 +2,9 @@
 //! step by step) and the GPU side of `osprey bench decode`.
 
 use std::path::Path;
-
-use anyhow::{bail, Context, Result};
 use std::sync::atomic::Ordering;
 
+use anyhow::{bail, Context, Result};
 use osprey_cuda::{CudaBackend, CudaDecoder, GdnPrefill};
 use osprey_engine::sampler::{argmax, Sampler, SamplingParams};
 use osprey_engine::{CpuBackend, Engine};
@@ -232,7 +231,7 @@ fn check_resume(
     long: &[u32],
     cpu_logits: &[f32],
     make_prompt: &dyn Fn(usize) -> Vec<u32>,
-) -> Result<SamplingCheck> {
+) -> Result<PartCheck> {
     let weights = ModelWeights::load(m.dir)?;
     let valid = weights.config.vocab_size.min(TOKENIZER_VOCAB);
     let backend = CudaBackend::new(&weights, context, valid, chunk, m.kv, 1 << 30)?;
@@ -278,7 +277,7 @@ fn check_resume(
         .count();
     let worst = compared.iter().map(|c| c.rel).fold(0.0, f32::max);
     let pass = worst <= MAX_PREFILL_RELATIVE_RMS && disagree == 0 && restores == 3;
-    Ok(SamplingCheck {
+    Ok(PartCheck {
         pass,
         summary: format!(
             "resumed from a session copy at {split} of {} tokens, restored {restores} of 3 times: after another branch ({RESUME_BRANCH} tokens + {RESUME_STEPS} steps) the rest by prefill {:.2e}, its first {RESUME_STEPS} by steps {:.2e}; after another conversation, with the stashed K/V rows copied back, {:.2e} relative RMS vs cpu (limit {MAX_PREFILL_RELATIVE_RMS:.0e}); greedy disagreements {disagree}",
@@ -302,7 +301,9 @@ fn check_resume(
 const MAX_SAMPLE_TV: f64 = 0.06;
 const SAMPLE_DRAWS: usize = 8192;
 
-struct SamplingCheck {
+/// One part of `osprey check` (the GPU sampler, the resume from a session copy): whether it
+/// passed, its summary line and its JSON.
+struct PartCheck {
     pass: bool,
     summary: String,
     report: serde_json::Value,
@@ -316,7 +317,7 @@ fn check_sampling(
     prompt: &[u32],
     valid: usize,
     prefill_len: usize,
-) -> Result<SamplingCheck> {
+) -> Result<PartCheck> {
     use osprey_engine::sampler::{Sampler, SamplingParams};
     let reprefill = |gpu: &mut CudaDecoder| -> Result<()> {
         gpu.reset()?;
@@ -439,7 +440,7 @@ fn check_sampling(
     let report = json!({"draws": SAMPLE_DRAWS, "candidates": exact.len(), "total_variation": tv, "limit_total_variation": MAX_SAMPLE_TV,
         "draws_outside_support": outside, "greedy_with_penalties_matches_host": gpu_choice == host_choice,
         "token_stream_consistent": stream_ok, "seeded_stream_repeat_parted_at": parted_at, "pass": pass});
-    Ok(SamplingCheck {
+    Ok(PartCheck {
         pass,
         summary,
         report,
