@@ -18,13 +18,12 @@ chunk. Needs: requests.
 """
 import datetime
 import json
-import os
 import sys
 import time
 
 import requests
 
-from serving import arguments, gpu_name, serving
+from serving import arguments, binary_commit, gpu_name, serving
 
 
 def user_text(conversation, turn, tokens):
@@ -93,7 +92,7 @@ def main():
             for scenario, order in orders.items() for mib in (8192, 0)]
     if a.out:
         out = {"kind": "serve-turns", "backend": a.backend, "device": gpu_name(),
-               "commit": os.environ.get("OSPREY_COMMIT", "unknown"),
+               "commit": binary_commit(a.osprey),
                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                "command": " ".join(["python3", "tools/bench_turns.py"] + sys.argv[1:]),
                "note": "each turn's time to first token over HTTP (its prompt's prefill), "

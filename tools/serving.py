@@ -1,5 +1,5 @@
 """Helpers the serve benchmarks share: `osprey serve` started and stopped around a block, and the
-GPU's name for the results. Needs: requests."""
+GPU's name and the binary's commit for the results. Needs: requests."""
 import argparse
 import contextlib
 import subprocess
@@ -48,3 +48,13 @@ def gpu_name():
                               text=True, check=True).stdout.splitlines()[0].strip()
     except (OSError, subprocess.CalledProcessError, IndexError):
         return "unknown"
+
+
+def binary_commit(osprey):
+    """The commit the binary was built from, as `osprey --version` reports it: "osprey 0.1.0 (2c0de52)"."""
+    try:
+        version = subprocess.run([osprey, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    inside = version.strip().rpartition("(")[2].rstrip(")")
+    return inside or "unknown"

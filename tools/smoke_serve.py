@@ -11,13 +11,12 @@ Needs: requests (no openai client on the GPU machine; CI runs the openai-client 
 """
 import datetime
 import json
-import os
 import sys
 import time
 
 import requests
 
-from serving import arguments, gpu_name, serving
+from serving import arguments, binary_commit, gpu_name, serving
 
 
 def main():
@@ -77,7 +76,7 @@ def main():
 
 def write_json(a, results, metrics, failed):
     out = {"kind": "serve", "backend": a.backend, "device": gpu_name(),
-           "commit": os.environ.get("OSPREY_COMMIT", "unknown"),
+           "commit": binary_commit(a.osprey),
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
            "command": " ".join(["python3", "tools/smoke_serve.py"] + sys.argv[1:]),
            "note": "wall clock of each HTTP request, including the prefill of its prompt",

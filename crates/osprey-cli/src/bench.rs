@@ -106,19 +106,10 @@ pub fn cpu_name() -> String {
     )
 }
 
-/// The commit benchmarked: $OSPREY_COMMIT (set where the tree has no .git, e.g. on the GPU
-/// machine), else `git rev-parse`.
+/// The commit this binary was built from (`+dirty` with uncommitted code changes), recorded at
+/// build time: a binary carried to another machine reports its own code, not that tree's.
 pub fn git_commit() -> String {
-    if let Ok(c) = std::env::var("OSPREY_COMMIT") {
-        return c;
-    }
-    std::process::Command::new("git")
-        .args(["rev-parse", "--short", "HEAD"])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_else(|| "unknown".into())
+    env!("OSPREY_BUILD_COMMIT").to_string()
 }
 
 /// UTC now as ISO 8601.

@@ -12,8 +12,16 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 
+/// The version and the commit this binary was built from (see build.rs).
+const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (",
+    env!("OSPREY_BUILD_COMMIT"),
+    ")"
+);
+
 #[derive(Parser)]
-#[command(name = "osprey", version, about = "A Qwen3.6-35B-A3B inference engine")]
+#[command(name = "osprey", version = VERSION, about = "A Qwen3.6-35B-A3B inference engine")]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -138,6 +138,25 @@ fn synth_inspect_generate_score() {
     assert_eq!(v["results"].as_array().unwrap().len(), 2);
     assert!(v["results"][0]["tokens_per_s"].as_f64().unwrap() > 0.0);
     assert!(v["sampling"].is_null(), "greedy by default");
+    // The report names the commit the binary was built from, as --version does.
+    let commit = v["commit"].as_str().unwrap();
+    let (version, _) = ok(&["--version"]);
+    assert!(
+        version.contains(&format!("({commit})")),
+        "{version} vs {commit}"
+    );
+    let head = Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success());
+    if let Some(head) = head {
+        let head = String::from_utf8_lossy(&head.stdout).trim().to_string();
+        assert!(
+            commit.starts_with(&head),
+            "built from {commit}, HEAD is {head}"
+        );
+    }
 
     // --sample: tokens drawn with the checkpoint's generation_config, recorded in the report
     ok(&[
