@@ -22,7 +22,16 @@ which also writes the MLX-LM side as peer results for `osprey chart`:
     python3 tools/compare_mlx.py --merge short.json long.json --out bench/results/compare-mlx-h200.json \
         --peer-dir bench/results
 
-Needs: mlx + mlx-cuda + mlx-lm (see README), numpy.
+Osprey moves faster than MLX-LM's wheels do, and MLX-LM at long lengths takes most of a loan. So a
+report's MLX-LM side can be set against Osprey's latest committed sweeps (same GPU kind, same
+checkpoint bytes, same MLX-LM wheels; not alternated, which only matters within the few percent one
+loan differs from the next):
+
+    python3 tools/compare_mlx.py --restate bench/results/compare-mlx-h200.json \
+        --prefill bench/results/cuda-prefill-full.json --decode bench/results/cuda-decode-full.json \
+        --out bench/results/compare-mlx-h200-latest.json
+
+Needs: mlx + mlx-cuda + mlx-lm (see README), numpy (neither for --merge or --restate).
 """
 import argparse
 import json
@@ -114,6 +123,51 @@ def merge(paths, out, peer_dir):
             write(peer, os.path.join(peer_dir, f"peer-mlxlm-{kind}-h200.json"))
 
 
+def restate(compare_path, prefill_path, decode_path, out):
+    """The MLX-LM side of a compare report against Osprey's sweeps: each length's ratio from the
+    sweep's median and MLX-LM's median of the compare report's rounds."""
+    reports = []
+    for path in (compare_path, prefill_path, decode_path):
+        with open(path) as f:
+            reports.append(json.load(f))
+    compare, prefill, decode = reports
+    if compare.get("kind") != "compare" or prefill.get("kind") != "prefill" or decode.get("kind") != "decode":
+        sys.exit("--restate takes a compare report, then --prefill a prefill sweep and --decode a decode sweep")
+    if decode.get("sampling") is not None:
+        sys.exit(f"{decode_path}: a sampled sweep; MLX-LM decoded greedily")
+    for sweep in (prefill, decode):
+        if sweep["device"] != compare["device"]:
+            sys.exit(f"{sweep['command']}: ran on {sweep['device']}, the MLX-LM side on {compare['device']}")
+    osprey = {kind: {r["tokens"]: r["tokens_per_s"] for r in sweep["results"]}
+              for kind, sweep in (("prefill", prefill), ("decode", decode))}
+    results = []
+    for r in compare["results"]:
+        n = r["tokens"]
+        if n not in osprey["prefill"] or n not in osprey["decode"]:
+            sys.exit(f"length {n}: missing from the Osprey sweeps")
+        row = {"tokens": n, "osprey_prefill": osprey["prefill"][n], "osprey_decode": osprey["decode"][n],
+               "mlx_prefill": r["mlx_prefill"], "mlx_decode": r["mlx_decode"],
+               "rounds": {"mlx_prefill": r["rounds"]["mlx_prefill"], "mlx_decode": r["rounds"]["mlx_decode"]},
+               "mlx_measured": r.get("date", compare["date"])}
+        row["prefill_ratio"] = row["osprey_prefill"] / row["mlx_prefill"]
+        row["decode_ratio"] = row["osprey_decode"] / row["mlx_decode"]
+        results.append(row)
+    report = {"kind": "compare-restated", "peer": compare["peer"], "device": compare["device"],
+              "commit": decode["commit"], "date": max(prefill["date"], decode["date"]),
+              "command": f"tools/compare_mlx.py --restate {compare_path} --prefill {prefill_path} "
+                         f"--decode {decode_path}",
+              "method": "Osprey: the medians of its latest sweeps (bench prefill: fresh prefills from position 0; "
+                        "bench decode: CUDA-graph steps at the context length, greedy); MLX-LM: the medians of "
+                        f"its rounds in {os.path.basename(compare_path)} (stream_generate, greedy), same GPU kind, "
+                        "same checkpoint bytes; not alternated within a round",
+              "osprey": {kind: {"commit": sweep["commit"], "date": sweep["date"], "command": sweep["command"]}
+                         for kind, sweep in (("prefill", prefill), ("decode", decode))},
+              "mlx": {"commit": compare["commit"], "date": compare["date"], "command": compare["command"]}}
+    with_means(report, results)
+    write(report, out)
+    print(f"mean ratio: prefill {report['mean_prefill_ratio']:.1f}x, decode {report['mean_decode_ratio']:.1f}x -> {out}")
+
+
 def write(report, path):
     with open(path, "w") as f:
         json.dump(report, f, indent=2)
@@ -130,10 +184,19 @@ def main():
     ap.add_argument("--warmup-max", default="4K", help="longest prompt warmed up on its own (longer ones share its warm-up)")
     ap.add_argument("--merge", nargs="+", metavar="REPORT", help="join these compare reports instead of measuring")
     ap.add_argument("--peer-dir", help="with --merge: also write peer-mlxlm-{prefill,decode}-h200.json here")
+    ap.add_argument("--restate", metavar="REPORT",
+                    help="set this compare report's MLX-LM side against --prefill and --decode sweeps")
+    ap.add_argument("--prefill", help="with --restate: an `osprey bench prefill` report")
+    ap.add_argument("--decode", help="with --restate: an `osprey bench decode` report")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     if a.merge:
         merge(a.merge, a.out, a.peer_dir)
+        return
+    if a.restate:
+        if not a.prefill or not a.decode:
+            ap.error("--restate needs --prefill and --decode")
+        restate(a.restate, a.prefill, a.decode, a.out)
         return
     if not a.model or not a.osprey:
         ap.error("--model and --osprey are needed to measure (or --merge to join reports)")

@@ -242,6 +242,21 @@ def compare():
                               f"{d.get('device')}, {str(d.get('date'))[:10]}</sub>")
 
 
+def compare_latest():
+    d = load("compare-mlx-h200-latest.json")
+    rows = ["| tokens | Osprey prefill tok/s | MLX-LM prefill | ratio | Osprey decode tok/s | MLX-LM decode | ratio |",
+            "|---|---|---|---|---|---|---|"]
+    for r in d["results"]:
+        rows.append(f"| {r['tokens']:,} | {n0(r['osprey_prefill'])} | {r['mlx_prefill']:.0f} | {r['prefill_ratio']:.0f}× | "
+                    f"{r['osprey_decode']:.0f} | {r['mlx_decode']:.1f} | {r['decode_ratio']:.1f}× |")
+    rows.append(f"| **mean ratio** | | | **{d['mean_prefill_ratio']:.0f}×** | | | **{d['mean_decode_ratio']:.1f}×** |")
+    o = d["osprey"]
+    return "\n".join(rows) + (f"\n\n<sub>compare-mlx-h200-latest.json: Osprey's sweeps at `{o['prefill']['commit']}` "
+                              f"(prefill, {o['prefill']['date'][:10]}) and `{o['decode']['commit']}` (decode, "
+                              f"{o['decode']['date'][:10]}); MLX-LM from compare-mlx-h200.json ({d['mlx']['date'][:10]}); "
+                              f"{d['device']}</sub>")
+
+
 def fidelity_rows(files):
     rows = ["| reference | perplexity difference | top-1 agreement | max / mean abs logit error |", "|---|---|---|---|"]
     for label, name in files:
@@ -264,7 +279,7 @@ def fidelity_tiny():
 
 TABLES = {"prefill": prefill, "prefill-profile": prefill_profile, "decode": decode, "decode-profile": decode_profile,
           "decode-phases": decode_phases,
-          "checks": checks, "serve-turns": serve_turns, "compare-mlx": compare, "fidelity-full": fidelity_full, "fidelity-tiny": fidelity_tiny}
+          "checks": checks, "serve-turns": serve_turns, "compare-mlx": compare, "compare-mlx-latest": compare_latest, "fidelity-full": fidelity_full, "fidelity-tiny": fidelity_tiny}
 
 
 def render(text):
