@@ -381,12 +381,6 @@ impl Worker {
         let started = Instant::now();
         let recomputed_before = engine.recomputed_tokens();
         let (mut session, cached, ready) = self.cache.resume(engine, prompt, &job.branches)?;
-        let counter = if cached > 0 {
-            &self.metrics.cache_hits
-        } else {
-            &self.metrics.cache_misses
-        };
-        counter.fetch_add(1, Ordering::Relaxed);
         let mut logits = match ready {
             Some(l) => l,
             None => {
@@ -560,6 +554,13 @@ impl Worker {
             completion_tokens: generated,
             cached_tokens: cached.saturating_sub(recomputed),
         };
+        // a hit is a prefix the backend did not run again, as in the usage
+        let counter = if usage.cached_tokens > 0 {
+            &self.metrics.cache_hits
+        } else {
+            &self.metrics.cache_misses
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
         let stop_sequence = stops
             .matched()
             .filter(|_| finish == "stop")

@@ -900,8 +900,14 @@ async fn the_backend_keeps_the_state_the_next_turn_resumes_from() {
         resumed.len(),
         kept.iter().map(Vec::len).collect::<Vec<_>>()
     );
-    // a backend that had to run the cached prefix again (it lost the state): nothing was cached
+    // a backend that had to run the cached prefix again (it lost the state): nothing was cached,
+    // and /metrics counts both requests as misses
     calls.lock().unwrap().forgets = true;
+    let (hits, misses) = (
+        s.metric("osprey_prefix_cache_hits_total").await,
+        s.metric("osprey_prefix_cache_misses_total").await,
+    );
+    assert_eq!(hits, 1.0, "turn 2 resumed");
     let retry = json!({"messages": user("weather, again?"), "max_tokens": 4});
     let (_, first) = s.post("/v1/chat/completions", retry.clone()).await;
     let (_, again) = s.post("/v1/chat/completions", retry).await;
@@ -910,6 +916,11 @@ async fn the_backend_keeps_the_state_the_next_turn_resumes_from() {
         (cached(&first), cached(&again)),
         (json!(0), json!(0)),
         "{again}"
+    );
+    assert_eq!(s.metric("osprey_prefix_cache_hits_total").await, hits);
+    assert_eq!(
+        s.metric("osprey_prefix_cache_misses_total").await,
+        misses + 2.0
     );
 }
 
