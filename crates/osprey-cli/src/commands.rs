@@ -9,6 +9,7 @@ use osprey_engine::generate::{generate as run_generation, GenerateOptions, Token
 use osprey_engine::sampler::SamplingParams;
 use osprey_engine::Engine;
 use osprey_model::checkpoint::Checkpoint;
+use osprey_model::convert::{quantize_checkpoint, QuantizeOptions};
 use osprey_model::synth::{write_checkpoint, Preset, SynthOptions};
 use osprey_model::{ModelConfig, ModelWeights};
 use osprey_prompt::{ChatOptions, IncrementalDecoder, PromptFormat};
@@ -31,6 +32,28 @@ pub fn synth(preset: &str, layers: Option<usize>, seed: u64, out: &Path) -> Resu
     info!(
         "wrote {:.2} GB to {} in {:.1} s",
         bytes as f64 / 1e9,
+        out.display(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+pub fn quantize(src: &Path, out: &Path, bits: u32, group_size: usize) -> Result<()> {
+    let started = std::time::Instant::now();
+    let report = quantize_checkpoint(
+        src,
+        out,
+        &QuantizeOptions {
+            bits,
+            group_size,
+            show_progress: true,
+        },
+    )?;
+    info!(
+        "quantised {:.2} GB to {:.2} GB ({} tensors, {bits}-bit groups of {group_size}) in {} in {:.1} s",
+        report.source_bytes as f64 / 1e9,
+        report.bytes as f64 / 1e9,
+        report.tensors,
         out.display(),
         started.elapsed().as_secs_f64()
     );

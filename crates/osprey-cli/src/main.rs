@@ -130,6 +130,23 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Quantise a Hugging Face checkpoint (bf16/f16/f32, e.g. Qwen/Qwen3.6-35B-A3B) into the MLX
+    /// affine layout mlx-lm writes, which the GPU backend runs (router and shared-expert gate at 8
+    /// bits, as mlx-lm does).
+    Quantize {
+        /// The Hugging Face checkpoint directory.
+        #[arg(long)]
+        model: PathBuf,
+        /// Where to write the quantised checkpoint (a new or empty directory).
+        #[arg(long)]
+        out: PathBuf,
+        /// Bits per weight: 4 or 8.
+        #[arg(long, default_value_t = 4)]
+        bits: u32,
+        /// Weights per scale and bias: 32, 64 or 128.
+        #[arg(long, default_value_t = 64)]
+        group_size: usize,
+    },
     /// Generate text from a prompt, streaming it, then report tokens/s.
     Generate {
         #[command(flatten)]
@@ -276,6 +293,12 @@ fn main() -> ExitCode {
             seed,
             out,
         } => commands::synth(&preset, layers, seed, &out),
+        Command::Quantize {
+            model,
+            out,
+            bits,
+            group_size,
+        } => commands::quantize(&model, &out, bits, group_size),
         Command::Generate {
             model,
             prompt,

@@ -401,3 +401,70 @@ fn eval_against_reference_logits() {
     ]);
     assert!(err.contains("no tensor \"nope\""), "{err}");
 }
+
+#[test]
+fn quantize_writes_an_mlx_checkpoint_and_refuses_what_it_cannot_convert() {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/reference");
+    let hf = fixtures.join("qwen35_hf_bf16");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("q4");
+    let (_, log) = ok(&[
+        "quantize",
+        "--model",
+        hf.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(log.contains("357 tensors, 4-bit groups of 64"), "{log}");
+    let config = read_json(&out.join("config.json"));
+    assert_eq!(config["quantization"]["bits"], 4);
+    assert_eq!(
+        config["quantization"]["language_model.model.layers.0.mlp.gate"]["bits"],
+        8
+    );
+    let err = fails(&[
+        "quantize",
+        "--model",
+        hf.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(err.contains("already holds a checkpoint"), "{err}");
+    let other = tmp.path().join("other");
+    let out_s = out.to_str().unwrap();
+    let err = fails(&[
+        "quantize",
+        "--model",
+        out_s,
+        "--out",
+        other.to_str().unwrap(),
+    ]);
+    assert!(err.contains("already quantised"), "{err}");
+    let next = fixtures.join("qwen3next_hf_bf16");
+    let err = fails(&[
+        "quantize",
+        "--model",
+        next.to_str().unwrap(),
+        "--out",
+        other.to_str().unwrap(),
+    ]);
+    assert!(err.contains("qwen3_5_moe"), "{err}");
+    let err = fails(&[
+        "quantize",
+        "--model",
+        hf.to_str().unwrap(),
+        "--out",
+        other.to_str().unwrap(),
+        "--bits",
+        "3",
+    ]);
+    assert!(err.contains("--bits 3"), "{err}");
+    let err = fails(&[
+        "quantize",
+        "--model",
+        "/nonexistent",
+        "--out",
+        other.to_str().unwrap(),
+    ]);
+    assert!(err.contains("/nonexistent"), "{err}");
+}

@@ -7,7 +7,9 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod convert;
 pub mod quant;
+pub mod shards;
 pub mod synth;
 pub mod tensor;
 pub mod weights;

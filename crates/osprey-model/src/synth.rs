@@ -9,9 +9,7 @@
 //! The writer streams: tensors are generated in parallel chunks from per-chunk seeds and written
 //! straight to ~5 GB shards, so memory stays small and the output depends only on the seed.
 
-use std::collections::BTreeMap;
-use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::Write;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
@@ -23,6 +21,7 @@ use rayon::prelude::*;
 use serde_json::{json, Value};
 
 use crate::config::{LayerKind, ModelConfig};
+use crate::shards::{write_shards, ShardTensor};
 
 pub const REAL_CONFIG: &str = include_str!("../../../assets/qwen3.6-35b-a3b/config.json");
 const MODEL_FILES: [(&str, &[u8]); 4] = [
@@ -50,7 +49,6 @@ const OUTPUT_GAIN: f32 = 0.25;
 const LOGIT_STD: f32 = 3.0;
 /// Router logit standard deviation: decisive routing, few near-ties between experts.
 const ROUTER_STD: f32 = 2.0;
-const SHARD_BYTES: usize = 5_000_000_000;
 const CHUNK_ELEMS: usize = 1 << 20;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -469,7 +467,7 @@ fn generate(t: &Planned, first: usize, out: &mut [u8]) {
 
 fn write_tensor(
     t: &Planned,
-    w: &mut impl Write,
+    w: &mut dyn Write,
     buf: &mut Vec<u8>,
     bar: &ProgressBar,
 ) -> Result<()> {
@@ -497,24 +495,6 @@ pub fn write_checkpoint(out: &Path, opts: &SynthOptions) -> Result<u64> {
     let planned = plan(&cfg, opts.seed);
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
 
-    // Shards of ~5 GB; inside each, u32 code tensors first so every code tensor starts 4-byte
-    // aligned and loads without a copy.
-    let mut shards: Vec<Vec<&Planned>> = vec![Vec::new()];
-    let mut size = 0;
-    for t in &planned {
-        if size + t.bytes() > SHARD_BYTES && !shards.last().is_some_and(|s| s.is_empty()) {
-            shards.push(Vec::new());
-            size = 0;
-        }
-        size += t.bytes();
-        if let Some(s) = shards.last_mut() {
-            s.push(t)
-        }
-    }
-    for s in &mut shards {
-        s.sort_by_key(|t| t.dtype != DType::U32);
-    }
-
     let total: u64 = planned.iter().map(|t| t.bytes() as u64).sum();
     let bar = if opts.show_progress {
         ProgressBar::new(total)
@@ -523,60 +503,27 @@ pub fn write_checkpoint(out: &Path, opts: &SynthOptions) -> Result<u64> {
     };
     bar.set_style(
         ProgressStyle::with_template(
-            "{msg} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+            "writing [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
         )
         .map_err(|e| anyhow::anyhow!("progress template: {e}"))?,
     );
-    let n = shards.len();
-    let mut weight_map = BTreeMap::new();
-    let mut buf = Vec::new();
-    for (si, shard) in shards.iter().enumerate() {
-        let file_name = if n == 1 {
-            "model.safetensors".to_string()
-        } else {
-            format!("model-{:05}-of-{:05}.safetensors", si + 1, n)
-        };
-        bar.set_message(file_name.clone());
-        let mut header = serde_json::Map::new();
-        header.insert("__metadata__".into(), json!({"format": "mlx"}));
-        let mut offset = 0;
-        for t in shard {
-            let dtype = match t.dtype {
+    let tensors: Vec<ShardTensor> = planned
+        .iter()
+        .map(|t| ShardTensor {
+            name: t.name.clone(),
+            dtype: match t.dtype {
                 DType::U32 => "U32",
                 DType::Bf16 => "BF16",
                 DType::F32 => "F32",
-            };
-            header.insert(
-                t.name.clone(),
-                json!({"dtype": dtype, "shape": t.shape, "data_offsets": [offset, offset + t.bytes()]}),
-            );
-            offset += t.bytes();
-            weight_map.insert(t.name.clone(), file_name.clone());
-        }
-        let mut header = serde_json::to_vec(&Value::Object(header))?;
-        while (8 + header.len()) % 8 != 0 {
-            header.push(b' ');
-        }
-        let path = out.join(&file_name);
-        let mut w = BufWriter::with_capacity(
-            1 << 22,
-            File::create(&path).with_context(|| format!("cannot create {}", path.display()))?,
-        );
-        w.write_all(&(header.len() as u64).to_le_bytes())?;
-        w.write_all(&header)?;
-        for t in shard {
-            write_tensor(t, &mut w, &mut buf, &bar)?;
-        }
-        w.flush()?;
-    }
+            },
+            shape: t.shape.clone(),
+        })
+        .collect();
+    let mut buf = Vec::new();
+    let written = write_shards(out, &tensors, true, |i, w| {
+        write_tensor(&planned[i], w, &mut buf, &bar)
+    })?;
     bar.finish_and_clear();
-    if n > 1 {
-        let index = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
-        std::fs::write(
-            out.join("model.safetensors.index.json"),
-            serde_json::to_vec_pretty(&index)?,
-        )?;
-    }
     std::fs::write(
         out.join("config.json"),
         serde_json::to_vec_pretty(&config_json)?,
@@ -584,7 +531,7 @@ pub fn write_checkpoint(out: &Path, opts: &SynthOptions) -> Result<u64> {
     for (name, bytes) in MODEL_FILES {
         std::fs::write(out.join(name), bytes)?;
     }
-    Ok(total)
+    Ok(written)
 }
 
 #[cfg(test)]
