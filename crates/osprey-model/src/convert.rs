@@ -20,7 +20,6 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use half::{bf16, f16};
-use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
 use safetensors::Dtype;
 use serde_json::{json, Value};
@@ -28,7 +27,7 @@ use serde_json::{json, Value};
 use crate::checkpoint::{Checkpoint, TensorEntry};
 use crate::config::{Family, ModelConfig};
 use crate::quant::quantize_row;
-use crate::shards::{write_shards, ShardTensor};
+use crate::shards::{bytes_progress, write_shards, ShardTensor};
 use crate::weights::{ModelWeights, StorageLayout};
 
 /// Modules mlx-lm's qwen3_5 predicate quantises at 8 bits in groups of 64, whatever the default.
@@ -55,20 +54,22 @@ pub struct QuantizeReport {
     pub source_bytes: u64,
 }
 
+/// Rows of a source tensor to quantise: for each of `lead` leading indices (experts; 1 for a
+/// plain linear), source rows `offset .. offset + rows` of that index's `stride` rows.
+struct QuantJob {
+    src: TensorEntry,
+    lead: usize,
+    stride: usize,
+    offset: usize,
+    rows: usize,
+    cols: usize,
+    bits: u32,
+    group: usize,
+}
+
 /// One output module and where its values come from.
 enum Job {
-    /// Rows of a source tensor quantised: for each of `lead` leading indices (experts; 1 for a
-    /// plain linear), source rows `offset .. offset + rows` of that index's `stride` rows.
-    Quantize {
-        src: TensorEntry,
-        lead: usize,
-        stride: usize,
-        offset: usize,
-        rows: usize,
-        cols: usize,
-        bits: u32,
-        group: usize,
-    },
+    Quantize(QuantJob),
     /// A float tensor: cast to bf16 (optionally 1 + w), or copied as stored (`keep`).
     Plain {
         src: TensorEntry,
@@ -135,25 +136,17 @@ pub fn quantize_checkpoint(
     for (j, (module, job)) in jobs.iter().enumerate() {
         let name = format!("language_model.{module}");
         match job {
-            Job::Quantize {
-                lead,
-                rows,
-                cols,
-                bits,
-                group,
-                src,
-                ..
-            } => {
-                let lead_shape: Vec<usize> = if src.shape.len() == 3 {
-                    vec![*lead]
+            Job::Quantize(q) => {
+                let lead_shape: Vec<usize> = if q.src.shape.len() == 3 {
+                    vec![q.lead]
                 } else {
                     vec![]
                 };
-                let shape = |last: usize| [lead_shape.as_slice(), &[*rows, last]].concat();
+                let shape = |last: usize| [lead_shape.as_slice(), &[q.rows, last]].concat();
                 for (part, (suffix, dtype, last)) in [
-                    ("weight", "U32", cols * *bits as usize / 32),
-                    ("scales", "BF16", cols / group),
-                    ("biases", "BF16", cols / group),
+                    ("weight", "U32", q.cols * q.bits as usize / 32),
+                    ("scales", "BF16", q.cols / q.group),
+                    ("biases", "BF16", q.cols / q.group),
                 ]
                 .into_iter()
                 .enumerate()
@@ -184,26 +177,16 @@ pub fn quantize_checkpoint(
     }
 
     let source_bytes = ck.total_bytes() as u64;
-    let bar = if opts.show_progress {
-        ProgressBar::new(source_bytes)
-    } else {
-        ProgressBar::hidden()
-    };
-    bar.set_style(
-        ProgressStyle::with_template(
-            "quantising [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
-        )
-        .map_err(|e| anyhow::anyhow!("progress template: {e}"))?,
-    );
+    let bar = bytes_progress(source_bytes, opts.show_progress, "quantising")?;
     // a module's codes, scales and biases are consecutive: computed once, written in turn
     let mut held: Option<(usize, Quantized)> = None;
     let bytes = write_shards(out, &tensors, false, |i, w| {
         let (j, part) = parts[i];
         match &jobs[j].1 {
-            Job::Quantize { .. } => {
+            Job::Quantize(job) => {
                 if held.as_ref().is_none_or(|(hj, _)| *hj != j) {
-                    held = Some((j, quantize_job(&ck, &jobs[j].1)));
-                    bar.inc(job_source_bytes(&jobs[j].1));
+                    held = Some((j, job.run(&ck)));
+                    bar.inc(job.source_bytes());
                 }
                 let q = &held.as_ref().context("internal: no module held")?.1;
                 match part {
@@ -260,7 +243,7 @@ fn plan_tensor(
         if cols % group != 0 {
             bail!("{name}: rows of {cols} do not divide into groups of {group}");
         }
-        Ok(Job::Quantize {
+        Ok(Job::Quantize(QuantJob {
             src: src.clone(),
             lead,
             stride,
@@ -269,7 +252,7 @@ fn plan_tensor(
             cols,
             bits,
             group,
-        })
+        }))
     };
     if let Some(prefix) = name.strip_suffix("experts.gate_up_proj") {
         let [e, two_i, h] = t.shape[..] else {
@@ -344,65 +327,41 @@ fn read_floats(data: &[u8], dtype: Dtype) -> impl Iterator<Item = f32> + '_ {
         })
 }
 
-fn job_source_bytes(job: &Job) -> u64 {
-    match job {
-        Job::Quantize {
-            src,
-            lead,
-            rows,
-            cols,
-            ..
-        } => (lead * rows * cols * element_bytes(src.dtype)) as u64,
-        Job::Plain { src, .. } => src.byte_len as u64,
+impl QuantJob {
+    fn source_bytes(&self) -> u64 {
+        (self.lead * self.rows * self.cols * element_bytes(self.src.dtype)) as u64
     }
-}
 
-/// Quantises a module's rows in parallel.
-fn quantize_job(ck: &Checkpoint, job: &Job) -> Quantized {
-    let Job::Quantize {
-        src,
-        lead,
-        stride,
-        offset,
-        rows,
-        cols,
-        bits,
-        group,
-    } = job
-    else {
-        return Quantized {
-            words: Vec::new(),
-            scales: Vec::new(),
-            biases: Vec::new(),
+    /// The module's codes, scales and biases, its rows quantised in parallel.
+    fn run(&self, ck: &Checkpoint) -> Quantized {
+        let (n, cols, group) = (self.lead * self.rows, self.cols, self.group);
+        let words_per_row = cols * self.bits as usize / 32;
+        let groups = cols / group;
+        let mut q = Quantized {
+            words: vec![0; n * words_per_row],
+            scales: vec![bf16::ZERO; n * groups],
+            biases: vec![bf16::ZERO; n * groups],
         };
-    };
-    let (n, cols, group) = (lead * rows, *cols, *group);
-    let words_per_row = cols * *bits as usize / 32;
-    let groups = cols / group;
-    let mut q = Quantized {
-        words: vec![0; n * words_per_row],
-        scales: vec![bf16::ZERO; n * groups],
-        biases: vec![bf16::ZERO; n * groups],
-    };
-    let data = source_data(ck, src);
-    let row_bytes = cols * element_bytes(src.dtype);
-    q.words
-        .par_chunks_mut(words_per_row)
-        .zip(q.scales.par_chunks_mut(groups))
-        .zip(q.biases.par_chunks_mut(groups))
-        .enumerate()
-        .for_each_init(
-            || vec![0.0f32; cols],
-            |row, (r, ((words, scales), biases))| {
-                let source_row = (r / rows) * stride + offset + r % rows;
-                let bytes = &data[source_row * row_bytes..(source_row + 1) * row_bytes];
-                for (x, v) in row.iter_mut().zip(read_floats(bytes, src.dtype)) {
-                    *x = v;
-                }
-                quantize_row(row, *bits, group, words, scales, biases);
-            },
-        );
-    q
+        let data = source_data(ck, &self.src);
+        let row_bytes = cols * element_bytes(self.src.dtype);
+        q.words
+            .par_chunks_mut(words_per_row)
+            .zip(q.scales.par_chunks_mut(groups))
+            .zip(q.biases.par_chunks_mut(groups))
+            .enumerate()
+            .for_each_init(
+                || vec![0.0f32; cols],
+                |row, (r, ((words, scales), biases))| {
+                    let source_row = (r / self.rows) * self.stride + self.offset + r % self.rows;
+                    let bytes = &data[source_row * row_bytes..(source_row + 1) * row_bytes];
+                    for (x, v) in row.iter_mut().zip(read_floats(bytes, self.src.dtype)) {
+                        *x = v;
+                    }
+                    quantize_row(row, self.bits, group, words, scales, biases);
+                },
+            );
+        q
+    }
 }
 
 /// The source's config.json with the quantisation section mlx-lm writes (model-spec §5.2).

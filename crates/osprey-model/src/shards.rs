@@ -9,6 +9,7 @@ use std::io::{BufWriter, Write};
 use std::path::Path;
 
 use anyhow::{Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
 
 const SHARD_BYTES: usize = 5_000_000_000;
@@ -28,6 +29,22 @@ impl ShardTensor {
         };
         self.shape.iter().product::<usize>() * elem
     }
+}
+
+/// A progress bar over `total` bytes labelled `what` (hidden unless `show`).
+pub fn bytes_progress(total: u64, show: bool, what: &str) -> Result<ProgressBar> {
+    let bar = if show {
+        ProgressBar::new(total)
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(
+        ProgressStyle::with_template(&format!(
+            "{what} [{{bar:40}}] {{bytes}}/{{total_bytes}} {{bytes_per_sec}} eta {{eta}}"
+        ))
+        .map_err(|e| anyhow::anyhow!("progress template: {e}"))?,
+    );
+    Ok(bar)
 }
 
 /// Writes `tensors` into shards of at most ~5 GB in the given order (with `codes_first`, each

@@ -14,14 +14,14 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use half::bf16;
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::ProgressBar;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 use serde_json::{json, Value};
 
 use crate::config::{LayerKind, ModelConfig};
-use crate::shards::{write_shards, ShardTensor};
+use crate::shards::{bytes_progress, write_shards, ShardTensor};
 
 pub const REAL_CONFIG: &str = include_str!("../../../assets/qwen3.6-35b-a3b/config.json");
 const MODEL_FILES: [(&str, &[u8]); 4] = [
@@ -496,17 +496,7 @@ pub fn write_checkpoint(out: &Path, opts: &SynthOptions) -> Result<u64> {
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
 
     let total: u64 = planned.iter().map(|t| t.bytes() as u64).sum();
-    let bar = if opts.show_progress {
-        ProgressBar::new(total)
-    } else {
-        ProgressBar::hidden()
-    };
-    bar.set_style(
-        ProgressStyle::with_template(
-            "writing [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
-        )
-        .map_err(|e| anyhow::anyhow!("progress template: {e}"))?,
-    );
+    let bar = bytes_progress(total, opts.show_progress, "writing")?;
     let tensors: Vec<ShardTensor> = planned
         .iter()
         .map(|t| ShardTensor {
