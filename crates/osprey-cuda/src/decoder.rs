@@ -751,7 +751,7 @@ impl Uploader<'_> {
             biases,
         } = &m.data
         else {
-            bail!("{what}: the CUDA backend runs MLX-quantised checkpoints; this tensor is dense");
+            bail!("{what}: the CUDA backend runs MLX-quantised checkpoints; this tensor is dense (convert the checkpoint once with `osprey quantize --model DIR --out DIR-4bit`)");
         };
         if !m.cols.is_multiple_of(64) || m.cols > 4096 || (*bits == 8 && m.cols > 2048) {
             bail!("{what}: input width {} at {bits} bits is not supported by the GEMV kernels (a multiple of 64, at most 4096 at 4 bits, 2048 at 8)", m.cols);
