@@ -99,3 +99,15 @@ def test_structured_output_parses_into_a_pydantic_model(client):
         forecast = r.choices[0].message.parsed
         assert isinstance(forecast, Forecast) and 1 <= forecast.days <= 7
         assert r.choices[0].finish_reason == "stop"
+
+
+def test_logit_bias_forces_a_token(client):
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}],
+                                       max_tokens=4, temperature=0, logprobs=True, logit_bias={"1000": 100},
+                                       extra_body=NO_THINK)
+    tokens = [e.token for e in r.choices[0].logprobs.content]
+    assert len(tokens) == 4 and len(set(tokens)) == 1, tokens
+    with pytest.raises(Exception) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}],
+                                       max_tokens=4, logit_bias={"1000": 500})
+    assert "logit_bias" in str(e.value)

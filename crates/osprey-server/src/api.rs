@@ -65,7 +65,6 @@ const IGNORED: &[&str] = &[
 ];
 /// Fields of the OpenAI API this server does not implement: a clear 400 rather than silence.
 const UNSUPPORTED: &[&str] = &[
-    "logit_bias",
     "functions",
     "function_call",
     "audio",
@@ -157,6 +156,55 @@ pub struct GenerationRequest {
     pub include_usage: bool,
     /// `Some(n)`: return log-probabilities with the top `n` alternatives.
     pub logprobs: Option<usize>,
+    /// Added to these tokens' logits before each token is chosen (OpenAI's `logit_bias`).
+    pub logit_bias: Vec<(u32, f32)>,
+}
+
+/// Most entries `logit_bias` may hold (OpenAI documents no limit; this bounds a request's work).
+const MAX_LOGIT_BIAS: usize = 1024;
+
+/// `logit_bias`: token ids (as strings, JSON object keys) below `vocab`, each to a bias in
+/// [-100, 100].
+fn logit_bias(f: &Fields, vocab: usize) -> ApiResult<Vec<(u32, f32)>> {
+    let bad = |msg: String| ApiError::bad_request(msg, Some("logit_bias"));
+    let map = match f.get("logit_bias") {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Object(m)) => m,
+        Some(v) => {
+            return Err(bad(format!(
+                "'logit_bias' must be an object of token id -> bias, got {v}"
+            )))
+        }
+    };
+    if map.len() > MAX_LOGIT_BIAS {
+        return Err(bad(format!(
+            "'logit_bias' has {} entries; at most {MAX_LOGIT_BIAS}",
+            map.len()
+        )));
+    }
+    map.iter()
+        .map(|(k, v)| {
+            let id = k
+                .parse::<u32>()
+                .ok()
+                .filter(|&id| (id as usize) < vocab)
+                .ok_or_else(|| {
+                    bad(format!(
+                        "'logit_bias' key {k:?} is not a token id (0 to {})",
+                        vocab - 1
+                    ))
+                })?;
+            let bias = v
+                .as_f64()
+                .filter(|b| (-100.0..=100.0).contains(b))
+                .ok_or_else(|| {
+                    bad(format!(
+                        "'logit_bias' value for token {id} must be a number from -100 to 100, got {v}"
+                    ))
+                })?;
+            Ok((id, bias as f32))
+        })
+        .collect()
 }
 
 pub const GENERATION_FIELDS: &[&str] = &[
@@ -176,6 +224,7 @@ pub const GENERATION_FIELDS: &[&str] = &[
     "stream_options",
     "logprobs",
     "top_logprobs",
+    "logit_bias",
     "n",
 ];
 
@@ -183,6 +232,7 @@ pub fn generation_request(
     f: &Fields,
     defaults: &GenerationDefaults,
     chat: bool,
+    vocab: usize,
 ) -> ApiResult<GenerationRequest> {
     if let Some(n) = f.int_in("n", 1, i64::MAX).map_err(|_| {
         ApiError::bad_request(
@@ -314,6 +364,7 @@ pub fn generation_request(
         stream,
         include_usage,
         logprobs,
+        logit_bias: logit_bias(f, vocab)?,
     })
 }
 

@@ -451,7 +451,7 @@ fn prepare_chat_request(
         Some(rf) => ResponseFormat::parse(rf)
             .map_err(|e| ApiError::bad_request(e, Some("response_format")))?,
     };
-    let gen = api::generation_request(&f, &st.format.defaults, true)?;
+    let gen = api::generation_request(&f, &st.format.defaults, true, st.format.vocab_size)?;
     let messages = api::messages(&f)?;
     let tools = api::tools(&f)?;
     let choice = api::tool_choice(&f, tools.as_ref())?;
@@ -551,7 +551,7 @@ async fn completions(
         let f = Fields::parse(&body)?;
         f.check_known(&[api::GENERATION_FIELDS, COMPLETION_FIELDS].concat())?;
         st.check_model(&f)?;
-        let gen = api::generation_request(&f, &st.format.defaults, false)?;
+        let gen = api::generation_request(&f, &st.format.defaults, false, st.format.vocab_size)?;
         let prompt = match f.get("prompt") {
             Some(Value::String(s)) => st
                 .format

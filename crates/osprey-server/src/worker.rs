@@ -437,17 +437,32 @@ impl Worker {
         // that chooses tokens itself (the GPU) runs on until the reply ends or needs the host
         // (forced text to inject), else the host decodes token by token. Log-probabilities need
         // the logits of every token, and a grammar (response_format, a forced tool call) masks
-        // them: both keep the whole reply on the host path.
-        let device_ok = job.gen.logprobs.is_none() && constraint.is_none();
+        // them: both keep the whole reply on the host path, as does a logit_bias (added to the
+        // logits the host samples from; log-probabilities stay the model's).
+        let device_ok =
+            job.gen.logprobs.is_none() && constraint.is_none() && job.gen.logit_bias.is_empty();
+        let mut biased = Vec::new();
         while reply.generated < job.max_tokens {
             let logits_now = &logits[..valid_vocab];
+            let choose_from = if job.gen.logit_bias.is_empty() {
+                logits_now
+            } else {
+                biased.clear();
+                biased.extend_from_slice(logits_now);
+                for &(id, bias) in &job.gen.logit_bias {
+                    if let Some(l) = biased.get_mut(id as usize) {
+                        *l += bias;
+                    }
+                }
+                &biased
+            };
             // (a forced tool call's grammar starts after its injected opening)
             let mut held = constraint
                 .as_mut()
                 .filter(|_| !reply.in_reasoning() && reply.force.is_none());
             let token = match held.as_mut() {
-                Some(c) => sampler.sample(&c.mask(logits_now)?),
-                None => sampler.sample(logits_now),
+                Some(c) => sampler.sample(&c.mask(choose_from)?),
+                None => sampler.sample(choose_from),
             };
             sampler.observe(token);
             let mut next = reply.accept(token, Some(logits_now))?;

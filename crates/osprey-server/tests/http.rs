@@ -1240,3 +1240,54 @@ async fn forced_tool_calls_are_held_to_the_schema() {
         check(&call["input"]);
     }
 }
+
+#[tokio::test]
+async fn logit_bias_forces_and_bans_tokens() {
+    let s = Server::tiny(config()).await;
+    let format = PromptFormat::from_dir(tiny_dir()).unwrap();
+    let ask = |bias: Value| {
+        json!({"messages": user("hi"), "max_tokens": 4, "temperature": 0, "logprobs": true,
+               "chat_template_kwargs": {"enable_thinking": false}, "logit_bias": bias})
+    };
+    let first_token = |r: &Value| r["choices"][0]["logprobs"]["content"][0]["token"].clone();
+    // +100 makes a token every choice
+    let the = format.encode(" the").unwrap();
+    assert_eq!(the.len(), 1);
+    let (st, r) = s
+        .post(
+            "/v1/chat/completions",
+            ask(json!({the[0].to_string(): 100})),
+        )
+        .await;
+    assert_eq!(st, 200, "{r}");
+    assert_eq!(r["choices"][0]["message"]["content"], " the the the the");
+    // -100 keeps the greedy choice from being chosen; log-probabilities stay the model's
+    let (_, plain) = s.post("/v1/chat/completions", ask(json!({}))).await;
+    let greedy = first_token(&plain);
+    let id = format.encode(greedy.as_str().unwrap()).unwrap();
+    assert_eq!(id.len(), 1, "{greedy}");
+    let (st, banned) = s
+        .post(
+            "/v1/chat/completions",
+            ask(json!({id[0].to_string(): -100})),
+        )
+        .await;
+    assert_eq!(st, 200, "{banned}");
+    assert_ne!(first_token(&banned), greedy, "{banned}");
+    let top = &banned["choices"][0]["logprobs"]["content"][0]["top_logprobs"];
+    assert_eq!(
+        top[0],
+        plain["choices"][0]["logprobs"]["content"][0]["top_logprobs"][0]
+    );
+    // bad maps are a 400 naming the field
+    for bad in [
+        json!({"x": 1}),
+        json!({"999999999": 1}),
+        json!({"5": 101}),
+        json!([1]),
+    ] {
+        let (st, r) = s.post("/v1/chat/completions", ask(bad.clone())).await;
+        assert_eq!(st, 400, "{bad}: {r}");
+        assert_eq!(r["error"]["param"], "logit_bias", "{r}");
+    }
+}
