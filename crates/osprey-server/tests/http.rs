@@ -553,7 +553,7 @@ async fn errors_use_the_openai_envelope() {
         (ok_body(json!({"top_p": 2})), k, 400, "'top_p'"),
         (ok_body(json!({"max_tokens": 0})), k, 400, "'max_tokens'"),
         (ok_body(json!({"n": 2})), k, 400, "'n'"),
-        (ok_body(json!({"logit_bias": {}})), k, 400, "not supported"),
+        (ok_body(json!({"prediction": {}})), k, 400, "not supported"),
         (
             ok_body(json!({"frobnicate": 1})),
             k,
