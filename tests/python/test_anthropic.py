@@ -72,3 +72,14 @@ def test_errors_surface_as_anthropic_exceptions(client):
 def test_models_list(client):
     models = client.models.list().data
     assert [m.id for m in models] == ["tiny"] and models[0].type == "model"
+
+
+def test_thinking_budget_closes_the_thinking_block(client):
+    kwargs = dict(model="tiny", max_tokens=12, extra_body={"temperature": 0},
+                  messages=[{"role": "user", "content": "Hello"}])
+    free = client.messages.create(thinking={"type": "enabled", "budget_tokens": 1024}, **kwargs)
+    capped = client.messages.create(thinking={"type": "enabled", "budget_tokens": 3}, **kwargs)
+    # the tiny model's random weights think through all 12 tokens unless the budget ends it
+    assert [b.type for b in free.content] == ["thinking"]
+    assert [b.type for b in capped.content][:2] == ["thinking", "text"]
+    assert free.content[0].thinking.startswith(capped.content[0].thinking.rstrip())

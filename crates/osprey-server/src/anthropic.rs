@@ -329,6 +329,18 @@ pub fn chat_request(body: &Value, count_only: bool) -> ApiResult<Value> {
             "chat_template_kwargs".into(),
             json!({"enable_thinking": on}),
         );
+        match &t["budget_tokens"] {
+            Value::Null => {}
+            Value::Number(n) if on && n.as_u64().is_some() => {
+                out.insert("thinking_token_budget".into(), Value::Number(n.clone()));
+            }
+            v => {
+                return Err(bad(
+                    &format!("'thinking.budget_tokens' must be a non-negative integer with thinking enabled, got {v}"),
+                    "thinking",
+                ))
+            }
+        }
     }
     Ok(Value::Object(out))
 }
@@ -598,6 +610,18 @@ mod tests {
                 "chat_template_kwargs": {"enable_thinking": false}
             })
         );
+    }
+
+    #[test]
+    fn the_thinking_budget_is_enforced_as_thinking_token_budget() {
+        let body = json!({"model": "m", "max_tokens": 4096, "messages": [{"role": "user", "content": "hi"}],
+                          "thinking": {"type": "enabled", "budget_tokens": 2048}});
+        let chat = chat_request(&body, false).unwrap();
+        assert_eq!(chat["thinking_token_budget"], 2048);
+        assert_eq!(chat["chat_template_kwargs"]["enable_thinking"], true);
+        let off = json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+                         "thinking": {"type": "disabled", "budget_tokens": 10}});
+        assert!(chat_request(&off, false).is_err());
     }
 
     #[test]

@@ -413,6 +413,7 @@ const CHAT_FIELDS: &[&str] = &[
     "tool_choice",
     "chat_template_kwargs",
     "response_format",
+    "thinking_token_budget",
 ];
 
 async fn chat_completions(
@@ -478,7 +479,11 @@ fn prepare_chat_request(
         ToolChoice::Function(name) => Some(format!("<tool_call>\n<function={name}>\n")),
         _ => None,
     };
+    let thinking_budget = f
+        .int_in("thinking_token_budget", 0, u32::MAX as i64)?
+        .map(|n| n as usize);
     let chat = ChatParsing {
+        thinking_budget,
         in_reasoning: text.ends_with("<think>\n"),
         tools: if choice == ToolChoice::None {
             None

@@ -30,7 +30,14 @@ pub struct ChatParsing {
     pub constraint: Option<Constraint>,
     /// How tool-call ids begin (`call_` for OpenAI clients, `toolu_` for Anthropic ones).
     pub call_id_prefix: &'static str,
+    /// Most tokens the reasoning may take before `</think>` is put in for the model
+    /// (`thinking_token_budget`, Anthropic's `thinking.budget_tokens`).
+    pub thinking_budget: Option<usize>,
 }
+
+/// What ends a reasoning block put in for the model (which then writes the blank line before its
+/// answer, as after its own `</think>`).
+const CLOSE_REASONING: &str = "\n</think>";
 
 pub struct Job {
     pub prompt: Vec<u32>,
@@ -272,6 +279,8 @@ struct Reply<'a> {
     stops: StopScanner,
     parser: Option<OutputParser>,
     force: Option<String>,
+    /// Reasoning tokens left before the block is closed for the model (None: no budget).
+    thinking_left: Option<usize>,
     generated: usize,
     finish: &'static str,
 }
@@ -323,10 +332,19 @@ impl Reply<'_> {
             None => vec![Delta::Content(piece)],
         };
         let mut inject = Vec::new();
+        if let Some(p) = self.parser.as_mut().filter(|p| p.in_reasoning()) {
+            if let Some(left) = self.thinking_left.as_mut() {
+                *left = left.saturating_sub(1);
+                if *left == 0 {
+                    inject = self.format.encode(CLOSE_REASONING)?;
+                    deltas.extend(p.push(CLOSE_REASONING));
+                }
+            }
+        }
         if let (Some(p), Some(text)) = (self.parser.as_mut(), self.force.as_ref()) {
             if !p.in_reasoning() {
                 let forced = format!("\n\n{text}");
-                inject = self.format.encode(&forced)?;
+                inject.extend(self.format.encode(&forced)?);
                 deltas.extend(p.push(&forced));
                 self.force = None;
             }
@@ -413,11 +431,25 @@ impl Worker {
                 .as_ref()
                 .map(|c| OutputParser::new(c.in_reasoning, c.tools.clone(), c.call_id_prefix)),
             force: job.chat.as_ref().and_then(|c| c.force.clone()),
+            thinking_left: job.chat.as_ref().and_then(|c| c.thinking_budget),
             generated: 0,
             finish: "length",
         };
         let decode_start = Instant::now();
 
+        // a zero reasoning budget: the block closed before the model writes in it
+        if let (Some(p), Some(0)) = (reply.parser.as_mut(), reply.thinking_left) {
+            if p.in_reasoning() {
+                let ids = format.encode(CLOSE_REASONING)?;
+                let (l, _) = engine.prefill(&mut session, &ids)?;
+                logits = l;
+                let deltas = p.push(CLOSE_REASONING);
+                let _ = job.events.send(Event::Deltas {
+                    deltas,
+                    logprobs: Vec::new(),
+                });
+            }
+        }
         // forced start of the answer when the prompt is already past the reasoning block
         if let (Some(p), Some(text)) = (reply.parser.as_mut(), reply.force.as_ref()) {
             if !p.in_reasoning() {

@@ -1291,3 +1291,73 @@ async fn logit_bias_forces_and_bans_tokens() {
         assert_eq!(r["error"]["param"], "logit_bias", "{r}");
     }
 }
+
+#[tokio::test]
+async fn thinking_token_budget_closes_the_reasoning_for_the_model() {
+    let s = Server::tiny(config()).await;
+    let ask = |budget: Option<u64>| {
+        let mut b = json!({"messages": user("hi"), "max_tokens": 16, "temperature": 0});
+        if let Some(n) = budget {
+            b["thinking_token_budget"] = n.into();
+        }
+        b
+    };
+    let reasoning = |r: &Value| {
+        r["choices"][0]["message"]["reasoning_content"]
+            .as_str()
+            .unwrap_or("")
+            .to_string()
+    };
+    let (st, plain) = s.post("/v1/chat/completions", ask(None)).await;
+    assert_eq!(st, 200, "{plain}");
+    // the tiny model's random weights never close their reasoning in 16 tokens
+    assert_eq!(plain["choices"][0]["message"]["content"], "", "{plain}");
+    for budget in [0, 3] {
+        let (st, r) = s.post("/v1/chat/completions", ask(Some(budget))).await;
+        assert_eq!(st, 200, "{r}");
+        let (thought, full) = (reasoning(&r), reasoning(&plain));
+        assert!(
+            full.starts_with(thought.trim_end()) && thought.len() < full.len(),
+            "budget {budget}: {thought:?} is not the start of {full:?}"
+        );
+        // the answer follows in the same reply, and the closing tag is nobody's text
+        let content = r["choices"][0]["message"]["content"].as_str().unwrap();
+        assert!(!content.is_empty() && !content.contains("</think>"), "{r}");
+        assert_eq!(r["usage"]["completion_tokens"], 16, "{r}");
+    }
+    let (st, r) = s
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": user("hi"), "thinking_token_budget": -1}),
+        )
+        .await;
+    assert_eq!(
+        (st, &r["error"]["param"]),
+        (400, &json!("thinking_token_budget")),
+        "{r}"
+    );
+}
+
+#[tokio::test]
+async fn the_thinking_budget_holds_on_a_backend_that_chooses_tokens_itself() {
+    // the GPU runs a reply on its own until the host needs to put text in: the budget stops it
+    const THOUGHT: &str = "First this, then that, then something else again and again";
+    let s = Server::scripted_on(THOUGHT, Duration::ZERO, config(), true).await;
+    let format = PromptFormat::from_dir(tiny_dir()).unwrap();
+    let ids = format.encode(THOUGHT).unwrap();
+    let (st, r) = s
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": user("hi"), "max_tokens": 8, "thinking_token_budget": 3}),
+        )
+        .await;
+    assert_eq!(st, 200, "{r}");
+    let m = &r["choices"][0]["message"];
+    assert_eq!(
+        m["reasoning_content"].as_str().unwrap().trim_end(),
+        format.decode(&ids[..3]).unwrap().trim_end(),
+        "{r}"
+    );
+    // (the script starts over after the tag it does not know)
+    assert!(m["content"].as_str().unwrap().starts_with("First"), "{r}");
+}
