@@ -336,7 +336,7 @@ pub fn chat_request(body: &Value, count_only: bool) -> ApiResult<Value> {
             }
             v => {
                 return Err(bad(
-                    &format!("'thinking.budget_tokens' must be a non-negative integer with thinking enabled, got {v}"),
+                    format!("'thinking.budget_tokens' must be a non-negative integer with thinking enabled, got {v}"),
                     "thinking",
                 ))
             }
