@@ -111,3 +111,43 @@ def test_logit_bias_forces_a_token(client):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}],
                                        max_tokens=4, logit_bias={"1000": 500})
     assert "logit_bias" in str(e.value)
+
+
+RESPONSE_TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather for a city",
+                   "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                  "required": ["city"]}}]
+
+
+def test_responses_api_streams_what_it_returns(client):
+    kwargs = dict(model="tiny", input="Tell me a story.", max_output_tokens=8, temperature=0,
+                  reasoning={"effort": "none"})
+    whole = client.responses.create(**kwargs)
+    assert whole.object == "response" and whole.status in ("completed", "incomplete")
+    assert [o.type for o in whole.output] == ["message"]
+    assert whole.usage.output_tokens <= 8 and whole.usage.output_tokens_details.reasoning_tokens == 0
+    with client.responses.stream(**kwargs) as stream:
+        deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert final.output_text == whole.output_text == deltas
+    assert final.status == whole.status
+
+
+def test_responses_api_reasoning_and_a_function_call_round_trip(client):
+    thought = client.responses.create(model="tiny", input="Hello", max_output_tokens=6, temperature=0)
+    assert [o.type for o in thought.output] == ["reasoning"]
+    assert thought.usage.output_tokens_details.reasoning_tokens == thought.usage.output_tokens
+    items = [{"role": "user", "content": "What's the weather in Paris?"}]
+    r = client.responses.create(model="tiny", input=items, tools=RESPONSE_TOOLS, max_output_tokens=12,
+                                tool_choice={"type": "function", "name": "get_weather"},
+                                reasoning={"effort": "none"})
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert calls and calls[0].name == "get_weather"
+    assert isinstance(json.loads(calls[0].arguments), dict)
+    items += [c.model_dump(exclude_none=True) for c in calls]
+    items.append({"type": "function_call_output", "call_id": calls[0].call_id, "output": '{"temp": 21}'})
+    r2 = client.responses.create(model="tiny", input=items, tools=RESPONSE_TOOLS, max_output_tokens=6,
+                                 reasoning={"effort": "none"})
+    assert r2.usage.input_tokens > r.usage.input_tokens
+    with pytest.raises(Exception) as e:
+        client.responses.create(model="tiny", input="Hi", previous_response_id=r.id)
+    assert "previous_response_id" in str(e.value)

@@ -5,6 +5,7 @@ mod anthropic;
 pub mod api;
 pub mod metrics;
 pub mod parse;
+mod responses;
 pub mod structured;
 pub mod worker;
 
@@ -99,6 +100,7 @@ pub fn app(engine: Engine, format: PromptFormat, cfg: ServerConfig) -> anyhow::R
         .route("/v1/models", get(models))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route("/v1/responses", post(responses::responses))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
     Ok(Router::new()
         .merge(v1)
@@ -623,7 +625,8 @@ fn logprobs_json(entries: &[TokenLogprob]) -> Value {
 fn usage_json(u: &Usage) -> Value {
     json!({"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
            "total_tokens": u.prompt_tokens + u.completion_tokens,
-           "prompt_tokens_details": {"cached_tokens": u.cached_tokens}})
+           "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+           "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens}})
 }
 
 /// Chat-completion `delta` objects for some parser deltas.

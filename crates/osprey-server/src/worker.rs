@@ -72,6 +72,8 @@ pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub cached_tokens: usize,
+    /// Of the completion tokens, those generated inside the reasoning block.
+    pub reasoning_tokens: usize,
 }
 
 pub enum Event {
@@ -282,6 +284,8 @@ struct Reply<'a> {
     /// Reasoning tokens left before the block is closed for the model (None: no budget).
     thinking_left: Option<usize>,
     generated: usize,
+    /// Of `generated`, the tokens chosen inside the reasoning block.
+    reasoning: usize,
     finish: &'static str,
 }
 
@@ -307,6 +311,9 @@ impl Reply<'_> {
             return Ok(Next::Aborted);
         }
         self.generated += 1;
+        if self.in_reasoning() {
+            self.reasoning += 1;
+        }
         if self.generated == 1 {
             self.metrics
                 .record_ttft(job.received.elapsed().as_secs_f64());
@@ -433,6 +440,7 @@ impl Worker {
             force: job.chat.as_ref().and_then(|c| c.force.clone()),
             thinking_left: job.chat.as_ref().and_then(|c| c.thinking_budget),
             generated: 0,
+            reasoning: 0,
             finish: "length",
         };
         let decode_start = Instant::now();
@@ -564,6 +572,7 @@ impl Worker {
             mut stops,
             mut parser,
             generated,
+            reasoning,
             mut finish,
             ..
         } = reply;
@@ -600,6 +609,7 @@ impl Worker {
             prompt_tokens: prompt.len(),
             completion_tokens: generated,
             cached_tokens: cached.saturating_sub(recomputed),
+            reasoning_tokens: reasoning,
         };
         // a hit is a prefix the backend did not run again, as in the usage
         let counter = if usage.cached_tokens > 0 {

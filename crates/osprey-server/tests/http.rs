@@ -1324,7 +1324,15 @@ async fn thinking_token_budget_closes_the_reasoning_for_the_model() {
         let content = r["choices"][0]["message"]["content"].as_str().unwrap();
         assert!(!content.is_empty() && !content.contains("</think>"), "{r}");
         assert_eq!(r["usage"]["completion_tokens"], 16, "{r}");
+        assert_eq!(
+            r["usage"]["completion_tokens_details"]["reasoning_tokens"], budget,
+            "{r}"
+        );
     }
+    assert_eq!(
+        plain["usage"]["completion_tokens_details"]["reasoning_tokens"],
+        16
+    );
     let (st, r) = s
         .post(
             "/v1/chat/completions",

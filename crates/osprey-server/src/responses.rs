@@ -1,0 +1,777 @@
+//! OpenAI's Responses API (`POST /v1/responses`) on the same engine, for the clients and agents
+//! that speak it (the `openai` SDKs' `client.responses`, coding agents). Stateless: the whole
+//! conversation comes in `input` each time (`previous_response_id` is a 400 saying so; `store` is
+//! accepted and nothing is kept). A request is translated into the chat-completions request it
+//! means (`instructions` and system/developer messages, user and assistant messages,
+//! `function_call` and `function_call_output` items, `reasoning` items as the assistant turn's
+//! reasoning; function tools and `tool_choice`; `text.format` as `response_format`;
+//! `reasoning.effort: "none"` as thinking off) and checked by the same code; the reply's
+//! reasoning, text and calls come back as `reasoning`, `message` and `function_call` output items,
+//! streamed as the API's `response.*` events.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Map, Value};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+
+use crate::api::{ApiError, ApiResult, Fields};
+use crate::parse::{self, Delta};
+use crate::worker::{Event, Usage};
+use crate::{engine_error, internal, json_body, now, prepare_chat_request, AppState};
+
+const RESPONSE_FIELDS: &[&str] = &[
+    "model",
+    "input",
+    "instructions",
+    "tools",
+    "tool_choice",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "stream",
+    "text",
+    "reasoning",
+    "store",
+    "metadata",
+    "user",
+    "parallel_tool_calls",
+    "truncation",
+    "service_tier",
+    "previous_response_id",
+    // extensions, as on chat completions
+    "chat_template_kwargs",
+    "thinking_token_budget",
+];
+
+fn bad(message: impl Into<String>, field: &str) -> ApiError {
+    ApiError::bad_request(message, Some(field))
+}
+
+/// The text of a message's content: a string, or a list of text parts.
+fn content_text(v: &Value, at: &str) -> ApiResult<String> {
+    match v {
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(parts) => {
+            let mut text = String::new();
+            for (j, p) in parts.iter().enumerate() {
+                match (p["type"].as_str(), p["text"].as_str()) {
+                    (Some("input_text" | "output_text" | "text"), Some(t)) => text.push_str(t),
+                    (kind, _) => {
+                        return Err(bad(
+                            format!(
+                                "{at}.content[{j}]: {} parts are not supported (input_text and output_text are)",
+                                kind.unwrap_or("untyped")
+                            ),
+                            "input",
+                        ))
+                    }
+                }
+            }
+            Ok(text)
+        }
+        _ => Err(bad(
+            format!("{at}.content must be a string or a list of text parts"),
+            "input",
+        )),
+    }
+}
+
+/// The chat messages of `instructions` and `input`. Consecutive `function_call` items (and a
+/// `reasoning` item before them) join the assistant turn they belong to.
+fn chat_messages(f: &Fields) -> ApiResult<Vec<Value>> {
+    let mut out: Vec<Value> = Vec::new();
+    if let Some(i) = f.get("instructions") {
+        let Some(text) = i.as_str() else {
+            return Err(bad("'instructions' must be a string", "instructions"));
+        };
+        out.push(json!({"role": "system", "content": text}));
+    }
+    let items = match f.get("input") {
+        Some(Value::String(s)) => vec![json!({"role": "user", "content": s})],
+        Some(Value::Array(a)) if !a.is_empty() => a.clone(),
+        _ => {
+            return Err(bad(
+                "'input' is required: a string or a non-empty list of items",
+                "input",
+            ))
+        }
+    };
+    let mut reasoning: Option<String> = None;
+    for (i, item) in items.iter().enumerate() {
+        let at = format!("input[{i}]");
+        let kind = item["type"]
+            .as_str()
+            .unwrap_or(if item.get("role").is_some() {
+                "message"
+            } else {
+                ""
+            });
+        match kind {
+            "message" => {
+                let role = match item["role"].as_str() {
+                    Some("developer" | "system") => "system",
+                    Some(r @ ("user" | "assistant")) => r,
+                    other => {
+                        return Err(bad(
+                            format!("{at}.role must be user, assistant, system or developer, got {other:?}"),
+                            "input",
+                        ))
+                    }
+                };
+                let mut m = json!({"role": role, "content": content_text(&item["content"], &at)?});
+                if role == "assistant" {
+                    if let Some(r) = reasoning.take() {
+                        m["reasoning_content"] = r.into();
+                    }
+                }
+                out.push(m);
+            }
+            "reasoning" => {
+                let parts = item["content"].as_array().or(item["summary"].as_array());
+                let text: String = parts
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|p| p["text"].as_str())
+                    .collect();
+                reasoning = Some(text);
+            }
+            "function_call" => {
+                let (Some(call_id), Some(name), Some(arguments)) = (
+                    item["call_id"].as_str(),
+                    item["name"].as_str(),
+                    item["arguments"].as_str(),
+                ) else {
+                    return Err(bad(
+                        format!("{at}: a function_call needs call_id, name and arguments (a JSON string)"),
+                        "input",
+                    ));
+                };
+                let call = json!({"id": call_id, "type": "function",
+                                  "function": {"name": name, "arguments": arguments}});
+                // joins the assistant turn just before it, or opens one
+                let joins = out.last().is_some_and(|m| {
+                    m["role"] == "assistant" && reasoning.is_none()
+                });
+                if joins {
+                    if let Some(m) = out.last_mut() {
+                        match m["tool_calls"].as_array_mut() {
+                            Some(calls) => calls.push(call),
+                            None => m["tool_calls"] = json!([call]),
+                        }
+                    }
+                } else {
+                    let mut m = json!({"role": "assistant", "content": "", "tool_calls": [call]});
+                    if let Some(r) = reasoning.take() {
+                        m["reasoning_content"] = r.into();
+                    }
+                    out.push(m);
+                }
+            }
+            "function_call_output" => {
+                let (Some(call_id), Some(output)) =
+                    (item["call_id"].as_str(), item.get("output"))
+                else {
+                    return Err(bad(
+                        format!("{at}: a function_call_output needs call_id and output"),
+                        "input",
+                    ));
+                };
+                let text = match output {
+                    Value::String(s) => s.clone(),
+                    other => content_text(other, &at)?,
+                };
+                out.push(json!({"role": "tool", "tool_call_id": call_id, "content": text}));
+            }
+            other => {
+                return Err(bad(
+                    format!("{at}: {other:?} items are not supported (message, reasoning, function_call and function_call_output are)"),
+                    "input",
+                ))
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The chat-completions request a Responses request means.
+pub fn chat_request(body: &Value) -> ApiResult<Value> {
+    let f = Fields::parse(body)?;
+    f.check_known(RESPONSE_FIELDS)?;
+    if f.get("previous_response_id").is_some_and(|v| !v.is_null()) {
+        return Err(bad(
+            "'previous_response_id' is not supported: this server keeps no responses; send the whole conversation in 'input'",
+            "previous_response_id",
+        ));
+    }
+    let mut out = Map::new();
+    out.insert("messages".into(), Value::Array(chat_messages(&f)?));
+    for (from, to) in [
+        ("model", "model"),
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("stream", "stream"),
+        ("max_output_tokens", "max_tokens"),
+    ] {
+        if let Some(v) = f.get(from).filter(|v| !v.is_null()) {
+            out.insert(to.into(), v.clone());
+        }
+    }
+    for k in ["chat_template_kwargs", "thinking_token_budget"] {
+        if let Some(v) = f.get(k) {
+            out.insert(k.into(), v.clone());
+        }
+    }
+    // reasoning effort "none" turns the model's thinking off; other efforts leave it on
+    if let Some(r) = f.get("reasoning").filter(|r| !r.is_null()) {
+        match r.get("effort").and_then(Value::as_str) {
+            Some("none") => {
+                let kwargs = out
+                    .entry("chat_template_kwargs")
+                    .or_insert_with(|| json!({}));
+                if let Some(k) = kwargs.as_object_mut() {
+                    k.insert("enable_thinking".into(), false.into());
+                }
+            }
+            Some("minimal" | "low" | "medium" | "high" | "xhigh") | None => {}
+            Some(other) => {
+                return Err(bad(
+                    format!("'reasoning.effort' {other:?}: none, minimal, low, medium or high"),
+                    "reasoning",
+                ))
+            }
+        }
+    }
+    if let Some(tools) = f.get("tools") {
+        let Some(list) = tools.as_array() else {
+            return Err(bad("'tools' must be a list", "tools"));
+        };
+        let mut chat_tools = Vec::new();
+        for (i, t) in list.iter().enumerate() {
+            if t["type"] != "function" || !t["name"].is_string() {
+                return Err(bad(
+                    format!("tools[{i}]: only function tools with a name are supported"),
+                    "tools",
+                ));
+            }
+            let mut function = json!({"name": t["name"], "parameters": t.get("parameters").cloned().unwrap_or(json!({"type": "object"}))});
+            if let Some(d) = t.get("description").filter(|d| !d.is_null()) {
+                function["description"] = d.clone();
+            }
+            chat_tools.push(json!({"type": "function", "function": function}));
+        }
+        out.insert("tools".into(), Value::Array(chat_tools));
+    }
+    if let Some(c) = f.get("tool_choice") {
+        let choice = match c {
+            Value::String(s) if ["auto", "none", "required"].contains(&s.as_str()) => c.clone(),
+            Value::Object(o) if o.get("type") == Some(&json!("function")) && o["name"].is_string() => {
+                json!({"type": "function", "function": {"name": o["name"]}})
+            }
+            _ => {
+                return Err(bad(
+                    "'tool_choice' must be auto, none, required or {\"type\": \"function\", \"name\": ...}",
+                    "tool_choice",
+                ))
+            }
+        };
+        out.insert("tool_choice".into(), choice);
+    }
+    if let Some(format) = f.get("text").and_then(|t| t.get("format")) {
+        match format["type"].as_str() {
+            Some("text") => {}
+            Some("json_object") => {
+                out.insert("response_format".into(), json!({"type": "json_object"}));
+            }
+            Some("json_schema") => {
+                let mut schema = json!({"name": format["name"].as_str().unwrap_or("response"),
+                                        "schema": format.get("schema").cloned().unwrap_or(Value::Null)});
+                if let Some(s) = format.get("strict") {
+                    schema["strict"] = s.clone();
+                }
+                out.insert(
+                    "response_format".into(),
+                    json!({"type": "json_schema", "json_schema": schema}),
+                );
+            }
+            _ => {
+                return Err(bad(
+                    "'text.format.type' must be text, json_object or json_schema",
+                    "text",
+                ))
+            }
+        }
+    }
+    Ok(Value::Object(out))
+}
+
+fn usage_json(u: &Usage) -> Value {
+    json!({"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
+           "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
+           "total_tokens": u.prompt_tokens + u.completion_tokens})
+}
+
+/// The fields every response object carries, with its status, output and usage.
+struct Head {
+    id: String,
+    model: String,
+    created_at: u64,
+    request: Value,
+}
+
+impl Head {
+    fn response(&self, status: &str, output: Vec<Value>, usage: Value, incomplete: bool) -> Value {
+        let r = &self.request;
+        json!({"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+               "model": self.model, "output": output, "error": null,
+               "incomplete_details": if incomplete { json!({"reason": "max_output_tokens"}) } else { Value::Null },
+               "instructions": r.get("instructions").cloned().unwrap_or(Value::Null),
+               "max_output_tokens": r.get("max_output_tokens").cloned().unwrap_or(Value::Null),
+               "parallel_tool_calls": true, "previous_response_id": null,
+               "temperature": r.get("temperature").cloned().unwrap_or(Value::Null),
+               "top_p": r.get("top_p").cloned().unwrap_or(Value::Null),
+               "tool_choice": r.get("tool_choice").cloned().unwrap_or(json!("auto")),
+               "tools": r.get("tools").cloned().unwrap_or(json!([])),
+               "text": r.get("text").cloned().unwrap_or(json!({"format": {"type": "text"}})),
+               "metadata": r.get("metadata").cloned().unwrap_or(json!({})),
+               "store": false, "usage": usage})
+    }
+}
+
+fn reasoning_item(id: &str, text: &str) -> Value {
+    json!({"type": "reasoning", "id": id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]})
+}
+
+fn message_item(id: &str, text: &str, status: &str) -> Value {
+    json!({"type": "message", "id": id, "role": "assistant", "status": status,
+           "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]})
+}
+
+fn call_item(id: &str, call: &parse::ToolCall, status: &str) -> Value {
+    json!({"type": "function_call", "id": id, "call_id": call.id, "name": call.name,
+           "arguments": call.arguments, "status": status})
+}
+
+/// The output items of a whole reply.
+fn output_items(r: &parse::Reply, id: &str) -> Vec<Value> {
+    let mut items = Vec::new();
+    if !r.reasoning.is_empty() {
+        items.push(reasoning_item(
+            &format!("rs_{id}_{}", items.len()),
+            &r.reasoning,
+        ));
+    }
+    if !r.content.is_empty() {
+        items.push(message_item(
+            &format!("msg_{id}_{}", items.len()),
+            &r.content,
+            "completed",
+        ));
+    }
+    for c in &r.calls {
+        items.push(call_item(
+            &format!("fc_{id}_{}", items.len()),
+            c,
+            "completed",
+        ));
+    }
+    items
+}
+
+/// The item being streamed: its kind, id and text so far.
+enum Open {
+    Reasoning(String, String),
+    Message(String, String),
+    Call(usize, String, parse::ToolCall),
+}
+
+/// Turns the parser's deltas into `response.*` events, opening and closing output items as the
+/// kind of text changes; keeps the finished items for the final response.
+struct ItemStream {
+    id: String,
+    sequence: u64,
+    open: Option<Open>,
+    done: Vec<Value>,
+}
+
+impl ItemStream {
+    fn event(&mut self, kind: &'static str, mut body: Value) -> (&'static str, Value) {
+        body["type"] = kind.into();
+        body["sequence_number"] = self.sequence.into();
+        self.sequence += 1;
+        (kind, body)
+    }
+
+    fn index(&self) -> usize {
+        self.done.len()
+    }
+
+    fn close(&mut self, out: &mut Vec<(&'static str, Value)>) {
+        let n = self.index();
+        let item = match self.open.take() {
+            None => return,
+            Some(Open::Reasoning(id, text)) => {
+                let part = json!({"type": "reasoning_text", "text": text});
+                let e = self.event(
+                    "response.reasoning_text.done",
+                    json!({"item_id": id, "output_index": n, "content_index": 0, "text": text}),
+                );
+                out.push(e);
+                let e = self.event(
+                    "response.content_part.done",
+                    json!({"item_id": id, "output_index": n, "content_index": 0, "part": part}),
+                );
+                out.push(e);
+                reasoning_item(&id, &text)
+            }
+            Some(Open::Message(id, text)) => {
+                let part =
+                    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []});
+                let e = self.event("response.output_text.done", json!({"item_id": id, "output_index": n, "content_index": 0, "text": text, "logprobs": []}));
+                out.push(e);
+                let e = self.event(
+                    "response.content_part.done",
+                    json!({"item_id": id, "output_index": n, "content_index": 0, "part": part}),
+                );
+                out.push(e);
+                message_item(&id, &text, "completed")
+            }
+            Some(Open::Call(_, id, call)) => {
+                let e = self.event(
+                    "response.function_call_arguments.done",
+                    json!({"item_id": id, "output_index": n, "arguments": call.arguments}),
+                );
+                out.push(e);
+                call_item(&id, &call, "completed")
+            }
+        };
+        let e = self.event(
+            "response.output_item.done",
+            json!({"output_index": n, "item": item}),
+        );
+        out.push(e);
+        self.done.push(item);
+    }
+
+    fn start(&mut self, open: Open, out: &mut Vec<(&'static str, Value)>) {
+        self.close(out);
+        let n = self.index();
+        let (item, part) = match &open {
+            Open::Reasoning(id, _) => (
+                json!({"type": "reasoning", "id": id, "summary": [], "content": []}),
+                Some((id.clone(), json!({"type": "reasoning_text", "text": ""}))),
+            ),
+            Open::Message(id, _) => (
+                json!({"type": "message", "id": id, "role": "assistant", "status": "in_progress", "content": []}),
+                Some((
+                    id.clone(),
+                    json!({"type": "output_text", "text": "", "annotations": [], "logprobs": []}),
+                )),
+            ),
+            Open::Call(_, id, call) => (call_item(id, call, "in_progress"), None),
+        };
+        let e = self.event(
+            "response.output_item.added",
+            json!({"output_index": n, "item": item}),
+        );
+        out.push(e);
+        if let Some((id, part)) = part {
+            let e = self.event(
+                "response.content_part.added",
+                json!({"item_id": id, "output_index": n, "content_index": 0, "part": part}),
+            );
+            out.push(e);
+        }
+        self.open = Some(open);
+    }
+
+    fn push(&mut self, d: &Delta, out: &mut Vec<(&'static str, Value)>) {
+        match d {
+            Delta::Reasoning(s) if !s.is_empty() => {
+                if !matches!(self.open, Some(Open::Reasoning(..))) {
+                    self.close(out);
+                    let id = format!("rs_{}_{}", self.id, self.index());
+                    self.start(Open::Reasoning(id, String::new()), out);
+                }
+                let n = self.index();
+                if let Some(Open::Reasoning(id, text)) = self.open.as_mut() {
+                    text.push_str(s);
+                    let id = id.clone();
+                    let e = self.event(
+                        "response.reasoning_text.delta",
+                        json!({"item_id": id, "output_index": n, "content_index": 0, "delta": s}),
+                    );
+                    out.push(e);
+                }
+            }
+            Delta::Content(s) if !s.is_empty() => {
+                if !matches!(self.open, Some(Open::Message(..))) {
+                    self.close(out);
+                    let id = format!("msg_{}_{}", self.id, self.index());
+                    self.start(Open::Message(id, String::new()), out);
+                }
+                let n = self.index();
+                if let Some(Open::Message(id, text)) = self.open.as_mut() {
+                    text.push_str(s);
+                    let id = id.clone();
+                    let e = self.event("response.output_text.delta", json!({"item_id": id, "output_index": n, "content_index": 0, "delta": s, "logprobs": []}));
+                    out.push(e);
+                }
+            }
+            Delta::CallStart { index, id, name } => {
+                self.close(out);
+                let call = parse::ToolCall {
+                    id: id.clone(),
+                    name: name.clone(),
+                    arguments: String::new(),
+                };
+                let item_id = format!("fc_{}_{}", self.id, self.index());
+                self.start(Open::Call(*index, item_id, call), out);
+            }
+            Delta::CallArguments { index, fragment } => {
+                let n = self.index();
+                if let Some(Open::Call(i, id, call)) = self.open.as_mut() {
+                    if i == index {
+                        call.arguments.push_str(fragment);
+                        let id = id.clone();
+                        let e = self.event(
+                            "response.function_call_arguments.delta",
+                            json!({"item_id": id, "output_index": n, "delta": fragment}),
+                        );
+                        out.push(e);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// `POST /v1/responses`
+pub async fn responses(
+    State(st): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let received = Instant::now();
+    let request = match json_body(body) {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
+    let prepared =
+        chat_request(&request).and_then(|chat| prepare_chat_request(&st, &chat, received, "call_"));
+    let (job, mut rx, gen) = match prepared {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
+    if let Err(e) = st.enqueue(job) {
+        return e.into_response();
+    }
+    let head = Head {
+        id: st.next_id("resp").replacen('-', "_", 1),
+        model: st.cfg.model_name.clone(),
+        created_at: now(),
+        request,
+    };
+    if gen.stream {
+        let (out_tx, out_rx) = mpsc::unbounded_channel::<Result<SseEvent, Infallible>>();
+        tokio::spawn(async move {
+            let send = |(name, v): (&str, Value)| {
+                out_tx
+                    .send(Ok(SseEvent::default().event(name).data(v.to_string())))
+                    .is_ok()
+            };
+            let mut items = ItemStream {
+                id: head.id.trim_start_matches("resp_").to_string(),
+                sequence: 0,
+                open: None,
+                done: Vec::new(),
+            };
+            let created = head.response("in_progress", Vec::new(), Value::Null, false);
+            let first = [
+                items.event("response.created", json!({"response": created})),
+                items.event("response.in_progress", json!({"response": created})),
+            ];
+            if !first.into_iter().all(send) {
+                return;
+            }
+            while let Some(ev) = rx.recv().await {
+                let mut out = Vec::new();
+                let last = match ev {
+                    Event::Deltas { deltas, .. } => {
+                        deltas.iter().for_each(|d| items.push(d, &mut out));
+                        false
+                    }
+                    Event::Done {
+                        finish_reason,
+                        usage,
+                        ..
+                    } => {
+                        items.close(&mut out);
+                        let incomplete = finish_reason == "length";
+                        let status = if incomplete {
+                            "incomplete"
+                        } else {
+                            "completed"
+                        };
+                        let done = std::mem::take(&mut items.done);
+                        let response = head.response(status, done, usage_json(&usage), incomplete);
+                        // also when cut at max_output_tokens (status "incomplete"), as vLLM
+                        // does: the SDKs' stream helpers finish on response.completed only
+                        out.push(items.event("response.completed", json!({"response": response})));
+                        true
+                    }
+                    Event::Error { message, .. } => {
+                        out.push(items.event(
+                            "error",
+                            json!({"code": "server_error", "message": message, "param": null}),
+                        ));
+                        true
+                    }
+                };
+                if !out.into_iter().all(send) {
+                    return; // client gone: dropping rx tells the engine to stop
+                }
+                if last {
+                    return;
+                }
+            }
+        });
+        return Sse::new(UnboundedReceiverStream::new(out_rx))
+            .keep_alive(KeepAlive::default())
+            .into_response();
+    }
+
+    let mut deltas = Vec::new();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            Event::Deltas { deltas: d, .. } => deltas.extend(d),
+            Event::Done {
+                finish_reason,
+                usage,
+                ..
+            } => {
+                let reply = parse::collect(&deltas);
+                let incomplete = finish_reason == "length";
+                let status = if incomplete {
+                    "incomplete"
+                } else {
+                    "completed"
+                };
+                let id = head.id.trim_start_matches("resp_").to_string();
+                let output = output_items(&reply, &id);
+                return Json(head.response(status, output, usage_json(&usage), incomplete))
+                    .into_response();
+            }
+            Event::Error { message, timeout } => {
+                return engine_error(message, timeout).into_response()
+            }
+        }
+    }
+    internal("the engine ended the request without a result").into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tool_conversation_becomes_chat_messages() {
+        let body = json!({
+            "model": "m", "instructions": "Be brief.", "max_output_tokens": 50, "stream": true,
+            "tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}],
+            "tool_choice": {"type": "function", "name": "get_weather"},
+            "reasoning": {"effort": "none"},
+            "text": {"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}, "strict": true}},
+            "input": [
+                {"role": "developer", "content": "Use tools."},
+                {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+                {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Ask the tool."}]},
+                {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"},
+                {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": "{\"city\": \"Lyon\"}"},
+                {"type": "function_call_output", "call_id": "call_1", "output": "21C"},
+                {"type": "function_call_output", "call_id": "call_2", "output": "19C"},
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "21C and 19C."}]},
+                {"role": "user", "content": "And tomorrow?"}
+            ]
+        });
+        let chat = chat_request(&body).unwrap();
+        let call = |id: &str, city: &str| {
+            json!({"id": id, "type": "function",
+                   "function": {"name": "get_weather", "arguments": format!("{{\"city\": \"{city}\"}}")}})
+        };
+        assert_eq!(
+            chat,
+            json!({
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "system", "content": "Use tools."},
+                    {"role": "user", "content": "Weather in Paris?"},
+                    {"role": "assistant", "content": "", "reasoning_content": "Ask the tool.",
+                     "tool_calls": [call("call_1", "Paris"), call("call_2", "Lyon")]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "21C"},
+                    {"role": "tool", "tool_call_id": "call_2", "content": "19C"},
+                    {"role": "assistant", "content": "21C and 19C."},
+                    {"role": "user", "content": "And tomorrow?"}
+                ],
+                "model": "m", "max_tokens": 50, "stream": true,
+                "chat_template_kwargs": {"enable_thinking": false},
+                "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                "response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "w", "schema": {"type": "object"}, "strict": true}}
+            })
+        );
+    }
+
+    #[test]
+    fn bad_requests_name_the_problem() {
+        for (body, says) in [
+            (json!({}), "'input' is required"),
+            (json!({"input": []}), "'input' is required"),
+            (
+                json!({"input": "hi", "previous_response_id": "resp_1"}),
+                "keeps no responses",
+            ),
+            (
+                json!({"input": [{"type": "web_search_call"}]}),
+                "\"web_search_call\" items",
+            ),
+            (
+                json!({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}),
+                "input_image parts",
+            ),
+            (
+                json!({"input": [{"type": "function_call", "name": "f"}]}),
+                "needs call_id",
+            ),
+            (
+                json!({"input": "hi", "tools": [{"type": "web_search"}]}),
+                "only function tools",
+            ),
+            (
+                json!({"input": "hi", "tool_choice": "sometimes"}),
+                "'tool_choice' must be",
+            ),
+            (
+                json!({"input": "hi", "reasoning": {"effort": "max"}}),
+                "'reasoning.effort'",
+            ),
+            (
+                json!({"input": "hi", "text": {"format": {"type": "xml"}}}),
+                "'text.format.type'",
+            ),
+            (json!({"input": "hi", "background": true}), "background"),
+        ] {
+            let e = chat_request(&body).expect_err(&body.to_string());
+            assert!(e.message.contains(says), "{body}: {}", e.message);
+        }
+    }
+}
