@@ -6,24 +6,22 @@
 //! come back as `thinking`, `text` and `tool_use` blocks, streamed as Anthropic's events.
 //! Errors use Anthropic's envelope, `{"type": "error", "error": {"type", "message"}}`.
 
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
-use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Map, Value};
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use crate::api::{self, ApiError, ApiResult, Fields};
 use crate::parse::{self, Delta};
 use crate::worker::{Event, Usage};
-use crate::{engine_error, internal, json_body, prepare_chat_request, render_chat, AppState};
+use crate::{
+    json_body, named_event_stream, prepare_chat_request, render_chat, whole_reply, AppState,
+};
 
 /// Fields of a Messages request (count_tokens takes them too, less the generation ones).
 const MESSAGE_FIELDS: &[&str] = &[
@@ -62,31 +60,8 @@ fn bad(message: impl Into<String>, field: &str) -> ApiError {
 
 /// The text of a string or of a list of text blocks (`what` names the field in errors).
 fn text_of(v: &Value, what: &str) -> ApiResult<String> {
-    match v {
-        Value::String(s) => Ok(s.clone()),
-        Value::Array(blocks) => {
-            let mut text = String::new();
-            for (j, b) in blocks.iter().enumerate() {
-                match (b["type"].as_str(), b["text"].as_str()) {
-                    (Some("text"), Some(t)) => text.push_str(t),
-                    (kind, _) => {
-                        return Err(bad(
-                            format!(
-                                "{what}[{j}]: only text blocks are supported here, got {}",
-                                kind.unwrap_or("a block without a type")
-                            ),
-                            what,
-                        ))
-                    }
-                }
-            }
-            Ok(text)
-        }
-        _ => Err(bad(
-            format!("'{what}' must be a string or a list of text blocks"),
-            what,
-        )),
-    }
+    let field = what.split(['[', '.']).next().unwrap_or(what);
+    api::joined_text(v, &["text"], what, field)
 }
 
 /// The chat messages of a Messages request: the system prompt first, tool results as `tool`
@@ -470,84 +445,56 @@ pub async fn messages(
     let id = st.next_id("msg").replacen('-', "_", 1);
     let model = st.cfg.model_name.clone();
     if gen.stream {
-        let (out_tx, out_rx) = mpsc::unbounded_channel::<Result<SseEvent, Infallible>>();
-        tokio::spawn(async move {
-            let send = |name: &str, v: Value| {
-                out_tx
-                    .send(Ok(SseEvent::default().event(name).data(v.to_string())))
-                    .is_ok()
-            };
-            let start = json!({"type": "message_start", "message": {"id": id, "type": "message", "role": "assistant",
-                "model": model, "content": [], "stop_reason": null, "stop_sequence": null,
-                "usage": {"input_tokens": input_tokens, "output_tokens": 0}}});
-            if !send("message_start", start) {
-                return;
-            }
-            let mut blocks = BlockStream::default();
-            while let Some(ev) = rx.recv().await {
-                let mut out = Vec::new();
-                let last = match ev {
-                    Event::Deltas { deltas, .. } => {
-                        deltas.iter().for_each(|d| blocks.push(d, &mut out));
-                        false
-                    }
-                    Event::Done {
-                        finish_reason,
-                        stop_sequence,
-                        usage,
-                    } => {
-                        blocks.close(&mut out);
-                        let reason = stop_reason(finish_reason, stop_sequence.as_deref());
-                        out.push((
-                            "message_delta",
-                            json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": stop_sequence},
-                                   "usage": usage_json(&usage)}),
-                        ));
-                        out.push(("message_stop", json!({"type": "message_stop"})));
-                        true
-                    }
-                    Event::Error { message, .. } => {
-                        out.push((
-                            "error",
-                            json!({"type": "error", "error": {"type": "api_error", "message": message}}),
-                        ));
-                        true
-                    }
-                };
-                if !out.into_iter().all(|(name, v)| send(name, v)) {
-                    return; // client gone: dropping rx tells the engine to stop
+        let start = json!({"type": "message_start", "message": {"id": id, "type": "message", "role": "assistant",
+            "model": model, "content": [], "stop_reason": null, "stop_sequence": null,
+            "usage": {"input_tokens": input_tokens, "output_tokens": 0}}});
+        let mut blocks = BlockStream::default();
+        return named_event_stream(
+            vec![("message_start", start)],
+            rx,
+            move |ev, out| match ev {
+                Event::Deltas { deltas, .. } => {
+                    deltas.iter().for_each(|d| blocks.push(d, out));
+                    false
                 }
-                if last {
-                    return;
+                Event::Done {
+                    finish_reason,
+                    stop_sequence,
+                    usage,
+                } => {
+                    blocks.close(out);
+                    let reason = stop_reason(finish_reason, stop_sequence.as_deref());
+                    out.push((
+                    "message_delta",
+                    json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": stop_sequence},
+                           "usage": usage_json(&usage)}),
+                ));
+                    out.push(("message_stop", json!({"type": "message_stop"})));
+                    true
                 }
-            }
-        });
-        return Sse::new(UnboundedReceiverStream::new(out_rx))
-            .keep_alive(KeepAlive::default())
-            .into_response();
+                Event::Error { message, .. } => {
+                    out.push((
+                    "error",
+                    json!({"type": "error", "error": {"type": "api_error", "message": message}}),
+                ));
+                    true
+                }
+            },
+        );
     }
 
-    let mut deltas = Vec::new();
-    while let Some(ev) = rx.recv().await {
-        match ev {
-            Event::Deltas { deltas: d, .. } => deltas.extend(d),
-            Event::Done {
-                finish_reason,
-                stop_sequence,
-                usage,
-            } => {
-                let reason = stop_reason(finish_reason, stop_sequence.as_deref());
-                return Json(
-                    json!({"id": id, "type": "message", "role": "assistant", "model": model,
-                    "content": content_blocks(parse::collect(&deltas)), "stop_reason": reason,
-                    "stop_sequence": stop_sequence, "usage": usage_json(&usage)}),
-                )
-                .into_response();
-            }
-            Event::Error { message, timeout } => return error(engine_error(message, timeout)),
+    match whole_reply(&mut rx).await {
+        Ok(w) => {
+            let reason = stop_reason(w.finish_reason, w.stop_sequence.as_deref());
+            Json(
+                json!({"id": id, "type": "message", "role": "assistant", "model": model,
+                        "content": content_blocks(parse::collect(&w.deltas)), "stop_reason": reason,
+                        "stop_sequence": w.stop_sequence, "usage": usage_json(&w.usage)}),
+            )
+            .into_response()
         }
+        Err(e) => error(e),
     }
-    error(internal("the engine ended the request without a result"))
 }
 
 /// `POST /v1/messages/count_tokens`: the prompt's length in tokens as this model reads it.

@@ -368,6 +368,35 @@ pub fn generation_request(
     })
 }
 
+/// The text of a string, or of a list of parts whose `type` is one of `kinds` (each with a
+/// `text`), joined; `at` names the value in errors, `field` the request field.
+pub fn joined_text(v: &Value, kinds: &[&str], at: &str, field: &str) -> ApiResult<String> {
+    let bad = |m: String| ApiError::bad_request(m, Some(field));
+    match v {
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(parts) => {
+            let mut text = String::new();
+            for (j, p) in parts.iter().enumerate() {
+                match (p["type"].as_str(), p["text"].as_str()) {
+                    (Some(k), Some(t)) if kinds.contains(&k) => text.push_str(t),
+                    (kind, _) => {
+                        return Err(bad(format!(
+                            "{at}[{j}]: {} parts are not supported here (only {})",
+                            kind.unwrap_or("untyped"),
+                            kinds.join(", ")
+                        )))
+                    }
+                }
+            }
+            Ok(text)
+        }
+        _ => Err(bad(format!(
+            "{at} must be a string or a list of {} parts",
+            kinds.join(", ")
+        ))),
+    }
+}
+
 /// How tools may be used.
 #[derive(Clone, Debug, PartialEq)]
 pub enum ToolChoice {

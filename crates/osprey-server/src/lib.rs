@@ -383,6 +383,78 @@ impl AppState {
     }
 }
 
+/// A whole reply, gathered from the engine's events.
+struct WholeReply {
+    deltas: Vec<Delta>,
+    logprobs: Vec<TokenLogprob>,
+    finish_reason: &'static str,
+    stop_sequence: Option<String>,
+    usage: Usage,
+}
+
+/// Waits for the engine to finish a request and gathers its reply; its failure is the error to
+/// answer with.
+async fn whole_reply(rx: &mut mpsc::UnboundedReceiver<Event>) -> ApiResult<WholeReply> {
+    let (mut deltas, mut logprobs) = (Vec::new(), Vec::new());
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            Event::Deltas {
+                deltas: d,
+                logprobs: l,
+            } => {
+                deltas.extend(d);
+                logprobs.extend(l);
+            }
+            Event::Done {
+                finish_reason,
+                stop_sequence,
+                usage,
+            } => {
+                return Ok(WholeReply {
+                    deltas,
+                    logprobs,
+                    finish_reason,
+                    stop_sequence,
+                    usage,
+                })
+            }
+            Event::Error { message, timeout } => return Err(engine_error(message, timeout)),
+        }
+    }
+    Err(internal("the engine ended the request without a result"))
+}
+
+/// Named server-sent events (`event: NAME`, `data: JSON`), the form of Anthropic's and the
+/// Responses API's streams: `first`, then what `on_event` makes of each engine event (true after
+/// the last one). A client that goes away drops `rx`, which tells the engine to stop.
+fn named_event_stream(
+    first: Vec<(&'static str, Value)>,
+    mut rx: mpsc::UnboundedReceiver<Event>,
+    mut on_event: impl FnMut(Event, &mut Vec<(&'static str, Value)>) -> bool + Send + 'static,
+) -> Response {
+    let (out_tx, out_rx) = mpsc::unbounded_channel::<Result<SseEvent, Infallible>>();
+    tokio::spawn(async move {
+        let send = |(name, v): (&'static str, Value)| {
+            out_tx
+                .send(Ok(SseEvent::default().event(name).data(v.to_string())))
+                .is_ok()
+        };
+        if !first.into_iter().all(send) {
+            return;
+        }
+        while let Some(ev) = rx.recv().await {
+            let mut out = Vec::new();
+            let last = on_event(ev, &mut out);
+            if !out.into_iter().all(send) || last {
+                return;
+            }
+        }
+    });
+    Sse::new(UnboundedReceiverStream::new(out_rx))
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
+
 /// The engine's failure of a request (a 504 when it ran past its deadline).
 fn engine_error(message: String, timeout: bool) -> ApiError {
     let status = if timeout {
@@ -748,59 +820,41 @@ async fn respond(
             .into_response();
     }
 
-    let mut deltas = Vec::new();
-    let mut logprobs = Vec::new();
-    while let Some(ev) = rx.recv().await {
-        match ev {
-            Event::Deltas {
-                deltas: d,
-                logprobs: l,
-            } => {
-                deltas.extend(d);
-                logprobs.extend(l);
-            }
-            Event::Done {
-                finish_reason,
-                usage,
-                ..
-            } => {
-                let parse::Reply {
-                    reasoning,
-                    content,
-                    calls,
-                } = parse::collect(&deltas);
-                let lp = if gen.logprobs.is_some() {
-                    logprobs_json(&logprobs)
-                } else {
-                    Value::Null
-                };
-                let body = if chat {
-                    let mut message = json!({"role": "assistant", "content": if content.is_empty() && !calls.is_empty() { Value::Null } else { Value::String(content) }});
-                    if !reasoning.is_empty() {
-                        message["reasoning_content"] = Value::String(reasoning);
-                    }
-                    if !calls.is_empty() {
-                        message["tool_calls"] = calls
-                            .iter()
-                            .map(|c| json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}))
-                            .collect();
-                    }
-                    json!({"id": id, "object": "chat.completion", "created": created, "model": model,
-                           "choices": [{"index": 0, "message": message, "logprobs": lp, "finish_reason": finish_reason}],
-                           "usage": usage_json(&usage)})
-                } else {
-                    json!({"id": id, "object": "text_completion", "created": created, "model": model,
-                           "choices": [{"index": 0, "text": content, "logprobs": null, "finish_reason": finish_reason}],
-                           "usage": usage_json(&usage)})
-                };
-                return Json(body).into_response();
-            }
-            Event::Error { message, timeout } => {
-                return engine_error(message, timeout).into_response();
-            }
+    let whole = match whole_reply(&mut rx).await {
+        Ok(w) => w,
+        Err(e) => return e.into_response(),
+    };
+    let parse::Reply {
+        reasoning,
+        content,
+        calls,
+    } = parse::collect(&whole.deltas);
+    let (finish_reason, usage) = (whole.finish_reason, &whole.usage);
+    let lp = if gen.logprobs.is_some() {
+        logprobs_json(&whole.logprobs)
+    } else {
+        Value::Null
+    };
+    let body = if chat {
+        let mut message = json!({"role": "assistant", "content": if content.is_empty() && !calls.is_empty() { Value::Null } else { Value::String(content) }});
+        if !reasoning.is_empty() {
+            message["reasoning_content"] = Value::String(reasoning);
         }
-    }
-    internal("the engine ended the request without a result").into_response()
+        if !calls.is_empty() {
+            message["tool_calls"] = calls
+                .iter()
+                .map(|c| json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}))
+                .collect();
+        }
+        json!({"id": id, "object": "chat.completion", "created": created, "model": model,
+               "choices": [{"index": 0, "message": message, "logprobs": lp, "finish_reason": finish_reason}],
+               "usage": usage_json(usage)})
+    } else {
+        json!({"id": id, "object": "text_completion", "created": created, "model": model,
+               "choices": [{"index": 0, "text": content, "logprobs": null, "finish_reason": finish_reason}],
+               "usage": usage_json(usage)})
+    };
+    Json(body).into_response()
 }
 
 #[cfg(test)]

@@ -9,24 +9,20 @@
 //! reasoning, text and calls come back as `reasoning`, `message` and `function_call` output items,
 //! streamed as the API's `response.*` events.
 
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
-use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Map, Value};
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::UnboundedReceiverStream;
 
-use crate::api::{ApiError, ApiResult, Fields};
+use crate::api::{joined_text, ApiError, ApiResult, Fields};
 use crate::parse::{self, Delta};
 use crate::worker::{Event, Usage};
-use crate::{engine_error, internal, json_body, now, prepare_chat_request, AppState};
+use crate::{json_body, named_event_stream, now, prepare_chat_request, whole_reply, AppState};
 
 const RESPONSE_FIELDS: &[&str] = &[
     "model",
@@ -58,31 +54,12 @@ fn bad(message: impl Into<String>, field: &str) -> ApiError {
 
 /// The text of a message's content: a string, or a list of text parts.
 fn content_text(v: &Value, at: &str) -> ApiResult<String> {
-    match v {
-        Value::String(s) => Ok(s.clone()),
-        Value::Array(parts) => {
-            let mut text = String::new();
-            for (j, p) in parts.iter().enumerate() {
-                match (p["type"].as_str(), p["text"].as_str()) {
-                    (Some("input_text" | "output_text" | "text"), Some(t)) => text.push_str(t),
-                    (kind, _) => {
-                        return Err(bad(
-                            format!(
-                                "{at}.content[{j}]: {} parts are not supported (input_text and output_text are)",
-                                kind.unwrap_or("untyped")
-                            ),
-                            "input",
-                        ))
-                    }
-                }
-            }
-            Ok(text)
-        }
-        _ => Err(bad(
-            format!("{at}.content must be a string or a list of text parts"),
-            "input",
-        )),
-    }
+    joined_text(
+        v,
+        &["input_text", "output_text", "text"],
+        &format!("{at}.content"),
+        "input",
+    )
 }
 
 /// The chat messages of `instructions` and `input`. Consecutive `function_call` items (and a
@@ -328,6 +305,17 @@ struct Head {
 }
 
 impl Head {
+    /// The response once the engine is done: incomplete when cut at max_output_tokens.
+    fn finished(&self, finish_reason: &str, output: Vec<Value>, usage: &Usage) -> Value {
+        let incomplete = finish_reason == "length";
+        let status = if incomplete {
+            "incomplete"
+        } else {
+            "completed"
+        };
+        self.response(status, output, usage_json(usage), incomplete)
+    }
+
     fn response(&self, status: &str, output: Vec<Value>, usage: Value, incomplete: bool) -> Value {
         let r = &self.request;
         json!({"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
@@ -581,101 +569,53 @@ pub async fn responses(
         request,
     };
     if gen.stream {
-        let (out_tx, out_rx) = mpsc::unbounded_channel::<Result<SseEvent, Infallible>>();
-        tokio::spawn(async move {
-            let send = |(name, v): (&str, Value)| {
-                out_tx
-                    .send(Ok(SseEvent::default().event(name).data(v.to_string())))
-                    .is_ok()
-            };
-            let mut items = ItemStream {
-                id: head.id.trim_start_matches("resp_").to_string(),
-                sequence: 0,
-                open: None,
-                done: Vec::new(),
-            };
-            let created = head.response("in_progress", Vec::new(), Value::Null, false);
-            let first = [
-                items.event("response.created", json!({"response": created})),
-                items.event("response.in_progress", json!({"response": created})),
-            ];
-            if !first.into_iter().all(send) {
-                return;
+        let mut items = ItemStream {
+            id: head.id.trim_start_matches("resp_").to_string(),
+            sequence: 0,
+            open: None,
+            done: Vec::new(),
+        };
+        let created = head.response("in_progress", Vec::new(), Value::Null, false);
+        let first = vec![
+            items.event("response.created", json!({"response": created})),
+            items.event("response.in_progress", json!({"response": created})),
+        ];
+        return named_event_stream(first, rx, move |ev, out| match ev {
+            Event::Deltas { deltas, .. } => {
+                deltas.iter().for_each(|d| items.push(d, out));
+                false
             }
-            while let Some(ev) = rx.recv().await {
-                let mut out = Vec::new();
-                let last = match ev {
-                    Event::Deltas { deltas, .. } => {
-                        deltas.iter().for_each(|d| items.push(d, &mut out));
-                        false
-                    }
-                    Event::Done {
-                        finish_reason,
-                        usage,
-                        ..
-                    } => {
-                        items.close(&mut out);
-                        let incomplete = finish_reason == "length";
-                        let status = if incomplete {
-                            "incomplete"
-                        } else {
-                            "completed"
-                        };
-                        let done = std::mem::take(&mut items.done);
-                        let response = head.response(status, done, usage_json(&usage), incomplete);
-                        // also when cut at max_output_tokens (status "incomplete"), as vLLM
-                        // does: the SDKs' stream helpers finish on response.completed only
-                        out.push(items.event("response.completed", json!({"response": response})));
-                        true
-                    }
-                    Event::Error { message, .. } => {
-                        out.push(items.event(
-                            "error",
-                            json!({"code": "server_error", "message": message, "param": null}),
-                        ));
-                        true
-                    }
-                };
-                if !out.into_iter().all(send) {
-                    return; // client gone: dropping rx tells the engine to stop
-                }
-                if last {
-                    return;
-                }
-            }
-        });
-        return Sse::new(UnboundedReceiverStream::new(out_rx))
-            .keep_alive(KeepAlive::default())
-            .into_response();
-    }
-
-    let mut deltas = Vec::new();
-    while let Some(ev) = rx.recv().await {
-        match ev {
-            Event::Deltas { deltas: d, .. } => deltas.extend(d),
             Event::Done {
                 finish_reason,
                 usage,
                 ..
             } => {
-                let reply = parse::collect(&deltas);
-                let incomplete = finish_reason == "length";
-                let status = if incomplete {
-                    "incomplete"
-                } else {
-                    "completed"
-                };
-                let id = head.id.trim_start_matches("resp_").to_string();
-                let output = output_items(&reply, &id);
-                return Json(head.response(status, output, usage_json(&usage), incomplete))
-                    .into_response();
+                items.close(out);
+                let done = std::mem::take(&mut items.done);
+                let response = head.finished(finish_reason, done, &usage);
+                // also when cut at max_output_tokens (status "incomplete"), as vLLM does: the
+                // SDKs' stream helpers finish on response.completed only
+                out.push(items.event("response.completed", json!({"response": response})));
+                true
             }
-            Event::Error { message, timeout } => {
-                return engine_error(message, timeout).into_response()
+            Event::Error { message, .. } => {
+                out.push(items.event(
+                    "error",
+                    json!({"code": "server_error", "message": message, "param": null}),
+                ));
+                true
             }
-        }
+        });
     }
-    internal("the engine ended the request without a result").into_response()
+
+    match whole_reply(&mut rx).await {
+        Ok(w) => {
+            let id = head.id.trim_start_matches("resp_").to_string();
+            let output = output_items(&parse::collect(&w.deltas), &id);
+            Json(head.finished(w.finish_reason, output, &w.usage)).into_response()
+        }
+        Err(e) => e.into_response(),
+    }
 }
 
 #[cfg(test)]
