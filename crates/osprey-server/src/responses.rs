@@ -43,6 +43,14 @@ const RESPONSE_FIELDS: &[&str] = &[
     "truncation",
     "service_tier",
     "previous_response_id",
+    "conversation",
+    "background",
+    // hints for OpenAI's own caching, storage and safety systems: nothing to do here
+    "include",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "safety_identifier",
+    "max_tool_calls",
     // extensions, as on chat completions
     "chat_template_kwargs",
     "thinking_token_budget",
@@ -187,6 +195,18 @@ pub fn chat_request(body: &Value) -> ApiResult<Value> {
         return Err(bad(
             "'previous_response_id' is not supported: this server keeps no responses; send the whole conversation in 'input'",
             "previous_response_id",
+        ));
+    }
+    if f.get("conversation").is_some_and(|v| !v.is_null()) {
+        return Err(bad(
+            "'conversation' is not supported: this server keeps no conversations; send the whole conversation in 'input'",
+            "conversation",
+        ));
+    }
+    if f.get("background") == Some(&Value::Bool(true)) {
+        return Err(bad(
+            "'background' responses are not supported: this server answers while the request waits",
+            "background",
         ));
     }
     let mut out = Map::new();
@@ -672,6 +692,24 @@ mod tests {
     }
 
     #[test]
+    fn openai_housekeeping_fields_change_nothing() {
+        let plain = json!({"model": "m", "input": "hi"});
+        let mut busy = plain.clone();
+        for (k, v) in [
+            ("store", json!(false)),
+            ("include", json!(["reasoning.encrypted_content"])),
+            ("prompt_cache_key", json!("k")),
+            ("parallel_tool_calls", json!(true)),
+            ("background", json!(false)),
+            ("metadata", json!({"a": "b"})),
+            ("reasoning", json!({"effort": "high", "summary": "auto"})),
+        ] {
+            busy[k] = v;
+        }
+        assert_eq!(chat_request(&busy).unwrap(), chat_request(&plain).unwrap());
+    }
+
+    #[test]
     fn bad_requests_name_the_problem() {
         for (body, says) in [
             (json!({}), "'input' is required"),
@@ -708,7 +746,15 @@ mod tests {
                 json!({"input": "hi", "text": {"format": {"type": "xml"}}}),
                 "'text.format.type'",
             ),
-            (json!({"input": "hi", "background": true}), "background"),
+            (
+                json!({"input": "hi", "background": true}),
+                "'background' responses",
+            ),
+            (
+                json!({"input": "hi", "conversation": "conv_1"}),
+                "keeps no conversations",
+            ),
+            (json!({"input": "hi", "prompt": {"id": "p"}}), "prompt"),
         ] {
             let e = chat_request(&body).expect_err(&body.to_string());
             assert!(e.message.contains(says), "{body}: {}", e.message);
