@@ -339,13 +339,19 @@ impl Reply<'_> {
             None => vec![Delta::Content(piece)],
         };
         let mut inject = Vec::new();
-        if let Some(p) = self.parser.as_mut().filter(|p| p.in_reasoning()) {
-            if let Some(left) = self.thinking_left.as_mut() {
+        let budget_spent = match (self.parser.as_ref(), self.thinking_left.as_mut()) {
+            (Some(p), Some(left)) if p.in_reasoning() => {
                 *left = left.saturating_sub(1);
-                if *left == 0 {
-                    inject = self.format.encode(CLOSE_REASONING)?;
-                    deltas.extend(p.push(CLOSE_REASONING));
-                }
+                *left == 0
+            }
+            _ => false,
+        };
+        if budget_spent {
+            // once: the budget is of the reply's reasoning, not of each block it may open
+            self.thinking_left = None;
+            inject = self.format.encode(CLOSE_REASONING)?;
+            if let Some(p) = self.parser.as_mut() {
+                deltas.extend(p.push(CLOSE_REASONING));
             }
         }
         if let (Some(p), Some(text)) = (self.parser.as_mut(), self.force.as_ref()) {
@@ -447,6 +453,7 @@ impl Worker {
 
         // a zero reasoning budget: the block closed before the model writes in it
         if let (Some(p), Some(0)) = (reply.parser.as_mut(), reply.thinking_left) {
+            reply.thinking_left = None;
             if p.in_reasoning() {
                 let ids = format.encode(CLOSE_REASONING)?;
                 let (l, _) = engine.prefill(&mut session, &ids)?;
