@@ -106,11 +106,9 @@ pub fn quantize_checkpoint(
     }
     let ck = Checkpoint::open(src)?;
     // every tensor present with the config's shapes before anything is written
-    let source = ModelWeights::from_checkpoint(config.clone(), &ck)?;
-    if source.layout != StorageLayout::HuggingFace {
+    if ModelWeights::validate(config.clone(), &ck)? != StorageLayout::HuggingFace {
         bail!("{}: not in the Hugging Face layout", src.display());
     }
-    drop(source);
     if out.join("config.json").exists() {
         bail!(
             "{} already holds a checkpoint; choose an empty directory",

@@ -99,10 +99,21 @@ impl ModelWeights {
     }
 
     pub fn from_checkpoint(config: ModelConfig, ck: &Checkpoint) -> Result<Self> {
+        Self::read(config, ck, false)
+    }
+
+    /// Checks that every tensor the config asks for is present with its dtype and shape, as
+    /// loading does, without mapping the dense matrices; returns the checkpoint's layout.
+    pub fn validate(config: ModelConfig, ck: &Checkpoint) -> Result<StorageLayout> {
+        Ok(Self::read(config, ck, true)?.layout)
+    }
+
+    fn read(config: ModelConfig, ck: &Checkpoint, shapes_only: bool) -> Result<Self> {
         let mut l = Loader {
             ck,
             cfg: &config,
             problems: Vec::new(),
+            shapes_only,
         };
         let layout = l.detect_layout();
         let shift = layout == StorageLayout::HuggingFace;
@@ -218,6 +229,9 @@ struct Loader<'a> {
     ck: &'a Checkpoint,
     cfg: &'a ModelConfig,
     problems: Vec<String>,
+    /// Check names, dtypes and shapes only: dense matrices are not mapped (a misaligned one
+    /// would be copied, the whole model's worth for a file written without padding).
+    shapes_only: bool,
 }
 
 fn is_float(d: Dtype) -> bool {
@@ -285,6 +299,15 @@ impl Loader<'_> {
             Dtype::BF16 => FloatBuf::Bf16(Buf::mapped(map, e.start, n)),
             Dtype::F16 => FloatBuf::F16(Buf::mapped(map, e.start, n)),
             _ => FloatBuf::F32(Buf::mapped(map, e.start, n)),
+        }
+    }
+
+    /// A dense matrix's values (none when only shapes are checked).
+    fn dense_buf(&self, e: &TensorEntry) -> FloatBuf {
+        if self.shapes_only {
+            FloatBuf::F32(Buf::owned(Vec::new()))
+        } else {
+            self.float_buf(e)
         }
     }
 
@@ -369,7 +392,7 @@ impl Loader<'_> {
         Some(Arc::new(Matrix {
             rows: total_rows,
             cols,
-            data: MatrixData::Dense(self.float_buf(&e)),
+            data: MatrixData::Dense(self.dense_buf(&e)),
         }))
     }
 
@@ -381,7 +404,7 @@ impl Loader<'_> {
         Some(Arc::new(Matrix {
             rows,
             cols,
-            data: MatrixData::Dense(self.float_buf(&e)),
+            data: MatrixData::Dense(self.dense_buf(&e)),
         }))
     }
 
