@@ -143,6 +143,13 @@ def test_responses_api_reasoning_and_a_function_call_round_trip(client):
     calls = [o for o in r.output if o.type == "function_call"]
     assert calls and calls[0].name == "get_weather"
     assert isinstance(json.loads(calls[0].arguments), dict)
+    with client.responses.stream(model="tiny", input=items, tools=RESPONSE_TOOLS, max_output_tokens=12,
+                                 tool_choice={"type": "function", "name": "get_weather"},
+                                 reasoning={"effort": "none"}) as stream:
+        fragments = "".join(e.delta for e in stream if e.type == "response.function_call_arguments.delta")
+        streamed = [o for o in stream.get_final_response().output if o.type == "function_call"]
+    assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in calls]
+    assert fragments == calls[0].arguments
     items += [c.model_dump(exclude_none=True) for c in calls]
     items.append({"type": "function_call_output", "call_id": calls[0].call_id, "output": '{"temp": 21}'})
     r2 = client.responses.create(model="tiny", input=items, tools=RESPONSE_TOOLS, max_output_tokens=6,
