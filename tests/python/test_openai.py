@@ -155,6 +155,13 @@ def test_responses_api_reasoning_and_a_function_call_round_trip(client):
     r2 = client.responses.create(model="tiny", input=items, tools=RESPONSE_TOOLS, max_output_tokens=6,
                                  reasoning={"effort": "none"})
     assert r2.usage.input_tokens > r.usage.input_tokens
+    # the stored conversation continues: only the new input is sent, the prefix is cached
+    follow = client.responses.create(model="tiny", input="And tomorrow?", previous_response_id=r2.id,
+                                     tools=RESPONSE_TOOLS, max_output_tokens=4, reasoning={"effort": "none"})
+    assert follow.previous_response_id == r2.id
+    assert follow.usage.input_tokens > r2.usage.input_tokens
+    assert follow.usage.input_tokens_details.cached_tokens > 0
+    unstored = client.responses.create(model="tiny", input="Hi", store=False, max_output_tokens=2)
     with pytest.raises(Exception) as e:
-        client.responses.create(model="tiny", input="Hi", previous_response_id=r.id)
-    assert "previous_response_id" in str(e.value)
+        client.responses.create(model="tiny", input="Hi", previous_response_id=unstored.id)
+    assert "previous_response_id" in str(e.value) and "not found" in str(e.value)

@@ -64,6 +64,8 @@ struct AppState {
     /// first request that needs one (~1 s and ~200 MB, blocking that request: a server that is
     /// never asked for one never pays).
     grammars: OnceLock<Result<Grammars, String>>,
+    /// Earlier responses' conversations, for the Responses API's `previous_response_id`.
+    responses: Mutex<responses::ResponseStore>,
 }
 
 /// The HTTP application; spawns the engine thread.
@@ -93,6 +95,7 @@ pub fn app(engine: Engine, format: PromptFormat, cfg: ServerConfig) -> anyhow::R
         vocab_size,
         ids: AtomicU64::new(0),
         grammars: OnceLock::new(),
+        responses: Mutex::default(),
     });
     let v1 = Router::new()
         .route("/v1/chat/completions", post(chat_completions))

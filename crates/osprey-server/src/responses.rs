@@ -1,7 +1,7 @@
 //! OpenAI's Responses API (`POST /v1/responses`) on the same engine, for the clients and agents
-//! that speak it (the `openai` SDKs' `client.responses`, coding agents). Stateless: the whole
-//! conversation comes in `input` each time (`previous_response_id` is a 400 saying so; `store` is
-//! accepted and nothing is kept). A request is translated into the chat-completions request it
+//! that speak it (the `openai` SDKs' `client.responses`, coding agents). A conversation comes whole
+//! in `input`, or continues a stored response's (`previous_response_id`: responses are kept in
+//! memory unless `store: false`, a bounded number, see `ResponseStore`). A request is translated into the chat-completions request it
 //! means (`instructions` and system/developer messages, user and assistant messages,
 //! `function_call` and `function_call_output` items, `reasoning` items as the assistant turn's
 //! reasoning; function tools and `tool_choice`; `text.format` as `response_format`;
@@ -9,6 +9,7 @@
 //! reasoning, text and calls come back as `reasoning`, `message` and `function_call` output items,
 //! streamed as the API's `response.*` events.
 
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -70,16 +71,11 @@ fn content_text(v: &Value, at: &str) -> ApiResult<String> {
     )
 }
 
-/// The chat messages of `instructions` and `input`. Consecutive `function_call` items (and a
-/// `reasoning` item before them) join the assistant turn they belong to.
-fn chat_messages(f: &Fields) -> ApiResult<Vec<Value>> {
-    let mut out: Vec<Value> = Vec::new();
-    if let Some(i) = f.get("instructions") {
-        let Some(text) = i.as_str() else {
-            return Err(bad("'instructions' must be a string", "instructions"));
-        };
-        out.push(json!({"role": "system", "content": text}));
-    }
+/// The conversation so far (`history`: an earlier response's) with `input`'s items appended as
+/// chat messages. Consecutive `function_call` items (and a `reasoning` item before them) join the
+/// assistant turn they belong to.
+fn chat_messages(f: &Fields, history: Vec<Value>) -> ApiResult<Vec<Value>> {
+    let mut out = history;
     let items = match f.get("input") {
         Some(Value::String(s)) => vec![json!({"role": "user", "content": s})],
         Some(Value::Array(a)) if !a.is_empty() => a.clone(),
@@ -187,16 +183,64 @@ fn chat_messages(f: &Fields) -> ApiResult<Vec<Value>> {
     Ok(out)
 }
 
-/// The chat-completions request a Responses request means.
-pub fn chat_request(body: &Value) -> ApiResult<Value> {
+/// Conversations of earlier responses, for `previous_response_id`: by response id, the chat
+/// messages it ended with (its `instructions` left out: they do not carry over), least recently
+/// stored dropped beyond `STORED_RESPONSES` or `STORED_BYTES` of JSON. Memory only: a restart
+/// forgets them.
+#[derive(Default)]
+pub struct ResponseStore {
+    order: VecDeque<(String, usize)>,
+    conversations: HashMap<String, Vec<Value>>,
+    bytes: usize,
+}
+
+const STORED_RESPONSES: usize = 1024;
+const STORED_BYTES: usize = 256 << 20;
+
+impl ResponseStore {
+    fn get(&self, id: &str) -> Option<Vec<Value>> {
+        self.conversations.get(id).cloned()
+    }
+
+    fn put(&mut self, id: String, conversation: Vec<Value>) {
+        let size = serde_json::to_string(&conversation).map_or(0, |s| s.len());
+        self.bytes += size;
+        self.order.push_back((id.clone(), size));
+        self.conversations.insert(id, conversation);
+        while self.order.len() > STORED_RESPONSES || self.bytes > STORED_BYTES {
+            let Some((old, size)) = self.order.pop_front() else {
+                break;
+            };
+            self.bytes -= size;
+            self.conversations.remove(&old);
+        }
+    }
+}
+
+/// The chat-completions request a Responses request means, and its conversation without
+/// `instructions` (what a later `previous_response_id` continues). `history` looks up an earlier
+/// response's conversation.
+pub fn chat_request(
+    body: &Value,
+    history: impl Fn(&str) -> Option<Vec<Value>>,
+) -> ApiResult<(Value, Vec<Value>)> {
     let f = Fields::parse(body)?;
     f.check_known(RESPONSE_FIELDS)?;
-    if f.get("previous_response_id").is_some_and(|v| !v.is_null()) {
-        return Err(bad(
-            "'previous_response_id' is not supported: this server keeps no responses; send the whole conversation in 'input'",
-            "previous_response_id",
-        ));
-    }
+    let earlier = match f.get("previous_response_id") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(id)) => history(id).ok_or_else(|| {
+            bad(
+                format!("'previous_response_id' {id:?} not found: this server keeps the last {STORED_RESPONSES} responses stored with store: true, in memory"),
+                "previous_response_id",
+            )
+        })?,
+        Some(_) => {
+            return Err(bad(
+                "'previous_response_id' must be a string",
+                "previous_response_id",
+            ))
+        }
+    };
     if f.get("conversation").is_some_and(|v| !v.is_null()) {
         return Err(bad(
             "'conversation' is not supported: this server keeps no conversations; send the whole conversation in 'input'",
@@ -209,8 +253,17 @@ pub fn chat_request(body: &Value) -> ApiResult<Value> {
             "background",
         ));
     }
+    let conversation = chat_messages(&f, earlier)?;
+    let mut messages = Vec::new();
+    if let Some(i) = f.get("instructions").filter(|i| !i.is_null()) {
+        let Some(text) = i.as_str() else {
+            return Err(bad("'instructions' must be a string", "instructions"));
+        };
+        messages.push(json!({"role": "system", "content": text}));
+    }
+    messages.extend(conversation.iter().cloned());
     let mut out = Map::new();
-    out.insert("messages".into(), Value::Array(chat_messages(&f)?));
+    out.insert("messages".into(), Value::Array(messages));
     for (from, to) in [
         ("model", "model"),
         ("temperature", "temperature"),
@@ -307,7 +360,7 @@ pub fn chat_request(body: &Value) -> ApiResult<Value> {
             }
         }
     }
-    Ok(Value::Object(out))
+    Ok((Value::Object(out), conversation))
 }
 
 fn usage_json(u: &Usage) -> Value {
@@ -343,14 +396,15 @@ impl Head {
                "incomplete_details": if incomplete { json!({"reason": "max_output_tokens"}) } else { Value::Null },
                "instructions": r.get("instructions").cloned().unwrap_or(Value::Null),
                "max_output_tokens": r.get("max_output_tokens").cloned().unwrap_or(Value::Null),
-               "parallel_tool_calls": true, "previous_response_id": null,
+               "parallel_tool_calls": true,
+               "previous_response_id": r.get("previous_response_id").cloned().unwrap_or(Value::Null),
                "temperature": r.get("temperature").cloned().unwrap_or(Value::Null),
                "top_p": r.get("top_p").cloned().unwrap_or(Value::Null),
                "tool_choice": r.get("tool_choice").cloned().unwrap_or(json!("auto")),
                "tools": r.get("tools").cloned().unwrap_or(json!([])),
                "text": r.get("text").cloned().unwrap_or(json!({"format": {"type": "text"}})),
                "metadata": r.get("metadata").cloned().unwrap_or(json!({})),
-               "store": false, "usage": usage})
+               "store": r.get("store") != Some(&Value::Bool(false)), "usage": usage})
     }
 }
 
@@ -366,6 +420,22 @@ fn message_item(id: &str, text: &str, status: &str) -> Value {
 fn call_item(id: &str, call: &parse::ToolCall, status: &str) -> Value {
     json!({"type": "function_call", "id": id, "call_id": call.id, "name": call.name,
            "arguments": call.arguments, "status": status})
+}
+
+/// A reply as the assistant chat message a later turn's template reads.
+fn assistant_message(r: &parse::Reply) -> Value {
+    let mut m = json!({"role": "assistant", "content": r.content});
+    if !r.reasoning.is_empty() {
+        m["reasoning_content"] = r.reasoning.clone().into();
+    }
+    if !r.calls.is_empty() {
+        m["tool_calls"] = r
+            .calls
+            .iter()
+            .map(|c| json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}))
+            .collect();
+    }
+    m
 }
 
 /// The output items of a whole reply.
@@ -573,9 +643,12 @@ pub async fn responses(
         Ok(b) => b,
         Err(e) => return e.into_response(),
     };
-    let prepared =
-        chat_request(&request).and_then(|chat| prepare_chat_request(&st, &chat, received, "call_"));
-    let (job, mut rx, gen) = match prepared {
+    let history = |id: &str| st.responses.lock().ok()?.get(id);
+    let (chat, conversation) = match chat_request(&request, history) {
+        Ok(c) => c,
+        Err(e) => return e.into_response(),
+    };
+    let (job, mut rx, gen) = match prepare_chat_request(&st, &chat, received, "call_") {
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
@@ -588,7 +661,22 @@ pub async fn responses(
         created_at: now(),
         request,
     };
+    // kept for a later previous_response_id unless the request says not to
+    let keep = {
+        let st = st.clone();
+        let id = head.id.clone();
+        let stored = head.request.get("store") != Some(&Value::Bool(false));
+        move |reply: &parse::Reply| {
+            if let (true, Ok(mut store)) = (stored, st.responses.lock()) {
+                let mut c = conversation;
+                c.push(assistant_message(reply));
+                store.put(id, c);
+            }
+        }
+    };
     if gen.stream {
+        let mut deltas = Vec::new();
+        let mut keep = Some(keep);
         let mut items = ItemStream {
             id: head.id.trim_start_matches("resp_").to_string(),
             sequence: 0,
@@ -601,8 +689,9 @@ pub async fn responses(
             items.event("response.in_progress", json!({"response": created})),
         ];
         return named_event_stream(first, rx, move |ev, out| match ev {
-            Event::Deltas { deltas, .. } => {
-                deltas.iter().for_each(|d| items.push(d, out));
+            Event::Deltas { deltas: d, .. } => {
+                d.iter().for_each(|d| items.push(d, out));
+                deltas.extend(d);
                 false
             }
             Event::Done {
@@ -610,6 +699,9 @@ pub async fn responses(
                 usage,
                 ..
             } => {
+                if let Some(keep) = keep.take() {
+                    keep(&parse::collect(&deltas));
+                }
                 items.close(out);
                 let done = std::mem::take(&mut items.done);
                 let response = head.finished(finish_reason, done, &usage);
@@ -631,7 +723,9 @@ pub async fn responses(
     match whole_reply(&mut rx).await {
         Ok(w) => {
             let id = head.id.trim_start_matches("resp_").to_string();
-            let output = output_items(&parse::collect(&w.deltas), &id);
+            let reply = parse::collect(&w.deltas);
+            let output = output_items(&reply, &id);
+            keep(&reply);
             Json(head.finished(w.finish_reason, output, &w.usage)).into_response()
         }
         Err(e) => e.into_response(),
@@ -662,7 +756,7 @@ mod tests {
                 {"role": "user", "content": "And tomorrow?"}
             ]
         });
-        let chat = chat_request(&body).unwrap();
+        let chat = chat_request(&body, |_| None).unwrap().0;
         let call = |id: &str, city: &str| {
             json!({"id": id, "type": "function",
                    "function": {"name": "get_weather", "arguments": format!("{{\"city\": \"{city}\"}}")}})
@@ -692,6 +786,39 @@ mod tests {
     }
 
     #[test]
+    fn a_previous_response_continues_without_its_instructions() {
+        let earlier = vec![
+            json!({"role": "user", "content": "Hi"}),
+            json!({"role": "assistant", "content": "Hello."}),
+        ];
+        let body = json!({"input": "And now?", "instructions": "Be brief.", "previous_response_id": "resp_1"});
+        let (chat, conversation) =
+            chat_request(&body, |id| (id == "resp_1").then(|| earlier.clone())).unwrap();
+        let mut want = earlier.clone();
+        want.push(json!({"role": "user", "content": "And now?"}));
+        assert_eq!(conversation, want, "the instructions are not stored");
+        assert_eq!(
+            chat["messages"][0],
+            json!({"role": "system", "content": "Be brief."})
+        );
+        assert_eq!(chat["messages"].as_array().unwrap()[1..], want[..]);
+    }
+
+    #[test]
+    fn the_store_keeps_the_latest_responses() {
+        let mut store = ResponseStore::default();
+        for i in 0..STORED_RESPONSES + 2 {
+            store.put(
+                format!("resp_{i}"),
+                vec![json!({"role": "user", "content": i})],
+            );
+        }
+        assert!(store.get("resp_0").is_none() && store.get("resp_1").is_none());
+        assert_eq!(store.get("resp_2").unwrap()[0]["content"], 2);
+        assert_eq!(store.conversations.len(), STORED_RESPONSES);
+    }
+
+    #[test]
     fn openai_housekeeping_fields_change_nothing() {
         let plain = json!({"model": "m", "input": "hi"});
         let mut busy = plain.clone();
@@ -706,7 +833,10 @@ mod tests {
         ] {
             busy[k] = v;
         }
-        assert_eq!(chat_request(&busy).unwrap(), chat_request(&plain).unwrap());
+        assert_eq!(
+            chat_request(&busy, |_| None).unwrap(),
+            chat_request(&plain, |_| None).unwrap()
+        );
     }
 
     #[test]
@@ -716,7 +846,7 @@ mod tests {
             (json!({"input": []}), "'input' is required"),
             (
                 json!({"input": "hi", "previous_response_id": "resp_1"}),
-                "keeps no responses",
+                "\"resp_1\" not found",
             ),
             (
                 json!({"input": [{"type": "web_search_call"}]}),
@@ -756,7 +886,7 @@ mod tests {
             ),
             (json!({"input": "hi", "prompt": {"id": "p"}}), "prompt"),
         ] {
-            let e = chat_request(&body).expect_err(&body.to_string());
+            let e = chat_request(&body, |_| None).expect_err(&body.to_string());
             assert!(e.message.contains(says), "{body}: {}", e.message);
         }
     }
