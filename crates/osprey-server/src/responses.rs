@@ -61,14 +61,9 @@ fn bad(message: impl Into<String>, field: &str) -> ApiError {
     ApiError::bad_request(message, Some(field))
 }
 
-/// The text of a message's content: a string, or a list of text parts.
+/// The text of a string or a list of text parts (`at` names it in errors).
 fn content_text(v: &Value, at: &str) -> ApiResult<String> {
-    joined_text(
-        v,
-        &["input_text", "output_text", "text"],
-        &format!("{at}.content"),
-        "input",
-    )
+    joined_text(v, &["input_text", "output_text", "text"], at, "input")
 }
 
 /// The conversation so far (`history`: an earlier response's) with `input`'s items appended as
@@ -108,7 +103,7 @@ fn chat_messages(f: &Fields, history: Vec<Value>) -> ApiResult<Vec<Value>> {
                         ))
                     }
                 };
-                let mut m = json!({"role": role, "content": content_text(&item["content"], &at)?});
+                let mut m = json!({"role": role, "content": content_text(&item["content"], &format!("{at}.content"))?});
                 if role == "assistant" {
                     if let Some(r) = reasoning.take() {
                         m["reasoning_content"] = r.into();
@@ -168,7 +163,7 @@ fn chat_messages(f: &Fields, history: Vec<Value>) -> ApiResult<Vec<Value>> {
                 };
                 let text = match output {
                     Value::String(s) => s.clone(),
-                    other => content_text(other, &at)?,
+                    other => content_text(other, &format!("{at}.output"))?,
                 };
                 out.push(json!({"role": "tool", "tool_call_id": call_id, "content": text}));
             }
@@ -264,6 +259,17 @@ pub fn chat_request(
     messages.extend(conversation.iter().cloned());
     let mut out = Map::new();
     out.insert("messages".into(), Value::Array(messages));
+    if let Some(v) = f.get("max_output_tokens").filter(|v| !v.is_null()) {
+        if !v
+            .as_u64()
+            .is_some_and(|n| (1..=u32::MAX as u64).contains(&n))
+        {
+            return Err(bad(
+                format!("'max_output_tokens' must be a positive integer, got {v}"),
+                "max_output_tokens",
+            ));
+        }
+    }
     for (from, to) in [
         ("model", "model"),
         ("temperature", "temperature"),
@@ -323,9 +329,17 @@ pub fn chat_request(
     if let Some(c) = f.get("tool_choice") {
         let choice = match c {
             Value::String(s) if ["auto", "none", "required"].contains(&s.as_str()) => c.clone(),
-            Value::Object(o) if o.get("type") == Some(&json!("function")) && o["name"].is_string() => {
-                json!({"type": "function", "function": {"name": o["name"]}})
-            }
+            Value::Object(o) if o.get("type") == Some(&json!("function")) => match o.get("name") {
+                Some(name) if name.is_string() => {
+                    json!({"type": "function", "function": {"name": name}})
+                }
+                _ => {
+                    return Err(bad(
+                        "'tool_choice' {\"type\": \"function\"} needs the function's \"name\"",
+                        "tool_choice",
+                    ))
+                }
+            },
             _ => {
                 return Err(bad(
                     "'tool_choice' must be auto, none, required or {\"type\": \"function\", \"name\": ...}",
@@ -867,6 +881,14 @@ mod tests {
             (
                 json!({"input": "hi", "tool_choice": "sometimes"}),
                 "'tool_choice' must be",
+            ),
+            (
+                json!({"input": "hi", "tool_choice": {"type": "function"}}),
+                "needs the function's",
+            ),
+            (
+                json!({"input": "hi", "max_output_tokens": -1}),
+                "'max_output_tokens'",
             ),
             (
                 json!({"input": "hi", "reasoning": {"effort": "max"}}),
