@@ -844,10 +844,7 @@ async fn respond(
             message["reasoning_content"] = Value::String(reasoning);
         }
         if !calls.is_empty() {
-            message["tool_calls"] = calls
-                .iter()
-                .map(|c| json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}))
-                .collect();
+            message["tool_calls"] = calls.iter().map(parse::ToolCall::chat_json).collect();
         }
         json!({"id": id, "object": "chat.completion", "created": created, "model": model,
                "choices": [{"index": 0, "message": message, "logprobs": lp, "finish_reason": finish_reason}],

@@ -18,7 +18,7 @@
 
 use std::collections::HashMap;
 
-use serde_json::Value;
+use serde_json::{json, Value};
 
 const THINK_OPEN: &str = "<think>";
 const THINK_CLOSE: &str = "</think>";
@@ -409,6 +409,14 @@ pub struct ToolCall {
     pub name: String,
     /// JSON object text.
     pub arguments: String,
+}
+
+impl ToolCall {
+    /// The call as a chat-completions `tool_calls` entry.
+    pub fn chat_json(&self) -> Value {
+        json!({"id": self.id, "type": "function",
+               "function": {"name": self.name, "arguments": self.arguments}})
+    }
 }
 
 /// A whole reply: the deltas folded together.

@@ -443,11 +443,7 @@ fn assistant_message(r: &parse::Reply) -> Value {
         m["reasoning_content"] = r.reasoning.clone().into();
     }
     if !r.calls.is_empty() {
-        m["tool_calls"] = r
-            .calls
-            .iter()
-            .map(|c| json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}))
-            .collect();
+        m["tool_calls"] = r.calls.iter().map(parse::ToolCall::chat_json).collect();
     }
     m
 }

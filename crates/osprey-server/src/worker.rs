@@ -451,31 +451,26 @@ impl Worker {
         };
         let decode_start = Instant::now();
 
+        // text put in before the model writes anything: run, parsed and streamed as its own
+        let mut put_in = |p: &mut OutputParser, text: &str| -> anyhow::Result<Vec<f32>> {
+            let (l, _) = engine.prefill(&mut session, &format.encode(text)?)?;
+            let _ = job.events.send(Event::Deltas {
+                deltas: p.push(text),
+                logprobs: Vec::new(),
+            });
+            Ok(l)
+        };
         // a zero reasoning budget: the block closed before the model writes in it
         if let (Some(p), Some(0)) = (reply.parser.as_mut(), reply.thinking_left) {
             reply.thinking_left = None;
             if p.in_reasoning() {
-                let ids = format.encode(CLOSE_REASONING)?;
-                let (l, _) = engine.prefill(&mut session, &ids)?;
-                logits = l;
-                let deltas = p.push(CLOSE_REASONING);
-                let _ = job.events.send(Event::Deltas {
-                    deltas,
-                    logprobs: Vec::new(),
-                });
+                logits = put_in(p, CLOSE_REASONING)?;
             }
         }
         // forced start of the answer when the prompt is already past the reasoning block
         if let (Some(p), Some(text)) = (reply.parser.as_mut(), reply.force.as_ref()) {
             if !p.in_reasoning() {
-                let ids = format.encode(text)?;
-                let (l, _) = engine.prefill(&mut session, &ids)?;
-                logits = l;
-                let deltas = p.push(text);
-                let _ = job.events.send(Event::Deltas {
-                    deltas,
-                    logprobs: Vec::new(),
-                });
+                logits = put_in(p, text)?;
                 reply.force = None;
             }
         }
