@@ -76,6 +76,31 @@ CASES = [
         {"role": "assistant", "content": "ok"}], None, {}, False),
 ]
 
+# continue_final_message: the prompt ends inside the final message (an assistant reply begun by the
+# caller); the template trims it, so trailing whitespace goes, and an empty one ends at </think>
+CONTINUE_CASES = [
+    ("continue_answer", [
+        {"role": "user", "content": "Give me JSON"},
+        {"role": "assistant", "content": "{\"name\": "}], None, {}),
+    ("continue_answer_no_thinking", [
+        {"role": "user", "content": "Count to five"},
+        {"role": "assistant", "content": "1, 2,"}], None, {"enable_thinking": False}),
+    ("continue_after_reasoning", [
+        {"role": "user", "content": "Pick a colour."},
+        {"role": "assistant", "content": "Blue", "reasoning_content": "Any will do."}], None, {}),
+    ("continue_text_parts", [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": " there"}]}],
+     None, {}),
+    ("continue_empty", [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": ""}], None, {}),
+    ("continue_with_tools", [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Let me check"}], [WEATHER], {}),
+]
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -89,6 +114,13 @@ def main():
         ids = tok.encode(text, add_special_tokens=False)
         out["cases"].append({"name": name, "messages": messages, "tools": tools, "kwargs": kwargs,
                              "add_generation_prompt": gen, "text": text, "ids": ids})
+    for name, messages, tools, kwargs in CONTINUE_CASES:
+        text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=False,
+                                       continue_final_message=True, **kwargs)
+        ids = tok.encode(text, add_special_tokens=False)
+        out["cases"].append({"name": name, "messages": messages, "tools": tools, "kwargs": kwargs,
+                             "add_generation_prompt": False, "continue_final_message": True,
+                             "text": text, "ids": ids})
     texts = ["hello world", "  leading spaces\n\n\ttabs", "don't STOP we'll", "数字123 and 4.56e7",
              "emoji 👩‍💻 mix", "<think>\nx\n</think>", "a\r\nb"]
     out["encode"] = [{"text": t, "ids": tok.encode(t, add_special_tokens=False)} for t in texts]

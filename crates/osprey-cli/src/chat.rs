@@ -62,6 +62,7 @@ pub fn run(args: &ModelArgs, max_tokens: usize, sampling: &SamplingArgs) -> Resu
                 add_generation_prompt: true,
                 tools: None,
                 kwargs,
+                ..Default::default()
             },
         )?;
         let prompt = format.encode(&text)?;

@@ -240,6 +240,7 @@ pub fn generate(
                 add_generation_prompt: true,
                 tools: None,
                 kwargs,
+                ..Default::default()
             },
         )?
     } else {

@@ -20,6 +20,9 @@ pub struct ChatOptions {
     pub tools: Option<Value>,
     /// Extra template variables (`enable_thinking`, `preserve_thinking`, ...).
     pub kwargs: serde_json::Map<String, Value>,
+    /// End the prompt inside the final message, so the model continues it (an assistant reply
+    /// "prefilled" by the caller), as transformers' `continue_final_message` does.
+    pub continue_final_message: bool,
 }
 
 /// Generation defaults read from `generation_config.json`.

@@ -53,6 +53,16 @@ impl ChatTemplate {
     }
 
     pub fn render(&self, messages: &Value, opts: &ChatOptions) -> Result<String> {
+        if !opts.continue_final_message {
+            return self.render_plain(messages, opts);
+        }
+        let mut messages = messages.clone();
+        let final_text = mark_final_message(&mut messages)?;
+        let rendered = self.render_plain(&messages, opts)?;
+        cut_at_continue_tag(rendered, &final_text)
+    }
+
+    fn render_plain(&self, messages: &Value, opts: &ChatOptions) -> Result<String> {
         let mut ctx = opts.kwargs.clone();
         ctx.insert("messages".into(), messages.clone());
         ctx.insert(
@@ -71,6 +81,58 @@ impl ChatTemplate {
             };
             anyhow::anyhow!("chat template: {detail}")
         })
+    }
+}
+
+/// Appended to the text of the message to continue, and the rendering cut where it lands: what
+/// transformers' `apply_chat_template(continue_final_message=True)` does, so the prompt ends
+/// inside that message (the template's end-of-turn and anything after it gone).
+const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
+
+/// Tags the final message's `content` (a string, or the last text part of a list) and returns the
+/// text it had.
+fn mark_final_message(messages: &mut Value) -> Result<String> {
+    let Some(last) = messages.as_array_mut().and_then(|m| m.last_mut()) else {
+        bail!("continue_final_message is set but the conversation is empty");
+    };
+    match last.get_mut("content") {
+        Some(Value::String(s)) => {
+            let text = s.clone();
+            s.push_str(CONTINUE_TAG);
+            Ok(text)
+        }
+        Some(Value::Array(parts)) => {
+            let text_part = parts.iter_mut().rev().find_map(|p| {
+                p.get_mut("text").and_then(|t| match t {
+                    Value::String(s) => Some(s),
+                    _ => None,
+                })
+            });
+            let Some(s) = text_part else {
+                bail!(
+                    "continue_final_message is set but the final message has no text to continue"
+                );
+            };
+            let text = s.clone();
+            s.push_str(CONTINUE_TAG);
+            Ok(text)
+        }
+        _ => {
+            bail!("continue_final_message is set but the final message has no content to continue")
+        }
+    }
+}
+
+fn cut_at_continue_tag(rendered: String, final_text: &str) -> Result<String> {
+    let tag = CONTINUE_TAG.trim();
+    let (Some(at), true) = (rendered.rfind(tag), rendered.contains(final_text.trim())) else {
+        bail!("continue_final_message is set but the chat template drops part of the final message, so it cannot be continued");
+    };
+    if rendered[at..].starts_with(CONTINUE_TAG) {
+        Ok(rendered[..at].to_string())
+    } else {
+        // the template trimmed the message, and with it the tag's space: trim what precedes too
+        Ok(rendered[..at].trim_end().to_string())
     }
 }
 
@@ -134,6 +196,45 @@ mod tests {
             s,
             r#"{"b": 1, "a": [true, null, 2.0, "é\n\"x\""], "c": {}}"#
         );
+    }
+
+    fn continuing(source: &str, messages: Value) -> Result<String> {
+        let opts = ChatOptions {
+            continue_final_message: true,
+            ..Default::default()
+        };
+        ChatTemplate::from_source(source.into())?.render(&messages, &opts)
+    }
+
+    #[test]
+    fn a_continued_message_keeps_its_spacing_unless_the_template_trims_it() {
+        let plain = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</end>{% endfor %}";
+        let msgs = serde_json::json!([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b, "}]);
+        assert_eq!(
+            continuing(plain, msgs.clone()).unwrap(),
+            "<user>a</end><assistant>b, "
+        );
+        let trims = "{% for m in messages %}<{{ m.role }}>{{ m.content|trim }}</end>{% endfor %}";
+        assert_eq!(
+            continuing(trims, msgs).unwrap(),
+            "<user>a</end><assistant>b,"
+        );
+    }
+
+    #[test]
+    fn what_cannot_be_continued_is_an_error() {
+        let plain = "{% for m in messages %}{{ m.content }}{% endfor %}";
+        let e = continuing(plain, serde_json::json!([])).unwrap_err();
+        assert!(e.to_string().contains("conversation is empty"), "{e}");
+        let e = continuing(plain, serde_json::json!([{"role": "assistant"}])).unwrap_err();
+        assert!(e.to_string().contains("no content"), "{e}");
+        let parts = serde_json::json!([{"role": "assistant", "content": [{"type": "image"}]}]);
+        let e = continuing(plain, parts).unwrap_err();
+        assert!(e.to_string().contains("no text"), "{e}");
+        let drops = "{% for m in messages %}{{ m.content[:3] }}{% endfor %}";
+        let msgs = serde_json::json!([{"role": "assistant", "content": "hello"}]);
+        let e = continuing(drops, msgs).unwrap_err();
+        assert!(e.to_string().contains("drops part"), "{e}");
     }
 
     #[test]

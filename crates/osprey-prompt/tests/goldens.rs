@@ -27,12 +27,15 @@ fn conversations_render_and_encode_like_transformers() {
     let g = goldens();
     let cases = g["cases"].as_array().unwrap();
     assert!(cases.len() >= 10);
+    let continued = cases.iter().filter(|c| c["continue_final_message"] == true);
+    assert!(continued.count() >= 5);
     for case in cases {
         let name = case["name"].as_str().unwrap();
         let opts = ChatOptions {
             add_generation_prompt: case["add_generation_prompt"].as_bool().unwrap(),
             tools: (!case["tools"].is_null()).then(|| case["tools"].clone()),
             kwargs: case["kwargs"].as_object().unwrap().clone(),
+            continue_final_message: case["continue_final_message"] == true,
         };
         let text = f
             .render(&case["messages"], &opts)
@@ -80,8 +83,8 @@ fn published_prompt_ids() {
             &msgs,
             &ChatOptions {
                 add_generation_prompt: true,
-                tools: None,
                 kwargs,
+                ..Default::default()
             },
         )
         .unwrap();

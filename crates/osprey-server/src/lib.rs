@@ -611,6 +611,7 @@ fn render_chat(
                 add_generation_prompt: true,
                 tools: tools.clone(),
                 kwargs,
+                ..Default::default()
             },
         )
         .map_err(|e| ApiError::bad_request(format!("{e:#}"), Some("messages")))?;
