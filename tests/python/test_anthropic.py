@@ -83,3 +83,16 @@ def test_thinking_budget_closes_the_thinking_block(client):
     assert [b.type for b in free.content] == ["thinking"]
     assert [b.type for b in capped.content][:2] == ["thinking", "text"]
     assert free.content[0].thinking.startswith(capped.content[0].thinking.rstrip())
+
+
+def test_prefilled_reply_is_continued(client):
+    messages = [{"role": "user", "content": "Reply in JSON."}, {"role": "assistant", "content": "{\"answer\":"}]
+    kwargs = dict(model="tiny", max_tokens=6, messages=messages, extra_body={"temperature": 0})
+    whole = client.messages.create(**kwargs)
+    with client.messages.stream(**kwargs) as stream:
+        final = stream.get_final_message()
+    # the prompt ends inside the answer, so the reply has no thinking block
+    assert [b.type for b in whole.content] == ["text"], whole.content
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in whole.content]
+    n = client.messages.count_tokens(model="tiny", messages=messages)
+    assert n.input_tokens == whole.usage.input_tokens + whole.usage.cache_read_input_tokens

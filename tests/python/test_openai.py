@@ -113,6 +113,18 @@ def test_logit_bias_forces_a_token(client):
     assert "logit_bias" in str(e.value)
 
 
+def test_a_reply_begun_by_the_caller_is_continued(client):
+    # vLLM's form: the prompt ends inside the final assistant message, and the reply is the rest
+    begun = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite is"}]
+    r = client.chat.completions.create(model="tiny", messages=begun, max_tokens=4, temperature=0,
+                                       extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    m = r.choices[0].message
+    assert m.content and getattr(m, "reasoning_content", None) is None, m
+    asked = client.chat.completions.create(model="tiny", messages=begun[:1], max_tokens=1, extra_body=NO_THINK)
+    # "<think>\n\n</think>\n\n" as with thinking off, then the begun reply
+    assert r.usage.prompt_tokens > asked.usage.prompt_tokens
+
+
 RESPONSE_TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather for a city",
                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                   "required": ["city"]}}]

@@ -21,6 +21,7 @@ use crate::parse::{self, Delta};
 use crate::worker::{Event, Usage};
 use crate::{
     json_body, named_event_stream, prepare_chat_request, render_chat, whole_reply, AppState,
+    PromptEnding,
 };
 
 /// Fields of a Messages request (count_tokens takes them too, less the generation ones).
@@ -174,9 +175,9 @@ fn chat_messages(f: &Fields) -> ApiResult<Vec<Value>> {
                         kind => return Err(unsupported(j, kind)),
                     }
                 }
-                if i + 1 == list.len() {
+                if i + 1 == list.len() && !calls.is_empty() {
                     return Err(bad(
-                        "the last message must be the user's: continuing a prefilled assistant turn is not supported",
+                        "a final assistant message is a reply to continue, so it cannot end in tool_use blocks (send their tool_result in a user message)",
                         "messages",
                     ));
                 }
@@ -253,7 +254,13 @@ pub fn chat_request(body: &Value, count_only: bool) -> ApiResult<Value> {
     let f = Fields::parse(body)?;
     f.check_known(MESSAGE_FIELDS)?;
     let mut out = Map::new();
-    out.insert("messages".into(), Value::Array(chat_messages(&f)?));
+    let messages = chat_messages(&f)?;
+    // a final assistant message is the start of the reply (Anthropic's "prefill"): the model
+    // continues it, and the response holds only what it adds
+    if messages.last().is_some_and(|m| m["role"] == "assistant") {
+        out.insert("continue_final_message".into(), Value::Bool(true));
+    }
+    out.insert("messages".into(), Value::Array(messages));
     if let Some(m) = f.get("model") {
         out.insert("model".into(), m.clone());
     }
@@ -507,7 +514,8 @@ pub async fn count_tokens(
         let f = Fields::parse(&chat)?;
         st.check_model(&f)?;
         let tools = api::tools(&f)?;
-        let (_, prompt) = render_chat(&st, &f, api::messages(&f)?, &tools)?;
+        let ending = PromptEnding::parse(&f)?;
+        let (_, prompt) = render_chat(&st, &f, api::messages(&f)?, &tools, ending)?;
         Ok(prompt.len())
     })();
     match counted {
@@ -560,6 +568,22 @@ mod tests {
     }
 
     #[test]
+    fn a_final_assistant_message_is_continued() {
+        let body = json!({"max_tokens": 5, "messages": [{"role": "user", "content": "x"},
+                          {"role": "assistant", "content": [{"type": "text", "text": "{\"a\": "}]}]});
+        let chat = chat_request(&body, false).unwrap();
+        assert_eq!(chat["continue_final_message"], true);
+        assert_eq!(chat["messages"][1]["content"], "{\"a\": ");
+        let asked = json!({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]});
+        assert_eq!(
+            chat_request(&asked, false)
+                .unwrap()
+                .get("continue_final_message"),
+            None
+        );
+    }
+
+    #[test]
     fn the_thinking_budget_is_enforced_as_thinking_token_budget() {
         let body = json!({"model": "m", "max_tokens": 4096, "messages": [{"role": "user", "content": "hi"}],
                           "thinking": {"type": "enabled", "budget_tokens": 2048}});
@@ -587,8 +611,9 @@ mod tests {
                 "must be \"user\" or \"assistant\"",
             ),
             (
-                json!({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "Sure,"}]}),
-                "prefilled assistant turn",
+                json!({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": [
+                    {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}),
+                "cannot end in tool_use",
             ),
             (
                 json!({"max_tokens": 5, "messages": user, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}),

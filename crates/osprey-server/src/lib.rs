@@ -491,6 +491,8 @@ const CHAT_FIELDS: &[&str] = &[
     "chat_template_kwargs",
     "response_format",
     "thinking_token_budget",
+    "continue_final_message",
+    "add_generation_prompt",
 ];
 
 async fn chat_completions(
@@ -547,15 +549,22 @@ fn prepare_chat_request(
         }
         _ => None,
     };
-    let (text, prompt) = render_chat(st, &f, messages, &tools)?;
-    let max_tokens = st.max_tokens(prompt.len(), &gen)?;
-    let branches = st.format.branch_points(&prompt, MIN_SHARED_PREFIX);
-    let schemas = tools.as_ref().map(ToolSchemas::from_tools);
     let force = match &choice {
         ToolChoice::Required => Some("<tool_call>\n<function=".to_string()),
         ToolChoice::Function(name) => Some(format!("<tool_call>\n<function={name}>\n")),
         _ => None,
     };
+    let ending = PromptEnding::parse(&f)?;
+    if ending.continue_final_message && (constraint.is_some() || force.is_some()) {
+        return Err(ApiError::bad_request(
+            "continue_final_message (a reply begun by the caller) cannot be combined with response_format or a forced tool call, which shape the reply from its start",
+            Some("continue_final_message"),
+        ));
+    }
+    let (text, prompt) = render_chat(st, &f, messages, &tools, ending)?;
+    let max_tokens = st.max_tokens(prompt.len(), &gen)?;
+    let branches = st.format.branch_points(&prompt, MIN_SHARED_PREFIX);
+    let schemas = tools.as_ref().map(ToolSchemas::from_tools);
     let thinking_budget = f
         .int_in("thinking_token_budget", 0, u32::MAX as i64)?
         .map(|n| n as usize);
@@ -585,6 +594,35 @@ fn prepare_chat_request(
     Ok((job, rx, gen))
 }
 
+/// How a chat prompt ends: with the opening of the assistant's turn (the default), or inside the
+/// final message, which the model then continues (vLLM's `continue_final_message`: a reply
+/// begun by the caller).
+#[derive(Clone, Copy)]
+pub(crate) struct PromptEnding {
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+}
+
+impl PromptEnding {
+    pub(crate) fn parse(f: &Fields) -> ApiResult<Self> {
+        let continue_final_message = f.bool("continue_final_message")?;
+        let add_generation_prompt = match f.get("add_generation_prompt") {
+            None => !continue_final_message,
+            Some(_) => f.bool("add_generation_prompt")?,
+        };
+        if continue_final_message && add_generation_prompt {
+            return Err(ApiError::bad_request(
+                "continue_final_message and add_generation_prompt cannot both be true: the prompt ends either inside the final message or after it",
+                Some("add_generation_prompt"),
+            ));
+        }
+        Ok(PromptEnding {
+            add_generation_prompt,
+            continue_final_message,
+        })
+    }
+}
+
 /// The prompt of a chat request: its messages (checked by `api::messages`) and tools through
 /// the chat template (`chat_template_kwargs` reach it), as text and tokens.
 fn render_chat(
@@ -592,6 +630,7 @@ fn render_chat(
     f: &Fields,
     messages: Value,
     tools: &Option<Value>,
+    ending: PromptEnding,
 ) -> ApiResult<(String, Vec<u32>)> {
     let kwargs: Map<String, Value> = match f.get("chat_template_kwargs") {
         None => Map::new(),
@@ -608,10 +647,10 @@ fn render_chat(
         .render(
             &messages,
             &ChatOptions {
-                add_generation_prompt: true,
+                add_generation_prompt: ending.add_generation_prompt,
                 tools: tools.clone(),
                 kwargs,
-                ..Default::default()
+                continue_final_message: ending.continue_final_message,
             },
         )
         .map_err(|e| ApiError::bad_request(format!("{e:#}"), Some("messages")))?;

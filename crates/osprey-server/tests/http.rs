@@ -1369,3 +1369,69 @@ async fn the_thinking_budget_holds_on_a_backend_that_chooses_tokens_itself() {
     // (the script starts over after the tag it does not know)
     assert!(m["content"].as_str().unwrap().starts_with("First"), "{r}");
 }
+
+#[tokio::test]
+async fn a_reply_begun_by_the_caller_is_continued() {
+    // the scripted model continues its script from however much of it the prompt ends with
+    let (s, calls) =
+        Server::scripted_calls("The answer is 42.", Duration::ZERO, config(), false).await;
+    let begun =
+        json!([{"role": "user", "content": "?"}, {"role": "assistant", "content": "The answer"}]);
+    let (st, r) = s
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": begun, "continue_final_message": true, "add_generation_prompt": false}),
+        )
+        .await;
+    assert_eq!(st, 200, "{r}");
+    assert_eq!(r["choices"][0]["message"]["content"], " is 42.", "{r}");
+    assert_eq!(r["choices"][0]["message"]["reasoning_content"], Value::Null);
+    let format = PromptFormat::from_dir(tiny_dir()).unwrap();
+    let prompt = format
+        .encode("<|im_start|>user\n?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nThe answer")
+        .unwrap();
+    // the reply's steps ran after exactly these tokens
+    let ran_after = calls.lock().unwrap().ran_after.clone();
+    let last = ran_after.last().unwrap();
+    assert!(
+        last.len() > prompt.len() && last.starts_with(&prompt),
+        "{ran_after:?}"
+    );
+
+    // Anthropic's prefill is the same request
+    let (st, r) = s
+        .post("/v1/messages", json!({"max_tokens": 16, "messages": begun}))
+        .await;
+    assert_eq!(st, 200, "{r}");
+    assert_eq!(
+        r["content"],
+        json!([{"type": "text", "text": " is 42."}]),
+        "{r}"
+    );
+    let (st, r) = s
+        .post("/v1/messages/count_tokens", json!({"messages": begun}))
+        .await;
+    assert_eq!((st, &r["input_tokens"]), (200, &json!(prompt.len())), "{r}");
+
+    for (body, param) in [
+        (
+            json!({"messages": begun, "continue_final_message": true, "add_generation_prompt": true}),
+            "add_generation_prompt",
+        ),
+        (
+            json!({"messages": begun, "continue_final_message": true, "response_format": {"type": "json_object"}}),
+            "continue_final_message",
+        ),
+        (
+            json!({"messages": begun, "continue_final_message": true, "tools": serde_json::from_str::<Value>(WEATHER).unwrap(), "tool_choice": "required"}),
+            "continue_final_message",
+        ),
+        (
+            json!({"messages": begun, "continue_final_message": "yes"}),
+            "continue_final_message",
+        ),
+    ] {
+        let (st, r) = s.post("/v1/chat/completions", body).await;
+        assert_eq!((st, &r["error"]["param"]), (400, &json!(param)), "{r}");
+    }
+}
