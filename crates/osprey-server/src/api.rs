@@ -292,7 +292,12 @@ pub fn generation_request(
             Some(r) => r,
             None => defaults.repetition_penalty.unwrap_or(1.0),
         },
-        seed: f.int_in("seed", i64::MIN, i64::MAX)?.unwrap_or(0) as u64,
+        // without a seed every request samples differently (a retried question gets a new
+        // answer), as OpenAI's API does; with one, the same request gives the same reply
+        seed: match f.int_in("seed", i64::MIN, i64::MAX)? {
+            Some(s) => s as u64,
+            None => rand::random(),
+        },
     };
     let max_tokens = match f.int_in("max_completion_tokens", 1, u32::MAX as i64)? {
         Some(n) => Some(n as usize),

@@ -1435,3 +1435,24 @@ async fn a_reply_begun_by_the_caller_is_continued() {
         assert_eq!((st, &r["error"]["param"]), (400, &json!(param)), "{r}");
     }
 }
+
+#[tokio::test]
+async fn sampling_without_a_seed_differs_between_requests() {
+    let s = Server::tiny(config()).await;
+    let reply = |seed: Option<u64>| {
+        let mut b = json!({"messages": user("Tell me something"), "max_tokens": 12, "temperature": 1.0,
+                           "top_k": 0, "top_p": 1.0});
+        if let Some(n) = seed {
+            b["seed"] = n.into();
+        }
+        let s = &s;
+        async move {
+            let (st, r) = s.post("/v1/chat/completions", b).await;
+            assert_eq!(st, 200, "{r}");
+            r["choices"][0]["message"]["reasoning_content"].clone()
+        }
+    };
+    assert_eq!(reply(Some(7)).await, reply(Some(7)).await);
+    // twelve tokens drawn from the tiny model's whole vocabulary: equal only if seeded alike
+    assert_ne!(reply(None).await, reply(None).await);
+}
