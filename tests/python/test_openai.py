@@ -73,7 +73,7 @@ def test_multi_turn_reuses_cached_state(client):
 def test_errors_surface_as_openai_exceptions(client):
     import openai
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=2)
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=17)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
     bad = OpenAI(base_url=client.base_url, api_key="wrong")
@@ -111,6 +111,19 @@ def test_logit_bias_forces_a_token(client):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}],
                                        max_tokens=4, logit_bias={"1000": 500})
     assert "logit_bias" in str(e.value)
+
+
+def test_n_choices_whole_and_streamed(client):
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, n=2, seed=11,
+                  extra_body=NO_THINK)
+    r = client.chat.completions.create(**kwargs)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert 2 <= r.usage.completion_tokens <= 8  # both choices' tokens
+    streamed = {0: "", 1: ""}
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+    assert [streamed[0], streamed[1]] == [c.message.content for c in r.choices]
 
 
 def test_a_reply_begun_by_the_caller_is_continued(client):

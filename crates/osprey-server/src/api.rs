@@ -158,7 +158,12 @@ pub struct GenerationRequest {
     pub logprobs: Option<usize>,
     /// Added to these tokens' logits before each token is chosen (OpenAI's `logit_bias`).
     pub logit_bias: Vec<(u32, f32)>,
+    /// How many replies to the one prompt (`n`); the engine generates them one after another.
+    pub choices: usize,
 }
+
+/// Most choices (`n`) one request may ask for: each is a whole generation on a batch-1 engine.
+pub const MAX_CHOICES: usize = 16;
 
 /// Most entries `logit_bias` may hold (OpenAI documents no limit; this bounds a request's work).
 const MAX_LOGIT_BIAS: usize = 1024;
@@ -234,19 +239,7 @@ pub fn generation_request(
     chat: bool,
     vocab: usize,
 ) -> ApiResult<GenerationRequest> {
-    if let Some(n) = f.int_in("n", 1, i64::MAX).map_err(|_| {
-        ApiError::bad_request(
-            "'n' must be 1: this server generates one choice per request",
-            Some("n"),
-        )
-    })? {
-        if n != 1 {
-            return Err(ApiError::bad_request(
-                "'n' must be 1: this server generates one choice per request",
-                Some("n"),
-            ));
-        }
-    }
+    let choices = f.int_in("n", 1, MAX_CHOICES as i64)?.unwrap_or(1) as usize;
     let top_k = match f.get("top_k") {
         None => defaults.top_k.unwrap_or(0),
         Some(v) => match v.as_i64() {
@@ -370,6 +363,7 @@ pub fn generation_request(
         include_usage,
         logprobs,
         logit_bias: logit_bias(f, vocab)?,
+        choices,
     })
 }
 

@@ -500,20 +500,36 @@ async fn chat_completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let received = Instant::now();
-    match prepare_chat(&st, body, received) {
-        Ok((job, rx, gen)) => respond(st, job, rx, gen, true).await,
+    let prepared = json_body(body)
+        .and_then(|body| choices(&body, |b| prepare_chat_request(&st, b, received, "call_")));
+    match prepared {
+        Ok((choices, gen)) => respond(st, choices, gen, true).await,
         Err(e) => e.into_response(),
     }
 }
 
 type Prepared = (Job, mpsc::UnboundedReceiver<Event>, GenerationRequest);
 
-fn prepare_chat(
-    st: &AppState,
-    body: Result<Bytes, BytesRejection>,
-    received: Instant,
-) -> ApiResult<Prepared> {
-    prepare_chat_request(st, &json_body(body)?, received, "call_")
+/// One reply of a request: its job and the receiver of its events.
+type Choice = (Job, mpsc::UnboundedReceiver<Event>);
+
+/// The request's `n` choices, each prepared as a job of its own (every one checked before any
+/// runs); with a `seed`, choice i samples with seed + i, so they differ and repeat alike.
+fn choices(
+    body: &Value,
+    prepare: impl Fn(&Value) -> ApiResult<Prepared>,
+) -> ApiResult<(Vec<Choice>, GenerationRequest)> {
+    let (job, rx, gen) = prepare(body)?;
+    let seeded = body.get("seed").is_some_and(|s| !s.is_null());
+    let mut out = vec![(job, rx)];
+    for i in 1..gen.choices {
+        let (mut job, rx, _) = prepare(body)?;
+        if seeded {
+            job.gen.sampling.seed = gen.sampling.seed.wrapping_add(i as u64);
+        }
+        out.push((job, rx));
+    }
+    Ok((out, gen))
 }
 
 /// A chat-completions request (as JSON) made into a job; `call_id_prefix` begins its tool-call ids.
@@ -668,69 +684,72 @@ async fn completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let received = Instant::now();
-    let prepared = (|| -> ApiResult<Prepared> {
-        let body = json_body(body)?;
-        let f = Fields::parse(&body)?;
-        f.check_known(&[api::GENERATION_FIELDS, COMPLETION_FIELDS].concat())?;
-        st.check_model(&f)?;
-        let gen = api::generation_request(&f, &st.format.defaults, false, st.format.vocab_size)?;
-        let prompt = match f.get("prompt") {
-            Some(Value::String(s)) => st
-                .format
-                .encode(s)
-                .map_err(|e| ApiError::bad_request(format!("{e:#}"), Some("prompt")))?,
-            Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => st
-                .format
-                .encode(a[0].as_str().unwrap_or_default())
-                .map_err(|e| ApiError::bad_request(format!("{e:#}"), Some("prompt")))?,
-            Some(Value::Array(a)) if !a.is_empty() && a.iter().all(|x| x.is_u64()) => {
-                let ids: Vec<u32> = a
-                    .iter()
-                    .filter_map(Value::as_u64)
-                    .map(|x| x as u32)
-                    .collect();
-                if let Some(bad) = ids.iter().find(|&&i| i as usize >= st.vocab_size) {
-                    return Err(ApiError::bad_request(
-                        format!(
-                            "token id {bad} is outside the vocabulary ({})",
-                            st.vocab_size
-                        ),
-                        Some("prompt"),
-                    ));
-                }
-                ids
-            }
-            _ => {
-                return Err(ApiError::bad_request(
-                    "'prompt' must be a string, a list with one string, or a list of token ids",
-                    Some("prompt"),
-                ))
-            }
-        };
-        if prompt.is_empty() {
-            return Err(ApiError::bad_request(
-                "'prompt' encodes to no tokens",
-                Some("prompt"),
-            ));
-        }
-        let max_tokens = st.max_tokens(prompt.len(), &gen)?;
-        let (tx, rx) = mpsc::unbounded_channel();
-        let job = Job {
-            prompt,
-            branches: Vec::new(),
-            gen: gen.clone(),
-            max_tokens,
-            chat: None,
-            events: tx,
-            received,
-            deadline: received + st.cfg.request_timeout,
-        };
-        Ok((job, rx, gen))
-    })();
+    let prepared =
+        json_body(body).and_then(|body| choices(&body, |b| prepare_completion(&st, b, received)));
     match prepared {
-        Ok((job, rx, gen)) => respond(st, job, rx, gen, false).await,
+        Ok((choices, gen)) => respond(st, choices, gen, false).await,
         Err(e) => e.into_response(),
     }
+}
+
+/// A completions request (a prompt as text or token ids) made into a job.
+fn prepare_completion(st: &AppState, body: &Value, received: Instant) -> ApiResult<Prepared> {
+    let f = Fields::parse(body)?;
+    f.check_known(&[api::GENERATION_FIELDS, COMPLETION_FIELDS].concat())?;
+    st.check_model(&f)?;
+    let gen = api::generation_request(&f, &st.format.defaults, false, st.format.vocab_size)?;
+    let prompt = match f.get("prompt") {
+        Some(Value::String(s)) => st
+            .format
+            .encode(s)
+            .map_err(|e| ApiError::bad_request(format!("{e:#}"), Some("prompt")))?,
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => st
+            .format
+            .encode(a[0].as_str().unwrap_or_default())
+            .map_err(|e| ApiError::bad_request(format!("{e:#}"), Some("prompt")))?,
+        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(|x| x.is_u64()) => {
+            let ids: Vec<u32> = a
+                .iter()
+                .filter_map(Value::as_u64)
+                .map(|x| x as u32)
+                .collect();
+            if let Some(bad) = ids.iter().find(|&&i| i as usize >= st.vocab_size) {
+                return Err(ApiError::bad_request(
+                    format!(
+                        "token id {bad} is outside the vocabulary ({})",
+                        st.vocab_size
+                    ),
+                    Some("prompt"),
+                ));
+            }
+            ids
+        }
+        _ => {
+            return Err(ApiError::bad_request(
+                "'prompt' must be a string, a list with one string, or a list of token ids",
+                Some("prompt"),
+            ))
+        }
+    };
+    if prompt.is_empty() {
+        return Err(ApiError::bad_request(
+            "'prompt' encodes to no tokens",
+            Some("prompt"),
+        ));
+    }
+    let max_tokens = st.max_tokens(prompt.len(), &gen)?;
+    let (tx, rx) = mpsc::unbounded_channel();
+    let job = Job {
+        prompt,
+        branches: Vec::new(),
+        gen: gen.clone(),
+        max_tokens,
+        chat: None,
+        events: tx,
+        received,
+        deadline: received + st.cfg.request_timeout,
+    };
+    Ok((job, rx, gen))
 }
 
 fn logprobs_json(entries: &[TokenLogprob]) -> Value {
@@ -759,15 +778,24 @@ fn chat_deltas(deltas: &[Delta]) -> Vec<Value> {
         .collect()
 }
 
+/// Answers a chat or completions request: its first choice is queued now (a full queue is a
+/// 429), each later one when the one before it has finished, so other requests keep their turn.
 async fn respond(
     st: Arc<AppState>,
-    job: Job,
-    mut rx: mpsc::UnboundedReceiver<Event>,
+    choices: Vec<Choice>,
     gen: GenerationRequest,
     chat: bool,
 ) -> Response {
-    if let Err(e) = st.enqueue(job) {
-        return e.into_response();
+    let mut queue: Vec<(Option<Job>, mpsc::UnboundedReceiver<Event>)> = Vec::new();
+    for (i, (job, rx)) in choices.into_iter().enumerate() {
+        if i == 0 {
+            if let Err(e) = st.enqueue(job) {
+                return e.into_response();
+            }
+            queue.push((None, rx));
+        } else {
+            queue.push((Some(job), rx));
+        }
     }
     let id = st.next_id(if chat { "chatcmpl" } else { "cmpl" });
     let created = now();
@@ -786,75 +814,88 @@ async fn respond(
                     .send(Ok(SseEvent::default().data(v.to_string())))
                     .is_ok()
             };
-            if chat
-                && !send(chunk(
-                    json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}),
-                ))
-            {
-                return;
-            }
-            while let Some(ev) = rx.recv().await {
-                let alive = match ev {
-                    Event::Deltas { deltas, logprobs } => {
-                        let lp = if logprobs.is_empty() {
-                            Value::Null
-                        } else {
-                            logprobs_json(&logprobs)
-                        };
-                        if chat {
-                            let mut ds = chat_deltas(&deltas);
-                            if ds.is_empty() && !logprobs.is_empty() {
-                                ds.push(json!({"content": ""}));
-                            }
-                            let n = ds.len();
-                            ds.into_iter().enumerate().all(|(i, d)| {
-                                let lp = if i + 1 == n { lp.clone() } else { Value::Null };
-                                send(chunk(json!({"index": 0, "delta": d, "logprobs": lp, "finish_reason": null})))
-                            })
-                        } else {
-                            let text: String = deltas
-                                .iter()
-                                .filter_map(|d| {
-                                    if let Delta::Content(s) = d {
-                                        Some(s.as_str())
-                                    } else {
-                                        None
-                                    }
-                                })
-                                .collect();
-                            send(chunk(
-                                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": null}),
-                            ))
-                        }
-                    }
-                    Event::Done {
-                        finish_reason,
-                        usage,
-                        ..
-                    } => {
-                        let last = if chat {
-                            json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": finish_reason})
-                        } else {
-                            json!({"index": 0, "text": "", "logprobs": null, "finish_reason": finish_reason})
-                        };
-                        send(chunk(last));
-                        if gen.include_usage {
-                            send(
-                                json!({"id": id, "object": object, "created": created, "model": model, "choices": [], "usage": usage_json(&usage)}),
-                            );
-                        }
+            let error_chunk = |message: &str| json!({"error": {"message": message, "type": "server_error", "param": null, "code": null}});
+            let mut total: Option<Usage> = None;
+            'choices: for (index, (job, mut rx)) in queue.into_iter().enumerate() {
+                if let Some(job) = job {
+                    if let Err(e) = st.enqueue(job) {
+                        send(error_chunk(&e.message));
+                        total = None;
                         break;
                     }
-                    Event::Error { message, .. } => {
-                        send(
-                            json!({"error": {"message": message, "type": "server_error", "param": null, "code": null}}),
-                        );
-                        break;
-                    }
-                };
-                if !alive {
-                    return; // client gone: dropping rx tells the engine to stop
                 }
+                if chat
+                    && !send(chunk(
+                        json!({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}),
+                    ))
+                {
+                    return;
+                }
+                while let Some(ev) = rx.recv().await {
+                    let alive = match ev {
+                        Event::Deltas { deltas, logprobs } => {
+                            let lp = if logprobs.is_empty() {
+                                Value::Null
+                            } else {
+                                logprobs_json(&logprobs)
+                            };
+                            if chat {
+                                let mut ds = chat_deltas(&deltas);
+                                if ds.is_empty() && !logprobs.is_empty() {
+                                    ds.push(json!({"content": ""}));
+                                }
+                                let n = ds.len();
+                                ds.into_iter().enumerate().all(|(i, d)| {
+                                    let lp = if i + 1 == n { lp.clone() } else { Value::Null };
+                                    send(chunk(json!({"index": index, "delta": d, "logprobs": lp, "finish_reason": null})))
+                                })
+                            } else {
+                                let text: String = deltas
+                                    .iter()
+                                    .filter_map(|d| {
+                                        if let Delta::Content(s) = d {
+                                            Some(s.as_str())
+                                        } else {
+                                            None
+                                        }
+                                    })
+                                    .collect();
+                                send(chunk(
+                                    json!({"index": index, "text": text, "logprobs": null, "finish_reason": null}),
+                                ))
+                            }
+                        }
+                        Event::Done {
+                            finish_reason,
+                            usage,
+                            ..
+                        } => {
+                            let last = if chat {
+                                json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": finish_reason})
+                            } else {
+                                json!({"index": index, "text": "", "logprobs": null, "finish_reason": finish_reason})
+                            };
+                            send(chunk(last));
+                            total = Some(total.map_or(usage, |t| t.with_choice(&usage)));
+                            continue 'choices;
+                        }
+                        Event::Error { message, .. } => {
+                            send(error_chunk(&message));
+                            total = None;
+                            break 'choices;
+                        }
+                    };
+                    if !alive {
+                        return; // client gone: dropping rx tells the engine to stop
+                    }
+                }
+                total = None; // the engine ended the reply without a result
+                break;
+            }
+            if let (true, Some(usage)) = (gen.include_usage, total) {
+                send(
+                    json!({"id": id, "object": object, "created": created, "model": model, "choices": [], "usage": usage_json(&usage)}),
+                );
             }
             let _ = out_tx.send(Ok(SseEvent::default().data("[DONE]")));
         });
@@ -863,38 +904,54 @@ async fn respond(
             .into_response();
     }
 
-    let whole = match whole_reply(&mut rx).await {
-        Ok(w) => w,
-        Err(e) => return e.into_response(),
-    };
-    let parse::Reply {
-        reasoning,
-        content,
-        calls,
-    } = parse::collect(&whole.deltas);
-    let (finish_reason, usage) = (whole.finish_reason, &whole.usage);
-    let lp = if gen.logprobs.is_some() {
-        logprobs_json(&whole.logprobs)
-    } else {
-        Value::Null
-    };
-    let body = if chat {
-        let mut message = json!({"role": "assistant", "content": if content.is_empty() && !calls.is_empty() { Value::Null } else { Value::String(content) }});
-        if !reasoning.is_empty() {
-            message["reasoning_content"] = Value::String(reasoning);
+    let mut replies = Vec::new();
+    let mut total: Option<Usage> = None;
+    for (index, (job, mut rx)) in queue.into_iter().enumerate() {
+        if let Some(job) = job {
+            if let Err(e) = st.enqueue(job) {
+                return e.into_response();
+            }
         }
-        if !calls.is_empty() {
-            message["tool_calls"] = calls.iter().map(parse::ToolCall::chat_json).collect();
-        }
-        json!({"id": id, "object": "chat.completion", "created": created, "model": model,
-               "choices": [{"index": 0, "message": message, "logprobs": lp, "finish_reason": finish_reason}],
-               "usage": usage_json(usage)})
+        let whole = match whole_reply(&mut rx).await {
+            Ok(w) => w,
+            Err(e) => return e.into_response(),
+        };
+        total = Some(total.map_or(whole.usage, |t| t.with_choice(&whole.usage)));
+        let parse::Reply {
+            reasoning,
+            content,
+            calls,
+        } = parse::collect(&whole.deltas);
+        let finish_reason = whole.finish_reason;
+        let lp = if gen.logprobs.is_some() {
+            logprobs_json(&whole.logprobs)
+        } else {
+            Value::Null
+        };
+        replies.push(if chat {
+            let mut message = json!({"role": "assistant", "content": if content.is_empty() && !calls.is_empty() { Value::Null } else { Value::String(content) }});
+            if !reasoning.is_empty() {
+                message["reasoning_content"] = Value::String(reasoning);
+            }
+            if !calls.is_empty() {
+                message["tool_calls"] = calls.iter().map(parse::ToolCall::chat_json).collect();
+            }
+            json!({"index": index, "message": message, "logprobs": lp, "finish_reason": finish_reason})
+        } else {
+            json!({"index": index, "text": content, "logprobs": null, "finish_reason": finish_reason})
+        });
+    }
+    let usage = usage_json(&total.unwrap_or_default());
+    let object = if chat {
+        "chat.completion"
     } else {
-        json!({"id": id, "object": "text_completion", "created": created, "model": model,
-               "choices": [{"index": 0, "text": content, "logprobs": null, "finish_reason": finish_reason}],
-               "usage": usage_json(usage)})
+        "text_completion"
     };
-    Json(body).into_response()
+    Json(
+        json!({"id": id, "object": object, "created": created, "model": model,
+                "choices": replies, "usage": usage}),
+    )
+    .into_response()
 }
 
 #[cfg(test)]

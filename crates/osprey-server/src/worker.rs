@@ -76,6 +76,18 @@ pub struct Usage {
     pub reasoning_tokens: usize,
 }
 
+impl Usage {
+    /// The usage of a request with one more choice: the prompt is counted once (as the first
+    /// choice read it), the generated tokens of every choice.
+    pub fn with_choice(self, other: &Usage) -> Usage {
+        Usage {
+            completion_tokens: self.completion_tokens + other.completion_tokens,
+            reasoning_tokens: self.reasoning_tokens + other.reasoning_tokens,
+            ..self
+        }
+    }
+}
+
 pub enum Event {
     Deltas {
         deltas: Vec<Delta>,

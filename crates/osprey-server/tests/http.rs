@@ -552,7 +552,7 @@ async fn errors_use_the_openai_envelope() {
         ),
         (ok_body(json!({"top_p": 2})), k, 400, "'top_p'"),
         (ok_body(json!({"max_tokens": 0})), k, 400, "'max_tokens'"),
-        (ok_body(json!({"n": 2})), k, 400, "'n'"),
+        (ok_body(json!({"n": 17})), k, 400, "'n'"),
         (ok_body(json!({"prediction": {}})), k, 400, "not supported"),
         (
             ok_body(json!({"frobnicate": 1})),
@@ -1455,4 +1455,85 @@ async fn sampling_without_a_seed_differs_between_requests() {
     assert_eq!(reply(Some(7)).await, reply(Some(7)).await);
     // twelve tokens drawn from the tiny model's whole vocabulary: equal only if seeded alike
     assert_ne!(reply(None).await, reply(None).await);
+}
+
+#[tokio::test]
+async fn n_choices_are_generated_one_after_another() {
+    let s = Server::tiny(config()).await;
+    let ask = |extra: Value| {
+        let mut b = json!({"messages": user("Tell me something"), "max_tokens": 6, "temperature": 1.0,
+                           "top_k": 0, "top_p": 1.0});
+        for (key, v) in extra.as_object().unwrap() {
+            b[key] = v.clone();
+        }
+        b
+    };
+    let (st, three) = s
+        .post("/v1/chat/completions", ask(json!({"n": 3, "seed": 5})))
+        .await;
+    assert_eq!(st, 200, "{three}");
+    let choices = three["choices"].as_array().unwrap();
+    let text = |c: &Value| c["message"]["reasoning_content"].clone();
+    assert_eq!(
+        choices
+            .iter()
+            .map(|c| c["index"].clone())
+            .collect::<Vec<_>>(),
+        [0, 1, 2]
+    );
+    assert_ne!(text(&choices[0]), text(&choices[1]));
+    // choice i samples with seed + i
+    for (i, seed) in [(0, 5), (2, 7)] {
+        let (_, one) = s
+            .post("/v1/chat/completions", ask(json!({"seed": seed})))
+            .await;
+        assert_eq!(text(&one["choices"][0]), text(&choices[i]), "{one}");
+        assert_eq!(
+            three["usage"]["prompt_tokens"],
+            one["usage"]["prompt_tokens"]
+        );
+    }
+    assert_eq!(three["usage"]["completion_tokens"], 18, "{three}");
+
+    // streamed: each choice in turn under its index, one usage chunk for all of them
+    let mut body = ask(json!({"n": 2, "seed": 5, "stream": true,
+                              "stream_options": {"include_usage": true}}));
+    body["logprobs"] = json!(true);
+    let events = s.stream(body).await;
+    let chunks: Vec<Value> = events
+        .iter()
+        .filter(|e| *e != "[DONE]")
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let order: Vec<u64> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["index"].as_u64())
+        .collect();
+    let switch = order.iter().position(|&i| i == 1).unwrap();
+    assert!(
+        switch > 0
+            && order[..switch].iter().all(|&i| i == 0)
+            && order[switch..].iter().all(|&i| i == 1)
+    );
+    let streamed: String = chunks
+        .iter()
+        .filter(|c| c["choices"][0]["index"] == 1)
+        .filter_map(|c| c["choices"][0]["delta"]["reasoning_content"].as_str())
+        .collect();
+    assert_eq!(Value::String(streamed), text(&choices[1]));
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(usage["completion_tokens"], 12, "{usage}");
+    assert_eq!(events.last().unwrap(), "[DONE]");
+
+    // the completions endpoint too
+    let (st, r) = s
+        .post(
+            "/v1/completions",
+            json!({"prompt": "Once upon a time", "max_tokens": 3, "n": 2, "temperature": 0}),
+        )
+        .await;
+    assert_eq!(st, 200, "{r}");
+    assert_eq!(r["choices"][0]["text"], r["choices"][1]["text"], "{r}");
+    assert_eq!(r["choices"][1]["index"], 1);
+    assert_eq!(r["usage"]["completion_tokens"], 6);
 }
