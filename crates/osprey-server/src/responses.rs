@@ -475,9 +475,73 @@ fn output_items(r: &parse::Reply, id: &str) -> Vec<Value> {
 }
 
 /// The item being streamed: its kind, id and text so far.
+/// The two kinds of text item a reply streams: its reasoning and its message.
+#[derive(Clone, Copy, PartialEq)]
+enum TextKind {
+    Reasoning,
+    Message,
+}
+
+impl TextKind {
+    fn id_prefix(self) -> &'static str {
+        match self {
+            TextKind::Reasoning => "rs",
+            TextKind::Message => "msg",
+        }
+    }
+
+    /// The item's one content part holding `text`.
+    fn part(self, text: &str) -> Value {
+        match self {
+            TextKind::Reasoning => json!({"type": "reasoning_text", "text": text}),
+            TextKind::Message => {
+                json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []})
+            }
+        }
+    }
+
+    fn in_progress_item(self, id: &str) -> Value {
+        match self {
+            TextKind::Reasoning => {
+                json!({"type": "reasoning", "id": id, "summary": [], "content": []})
+            }
+            TextKind::Message => {
+                json!({"type": "message", "id": id, "role": "assistant", "status": "in_progress", "content": []})
+            }
+        }
+    }
+
+    fn completed_item(self, id: &str, text: &str) -> Value {
+        match self {
+            TextKind::Reasoning => reasoning_item(id, text),
+            TextKind::Message => message_item(id, text, "completed"),
+        }
+    }
+
+    /// The `(delta, done)` event names; message text events also carry `logprobs`.
+    fn events(self) -> (&'static str, &'static str) {
+        match self {
+            TextKind::Reasoning => (
+                "response.reasoning_text.delta",
+                "response.reasoning_text.done",
+            ),
+            TextKind::Message => ("response.output_text.delta", "response.output_text.done"),
+        }
+    }
+
+    /// A text event's body: `field` ("delta" or "text") holding `text`.
+    fn event_body(self, id: &str, n: usize, field: &str, text: &str) -> Value {
+        let mut body = json!({"item_id": id, "output_index": n, "content_index": 0});
+        body[field] = text.into();
+        if self == TextKind::Message {
+            body["logprobs"] = json!([]);
+        }
+        body
+    }
+}
+
 enum Open {
-    Reasoning(String, String),
-    Message(String, String),
+    Text(TextKind, String, String),
     Call(usize, String, parse::ToolCall),
 }
 
@@ -506,31 +570,15 @@ impl ItemStream {
         let n = self.index();
         let item = match self.open.take() {
             None => return,
-            Some(Open::Reasoning(id, text)) => {
-                let part = json!({"type": "reasoning_text", "text": text});
-                let e = self.event(
-                    "response.reasoning_text.done",
-                    json!({"item_id": id, "output_index": n, "content_index": 0, "text": text}),
-                );
+            Some(Open::Text(kind, id, text)) => {
+                let e = self.event(kind.events().1, kind.event_body(&id, n, "text", &text));
                 out.push(e);
                 let e = self.event(
                     "response.content_part.done",
-                    json!({"item_id": id, "output_index": n, "content_index": 0, "part": part}),
+                    json!({"item_id": id, "output_index": n, "content_index": 0, "part": kind.part(&text)}),
                 );
                 out.push(e);
-                reasoning_item(&id, &text)
-            }
-            Some(Open::Message(id, text)) => {
-                let part =
-                    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []});
-                let e = self.event("response.output_text.done", json!({"item_id": id, "output_index": n, "content_index": 0, "text": text, "logprobs": []}));
-                out.push(e);
-                let e = self.event(
-                    "response.content_part.done",
-                    json!({"item_id": id, "output_index": n, "content_index": 0, "part": part}),
-                );
-                out.push(e);
-                message_item(&id, &text, "completed")
+                kind.completed_item(&id, &text)
             }
             Some(Open::Call(_, id, call)) => {
                 let e = self.event(
@@ -553,17 +601,9 @@ impl ItemStream {
         self.close(out);
         let n = self.index();
         let (item, part) = match &open {
-            Open::Reasoning(id, _) => (
-                json!({"type": "reasoning", "id": id, "summary": [], "content": []}),
-                Some((id.clone(), json!({"type": "reasoning_text", "text": ""}))),
-            ),
-            Open::Message(id, _) => (
-                json!({"type": "message", "id": id, "role": "assistant", "status": "in_progress", "content": []}),
-                Some((
-                    id.clone(),
-                    json!({"type": "output_text", "text": "", "annotations": [], "logprobs": []}),
-                )),
-            ),
+            Open::Text(kind, id, _) => {
+                (kind.in_progress_item(id), Some((id.clone(), kind.part(""))))
+            }
             Open::Call(_, id, call) => (call_item(id, call, "in_progress"), None),
         };
         let e = self.event(
@@ -581,39 +621,25 @@ impl ItemStream {
         self.open = Some(open);
     }
 
+    /// Text of `kind`: into the open item of that kind, or a new one.
+    fn push_text(&mut self, kind: TextKind, s: &str, out: &mut Vec<(&'static str, Value)>) {
+        if !matches!(&self.open, Some(Open::Text(k, ..)) if *k == kind) {
+            let id = format!("{}_{}_{}", kind.id_prefix(), self.id, self.index());
+            self.start(Open::Text(kind, id, String::new()), out);
+        }
+        let n = self.index();
+        if let Some(Open::Text(_, id, text)) = self.open.as_mut() {
+            text.push_str(s);
+            let body = kind.event_body(id, n, "delta", s);
+            let e = self.event(kind.events().0, body);
+            out.push(e);
+        }
+    }
+
     fn push(&mut self, d: &Delta, out: &mut Vec<(&'static str, Value)>) {
         match d {
-            Delta::Reasoning(s) if !s.is_empty() => {
-                if !matches!(self.open, Some(Open::Reasoning(..))) {
-                    self.close(out);
-                    let id = format!("rs_{}_{}", self.id, self.index());
-                    self.start(Open::Reasoning(id, String::new()), out);
-                }
-                let n = self.index();
-                if let Some(Open::Reasoning(id, text)) = self.open.as_mut() {
-                    text.push_str(s);
-                    let id = id.clone();
-                    let e = self.event(
-                        "response.reasoning_text.delta",
-                        json!({"item_id": id, "output_index": n, "content_index": 0, "delta": s}),
-                    );
-                    out.push(e);
-                }
-            }
-            Delta::Content(s) if !s.is_empty() => {
-                if !matches!(self.open, Some(Open::Message(..))) {
-                    self.close(out);
-                    let id = format!("msg_{}_{}", self.id, self.index());
-                    self.start(Open::Message(id, String::new()), out);
-                }
-                let n = self.index();
-                if let Some(Open::Message(id, text)) = self.open.as_mut() {
-                    text.push_str(s);
-                    let id = id.clone();
-                    let e = self.event("response.output_text.delta", json!({"item_id": id, "output_index": n, "content_index": 0, "delta": s, "logprobs": []}));
-                    out.push(e);
-                }
-            }
+            Delta::Reasoning(s) if !s.is_empty() => self.push_text(TextKind::Reasoning, s, out),
+            Delta::Content(s) if !s.is_empty() => self.push_text(TextKind::Message, s, out),
             Delta::CallStart { index, id, name } => {
                 self.close(out);
                 let call = parse::ToolCall {
