@@ -61,7 +61,8 @@ const IGNORED: &[&str] = &[
     "parallel_tool_calls",
     "service_tier",
     "stream_options",
-    "reasoning_effort",
+    "prompt_cache_key",
+    "safety_identifier",
 ];
 /// Fields of the OpenAI API this server does not implement: a clear 400 rather than silence.
 const UNSUPPORTED: &[&str] = &[

@@ -493,7 +493,13 @@ const CHAT_FIELDS: &[&str] = &[
     "thinking_token_budget",
     "continue_final_message",
     "add_generation_prompt",
+    "reasoning_effort",
 ];
+
+/// OpenAI's `reasoning_effort` values: "none" turns the model's thinking off, the others leave
+/// it on (the model has no graded effort).
+pub(crate) const REASONING_EFFORTS: &[&str] =
+    &["none", "minimal", "low", "medium", "high", "xhigh"];
 
 async fn chat_completions(
     State(st): State<Arc<AppState>>,
@@ -648,7 +654,7 @@ fn render_chat(
     tools: &Option<Value>,
     ending: PromptEnding,
 ) -> ApiResult<(String, Vec<u32>)> {
-    let kwargs: Map<String, Value> = match f.get("chat_template_kwargs") {
+    let mut kwargs: Map<String, Value> = match f.get("chat_template_kwargs") {
         None => Map::new(),
         Some(Value::Object(o)) => o.clone(),
         Some(_) => {
@@ -658,6 +664,25 @@ fn render_chat(
             ))
         }
     };
+    match f.get("reasoning_effort") {
+        Some(Value::String(e)) if e == "none" => {
+            // an explicit chat_template_kwargs.enable_thinking wins
+            kwargs
+                .entry("enable_thinking")
+                .or_insert(Value::Bool(false));
+        }
+        None => {}
+        Some(Value::String(e)) if REASONING_EFFORTS.contains(&e.as_str()) => {}
+        Some(v) => {
+            return Err(ApiError::bad_request(
+                format!(
+                    "'reasoning_effort' must be one of {}, got {v}",
+                    REASONING_EFFORTS.join(", ")
+                ),
+                Some("reasoning_effort"),
+            ))
+        }
+    }
     let text = st
         .format
         .render(

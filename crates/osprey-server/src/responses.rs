@@ -23,7 +23,10 @@ use serde_json::{json, Map, Value};
 use crate::api::{joined_text, ApiError, ApiResult, Fields};
 use crate::parse::{self, Delta};
 use crate::worker::{Event, Usage};
-use crate::{json_body, named_event_stream, now, prepare_chat_request, whole_reply, AppState};
+use crate::{
+    json_body, named_event_stream, now, prepare_chat_request, whole_reply, AppState,
+    REASONING_EFFORTS,
+};
 
 const RESPONSE_FIELDS: &[&str] = &[
     "model",
@@ -286,21 +289,20 @@ pub fn chat_request(
             out.insert(k.into(), v.clone());
         }
     }
-    // reasoning effort "none" turns the model's thinking off; other efforts leave it on
+    // the chat request's reasoning_effort: "none" turns thinking off, the others change nothing
     if let Some(r) = f.get("reasoning").filter(|r| !r.is_null()) {
-        match r.get("effort").and_then(Value::as_str) {
-            Some("none") => {
-                let kwargs = out
-                    .entry("chat_template_kwargs")
-                    .or_insert_with(|| json!({}));
-                if let Some(k) = kwargs.as_object_mut() {
-                    k.insert("enable_thinking".into(), false.into());
-                }
+        match r.get("effort").filter(|e| !e.is_null()) {
+            Some(Value::String(e)) if e == "none" => {
+                out.insert("reasoning_effort".into(), e.as_str().into());
             }
-            Some("minimal" | "low" | "medium" | "high" | "xhigh") | None => {}
+            None => {}
+            Some(Value::String(e)) if REASONING_EFFORTS.contains(&e.as_str()) => {}
             Some(other) => {
                 return Err(bad(
-                    format!("'reasoning.effort' {other:?}: none, minimal, low, medium or high"),
+                    format!(
+                        "'reasoning.effort' {other}: one of {}",
+                        REASONING_EFFORTS.join(", ")
+                    ),
                     "reasoning",
                 ))
             }
@@ -812,7 +814,7 @@ mod tests {
                     {"role": "user", "content": "And tomorrow?"}
                 ],
                 "model": "m", "max_tokens": 50, "stream": true,
-                "chat_template_kwargs": {"enable_thinking": false},
+                "reasoning_effort": "none",
                 "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
                 "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
                 "response_format": {"type": "json_schema",

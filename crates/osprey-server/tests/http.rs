@@ -1537,3 +1537,53 @@ async fn n_choices_are_generated_one_after_another() {
     assert_eq!(r["choices"][1]["index"], 1);
     assert_eq!(r["usage"]["completion_tokens"], 6);
 }
+
+#[tokio::test]
+async fn reasoning_effort_none_turns_thinking_off() {
+    let s = Server::tiny(config()).await;
+    let ask = |extra: Value| {
+        let mut b = json!({"messages": user("hi"), "max_tokens": 4, "temperature": 0});
+        for (key, v) in extra.as_object().unwrap() {
+            b[key] = v.clone();
+        }
+        b
+    };
+    let thought = |r: &Value| r["choices"][0]["message"]["reasoning_content"].is_string();
+    let (st, r) = s
+        .post(
+            "/v1/chat/completions",
+            ask(json!({"reasoning_effort": "none"})),
+        )
+        .await;
+    assert_eq!(st, 200, "{r}");
+    assert!(!thought(&r), "{r}");
+    // the same prompt as thinking turned off in the template
+    let (_, off) = s
+        .post(
+            "/v1/chat/completions",
+            ask(json!({"chat_template_kwargs": {"enable_thinking": false}})),
+        )
+        .await;
+    assert_eq!(r["usage"]["prompt_tokens"], off["usage"]["prompt_tokens"]);
+    assert_eq!(r["choices"][0]["message"], off["choices"][0]["message"]);
+    for extra in [
+        // (OpenAI's cache key and safety identifier change nothing here)
+        json!({"reasoning_effort": "high", "prompt_cache_key": "k", "safety_identifier": "u"}),
+        json!({"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": true}}),
+    ] {
+        let (st, r) = s.post("/v1/chat/completions", ask(extra)).await;
+        assert_eq!(st, 200, "{r}");
+        assert!(thought(&r), "{r}");
+    }
+    let (st, r) = s
+        .post(
+            "/v1/chat/completions",
+            ask(json!({"reasoning_effort": "max"})),
+        )
+        .await;
+    assert_eq!(
+        (st, &r["error"]["param"]),
+        (400, &json!("reasoning_effort")),
+        "{r}"
+    );
+}
