@@ -161,6 +161,9 @@ pub struct GenerationRequest {
     pub logit_bias: Vec<(u32, f32)>,
     /// How many replies to the one prompt (`n`); the engine generates them one after another.
     pub choices: usize,
+    /// Generate past end-of-turn tokens until `max_tokens` or a stop string (vLLM's
+    /// `ignore_eos`, which serving benchmarks send to fix every reply's length).
+    pub ignore_eos: bool,
 }
 
 /// Most choices (`n`) one request may ask for: each is a whole generation on a batch-1 engine.
@@ -232,6 +235,7 @@ pub const GENERATION_FIELDS: &[&str] = &[
     "top_logprobs",
     "logit_bias",
     "n",
+    "ignore_eos",
 ];
 
 pub fn generation_request(
@@ -365,6 +369,7 @@ pub fn generation_request(
         logprobs,
         logit_bias: logit_bias(f, vocab)?,
         choices,
+        ignore_eos: f.bool("ignore_eos")?,
     })
 }
 

@@ -334,7 +334,7 @@ impl Reply<'_> {
             (Some(top), Some(l)) => vec![log_softmax_top(l, token, top, self.format)],
             _ => Vec::new(),
         };
-        if self.format.stop_ids.contains(&token) {
+        if !job.gen.ignore_eos && self.format.stop_ids.contains(&token) {
             self.finish = "stop";
             if !logprobs.is_empty() {
                 let _ = job.events.send(Event::Deltas {

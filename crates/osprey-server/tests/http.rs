@@ -1587,3 +1587,25 @@ async fn reasoning_effort_none_turns_thinking_off() {
         "{r}"
     );
 }
+
+#[tokio::test]
+async fn ignore_eos_runs_to_the_token_limit() {
+    // the script ends in <|im_end|>, then starts again
+    for device in [false, true] {
+        let s = Server::scripted_on("Hi.", Duration::ZERO, config(), device).await;
+        let ask = |ignore: bool| {
+            json!({"messages": user("?"), "max_tokens": 6, "ignore_eos": ignore,
+                   "chat_template_kwargs": {"enable_thinking": false}})
+        };
+        let (st, r) = s.post("/v1/chat/completions", ask(false)).await;
+        assert_eq!(st, 200, "{r}");
+        assert_eq!(r["choices"][0]["finish_reason"], "stop", "{r}");
+        assert!(r["usage"]["completion_tokens"].as_u64().unwrap() < 6, "{r}");
+        let (st, r) = s.post("/v1/chat/completions", ask(true)).await;
+        assert_eq!(st, 200, "{r}");
+        assert_eq!(r["choices"][0]["finish_reason"], "length", "{r}");
+        assert_eq!(r["usage"]["completion_tokens"], 6, "{r}");
+        // "Hi" "." <|im_end|>, twice: past the end of turn, which adds no text
+        assert_eq!(r["choices"][0]["message"]["content"], "Hi.Hi.", "{r}");
+    }
+}
