@@ -577,6 +577,18 @@ fn prepare_chat_request(
         _ => None,
     };
     let ending = PromptEnding::parse(&f)?;
+    let last = messages.as_array().and_then(|m| m.last());
+    if ending.continue_final_message
+        && !last.is_some_and(|m| {
+            let calls = m.get("tool_calls").and_then(Value::as_array);
+            m["role"] == "assistant" && calls.is_none_or(|c| c.is_empty())
+        })
+    {
+        return Err(ApiError::bad_request(
+            "continue_final_message continues an assistant reply: the final message must be the assistant's, without tool calls",
+            Some("continue_final_message"),
+        ));
+    }
     if ending.continue_final_message && (constraint.is_some() || force.is_some()) {
         return Err(ApiError::bad_request(
             "continue_final_message (a reply begun by the caller) cannot be combined with response_format or a forced tool call, which shape the reply from its start",

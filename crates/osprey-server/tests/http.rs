@@ -1430,6 +1430,16 @@ async fn a_reply_begun_by_the_caller_is_continued() {
             json!({"messages": begun, "continue_final_message": "yes"}),
             "continue_final_message",
         ),
+        (
+            json!({"messages": user("?"), "continue_final_message": true}),
+            "continue_final_message",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "?"}, {"role": "assistant", "content": "",
+                "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}],
+                "continue_final_message": true}),
+            "continue_final_message",
+        ),
     ] {
         let (st, r) = s.post("/v1/chat/completions", body).await;
         assert_eq!((st, &r["error"]["param"]), (400, &json!(param)), "{r}");
