@@ -309,6 +309,14 @@ fn user(text: &str) -> Value {
     json!([{"role": "user", "content": text}])
 }
 
+/// `body` with the fields of `extra` set on it.
+fn with(mut body: Value, extra: Value) -> Value {
+    for (key, v) in extra.as_object().unwrap() {
+        body[key] = v.clone();
+    }
+    body
+}
+
 #[tokio::test]
 async fn health_models_and_metrics() {
     let s = Server::tiny(config()).await;
@@ -532,11 +540,11 @@ async fn errors_use_the_openai_envelope() {
     let s = Server::tiny(cfg).await;
     let k = Some("sekret");
     let ok_body = |extra: Value| {
-        let mut b = json!({"messages": user("hi"), "max_tokens": 2});
-        for (key, v) in extra.as_object().unwrap() {
-            b[key] = v.clone();
-        }
-        serde_json::to_vec(&b).unwrap()
+        serde_json::to_vec(&with(
+            json!({"messages": user("hi"), "max_tokens": 2}),
+            extra,
+        ))
+        .unwrap()
     };
     let cases: Vec<(Vec<u8>, Option<&str>, u16, &str)> = vec![
         (ok_body(json!({})), None, 401, "invalid_api_key"),
@@ -828,6 +836,8 @@ async fn device_decoding_gives_the_host_path_replies() {
         json!({"messages": user("weather?"), "max_tokens": 8, "logprobs": true, "top_logprobs": 1}),
     ];
     for body in bodies {
+        // (one seed for both: a request without one samples differently each time)
+        let body = with(body, json!({"seed": 1}));
         let (st_h, r_h) = host.post("/v1/chat/completions", body.clone()).await;
         let (st_d, r_d) = device.post("/v1/chat/completions", body.clone()).await;
         assert_eq!((st_h, st_d), (200, 200), "{r_h} {r_d}");
@@ -1471,12 +1481,9 @@ async fn sampling_without_a_seed_differs_between_requests() {
 async fn n_choices_are_generated_one_after_another() {
     let s = Server::tiny(config()).await;
     let ask = |extra: Value| {
-        let mut b = json!({"messages": user("Tell me something"), "max_tokens": 6, "temperature": 1.0,
-                           "top_k": 0, "top_p": 1.0});
-        for (key, v) in extra.as_object().unwrap() {
-            b[key] = v.clone();
-        }
-        b
+        let b = json!({"messages": user("Tell me something"), "max_tokens": 6, "temperature": 1.0,
+                       "top_k": 0, "top_p": 1.0});
+        with(b, extra)
     };
     let (st, three) = s
         .post("/v1/chat/completions", ask(json!({"n": 3, "seed": 5})))
@@ -1552,11 +1559,10 @@ async fn n_choices_are_generated_one_after_another() {
 async fn reasoning_effort_none_turns_thinking_off() {
     let s = Server::tiny(config()).await;
     let ask = |extra: Value| {
-        let mut b = json!({"messages": user("hi"), "max_tokens": 4, "temperature": 0});
-        for (key, v) in extra.as_object().unwrap() {
-            b[key] = v.clone();
-        }
-        b
+        with(
+            json!({"messages": user("hi"), "max_tokens": 4, "temperature": 0}),
+            extra,
+        )
     };
     let thought = |r: &Value| r["choices"][0]["message"]["reasoning_content"].is_string();
     let (st, r) = s
