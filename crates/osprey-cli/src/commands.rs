@@ -467,11 +467,15 @@ pub fn serve(args: &ModelArgs, s: &ServeArgs) -> Result<()> {
         .with_context(|| format!("--host {} --port {} is not a valid address", s.host, s.port))?;
     let (engine, dir) = load_engine(args)?;
     let format = PromptFormat::from_dir(&dir)?;
-    let name = s.served_model_name.clone().unwrap_or_else(|| {
-        dir.file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "osprey".into())
-    });
+    let mut names = s.served_model_name.clone();
+    if names.is_empty() {
+        names.push(
+            dir.file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "osprey".into()),
+        );
+    }
+    let name = names.remove(0);
     let max_context = args
         .max_context
         .unwrap_or(engine.config().max_position_embeddings.min(131_072));
@@ -480,6 +484,7 @@ pub fn serve(args: &ModelArgs, s: &ServeArgs) -> Result<()> {
     }
     let cfg = osprey_server::ServerConfig {
         model_name: name.clone(),
+        model_aliases: names,
         api_key: s.api_key.clone(),
         max_context,
         max_queue: s.max_queue,

@@ -110,9 +110,10 @@ pub struct ServeArgs {
     /// max_tokens when a request sets none.
     #[arg(long, default_value_t = 4096)]
     pub default_max_tokens: usize,
-    /// Model id reported by /v1/models and accepted in requests (default: the directory name).
+    /// Model id reported by /v1/models and accepted in requests (default: the directory name);
+    /// repeat it to accept more names (the first is the one replies report).
     #[arg(long)]
-    pub served_model_name: Option<String>,
+    pub served_model_name: Vec<String>,
 }
 
 #[derive(Subcommand)]

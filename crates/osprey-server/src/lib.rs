@@ -38,7 +38,11 @@ use worker::{ChatParsing, Event, Job, PrefixCache, TokenLogprob, Usage, Worker};
 
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
+    /// The model's id: reported in replies, listed first by /v1/models.
     pub model_name: String,
+    /// Other ids requests may ask for, each served by this model (an agent that asks for its
+    /// own model names, as Claude Code asks for a large and a small model).
+    pub model_aliases: Vec<String>,
     pub api_key: Option<String>,
     /// Longest prompt + reply, in tokens.
     pub max_context: usize,
@@ -209,14 +213,21 @@ async fn metrics_text(State(st): State<Arc<AppState>>) -> impl IntoResponse {
     )
 }
 
-/// The served model, in a list both the OpenAI and the Anthropic SDKs read (each ignores the
-/// other's fields).
+/// The served model under each of its ids, in a list both the OpenAI and the Anthropic SDKs
+/// read (each ignores the other's fields).
 async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
-    let (id, created) = (&st.cfg.model_name, now());
+    let created = now();
+    let data: Vec<Value> = st
+        .model_ids()
+        .map(|id| {
+            json!({"id": id, "object": "model", "created": created, "owned_by": "osprey",
+                   "type": "model", "display_name": id, "created_at": rfc3339(created)})
+        })
+        .collect();
+    let (first, last) = (&data[0]["id"], &data[data.len() - 1]["id"]);
     Json(
-        json!({"object": "list", "has_more": false, "first_id": id, "last_id": id,
-        "data": [{"id": id, "object": "model", "created": created, "owned_by": "osprey",
-                  "type": "model", "display_name": id, "created_at": rfc3339(created)}]}),
+        json!({"object": "list", "has_more": false, "first_id": first, "last_id": last,
+                "data": data}),
     )
 }
 
@@ -306,15 +317,22 @@ impl AppState {
         }
     }
 
+    /// Every id the model answers to, its own first.
+    fn model_ids(&self) -> impl Iterator<Item = &str> {
+        std::iter::once(&self.cfg.model_name)
+            .chain(&self.cfg.model_aliases)
+            .map(String::as_str)
+    }
+
     fn check_model(&self, f: &Fields) -> ApiResult<()> {
         match f.get("model") {
             None => Ok(()),
-            Some(Value::String(m)) if *m == self.cfg.model_name => Ok(()),
+            Some(Value::String(m)) if self.model_ids().any(|id| id == m) => Ok(()),
             Some(Value::String(m)) => Err(ApiError {
                 status: StatusCode::NOT_FOUND,
                 message: format!(
-                    "the model '{m}' does not exist (this server serves '{}')",
-                    self.cfg.model_name
+                    "the model '{m}' does not exist (this server serves '{}'; --served-model-name adds other names)",
+                    self.model_ids().collect::<Vec<_>>().join("', '")
                 ),
                 kind: "invalid_request_error",
                 param: Some("model".into()),

@@ -50,6 +50,7 @@ fn tiny_dir() -> &'static Path {
 fn config() -> ServerConfig {
     ServerConfig {
         model_name: "tiny".into(),
+        model_aliases: Vec::new(),
         api_key: None,
         max_context: 4096,
         max_queue: 8,
@@ -1624,4 +1625,56 @@ async fn ignore_eos_runs_to_the_token_limit() {
         // "Hi" "." <|im_end|>, twice: past the end of turn, which adds no text
         assert_eq!(r["choices"][0]["message"]["content"], "Hi.Hi.", "{r}");
     }
+}
+
+#[tokio::test]
+async fn the_model_answers_to_its_aliases() {
+    // an agent asking for its own models (Claude Code: a large and a small one)
+    let cfg = ServerConfig {
+        model_aliases: vec!["claude-sonnet-4-5".into(), "claude-haiku-4-5".into()],
+        ..config()
+    };
+    let s = Server::scripted("Hi.", Duration::ZERO, cfg).await;
+    let m: Value = s
+        .client
+        .get(format!("{}/v1/models", s.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let ids: Vec<&str> = m["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|d| d["id"].as_str())
+        .collect();
+    assert_eq!(ids, ["tiny", "claude-sonnet-4-5", "claude-haiku-4-5"]);
+    assert_eq!(
+        (&m["first_id"], &m["last_id"]),
+        (&json!("tiny"), &json!("claude-haiku-4-5"))
+    );
+    for model in ["claude-haiku-4-5", "tiny"] {
+        let (st, r) = s
+            .post(
+                "/v1/messages",
+                json!({"model": model, "max_tokens": 8, "messages": user("?")}),
+            )
+            .await;
+        assert_eq!(st, 200, "{r}");
+        assert_eq!(r["model"], "tiny");
+    }
+    let (st, r) = s
+        .post(
+            "/v1/chat/completions",
+            json!({"model": "claude-opus-4-1", "messages": user("?")}),
+        )
+        .await;
+    assert_eq!(st, 404, "{r}");
+    let message = r["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("'tiny', 'claude-sonnet-4-5', 'claude-haiku-4-5'"),
+        "{message}"
+    );
 }
