@@ -38,6 +38,9 @@ const MESSAGE_FIELDS: &[&str] = &[
     "tools",
     "tool_choice",
     "thinking",
+    "output_config",
+    "output_format",
+    "cache_control",
 ];
 
 /// An error in Anthropic's envelope, its type from the HTTP status.
@@ -261,6 +264,9 @@ pub fn chat_request(body: &Value, count_only: bool) -> ApiResult<Value> {
         out.insert("continue_final_message".into(), Value::Bool(true));
     }
     out.insert("messages".into(), Value::Array(messages));
+    if let Some(format) = structured_output(&f)? {
+        out.insert("response_format".into(), format);
+    }
     if let Some(m) = f.get("model") {
         out.insert("model".into(), m.clone());
     }
@@ -325,6 +331,48 @@ pub fn chat_request(body: &Value, count_only: bool) -> ApiResult<Value> {
         }
     }
     Ok(Value::Object(out))
+}
+
+/// Anthropic's structured outputs as the chat request's `response_format`: `output_config.format`
+/// (what the SDK's `messages.parse` sends) or the beta's `output_format`, both
+/// `{"type": "json_schema", "schema": ...}`, held to the schema by the same grammar. The output
+/// effort is accepted and changes nothing (the model has no graded effort). A top-level
+/// `cache_control` needs nothing: every prompt's prefix is cached.
+fn structured_output(f: &Fields) -> ApiResult<Option<Value>> {
+    let mut format = f.get("output_format");
+    if let Some(config) = f.get("output_config") {
+        let Some(config) = config.as_object() else {
+            return Err(bad("'output_config' must be an object", "output_config"));
+        };
+        for (k, v) in config {
+            match (k.as_str(), v) {
+                ("format", v) if !v.is_null() => format = format.or(Some(v)),
+                ("format", _) => {}
+                ("effort", Value::String(e))
+                    if ["low", "medium", "high", "xhigh", "max"].contains(&e.as_str()) => {}
+                ("effort", Value::Null) => {}
+                _ => {
+                    return Err(bad(
+                        format!("'output_config.{k}': expected format (a json_schema) or effort (low, medium, high, xhigh, max), got {v}"),
+                        "output_config",
+                    ))
+                }
+            }
+        }
+    }
+    let Some(format) = format else {
+        return Ok(None);
+    };
+    match (format["type"].as_str(), format.get("schema")) {
+        (Some("json_schema"), Some(schema)) if schema.is_object() => Ok(Some(json!({
+            "type": "json_schema",
+            "json_schema": {"name": "output", "schema": schema, "strict": true}
+        }))),
+        _ => Err(bad(
+            format!("the output format must be {{\"type\": \"json_schema\", \"schema\": {{...}}}}, got {format}"),
+            "output_config",
+        )),
+    }
 }
 
 fn stop_reason(finish: &str, stop_sequence: Option<&str>) -> &'static str {
@@ -565,6 +613,47 @@ mod tests {
                 "chat_template_kwargs": {"enable_thinking": false}
             })
         );
+    }
+
+    #[test]
+    fn structured_outputs_become_a_json_schema_response_format() {
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        let expected = json!({"type": "json_schema",
+                              "json_schema": {"name": "output", "schema": schema, "strict": true}});
+        let user = json!([{"role": "user", "content": "x"}]);
+        for body in [
+            json!({"max_tokens": 5, "messages": user, "cache_control": {"type": "ephemeral"},
+                   "output_config": {"format": {"type": "json_schema", "schema": schema}, "effort": "high"}}),
+            json!({"max_tokens": 5, "messages": user,
+                   "output_format": {"type": "json_schema", "schema": schema}}),
+        ] {
+            let chat = chat_request(&body, false).unwrap();
+            assert_eq!(chat["response_format"], expected, "{body}");
+        }
+        let plain = json!({"max_tokens": 5, "messages": user, "output_config": {"effort": "low"}});
+        assert_eq!(
+            chat_request(&plain, false).unwrap().get("response_format"),
+            None
+        );
+        for (bad, says) in [
+            (json!({"output_config": {"effort": "extreme"}}), "effort"),
+            (
+                json!({"output_config": {"format": {"type": "json_object"}}}),
+                "json_schema",
+            ),
+            (
+                json!({"output_format": {"type": "json_schema"}}),
+                "json_schema",
+            ),
+            (json!({"output_config": "json"}), "must be an object"),
+        ] {
+            let mut body = json!({"max_tokens": 5, "messages": user});
+            for (k, v) in bad.as_object().unwrap() {
+                body[k] = v.clone();
+            }
+            let e = chat_request(&body, false).unwrap_err();
+            assert!(e.message.contains(says), "{body}: {}", e.message);
+        }
     }
 
     #[test]
