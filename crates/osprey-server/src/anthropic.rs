@@ -301,6 +301,20 @@ pub fn chat_request(body: &Value, count_only: bool) -> ApiResult<Value> {
     }
     if let Some(c) = f.get("tool_choice") {
         out.insert("tool_choice".into(), chat_tool_choice(c)?);
+        match &c["disable_parallel_tool_use"] {
+            Value::Null | Value::Bool(false) => {}
+            Value::Bool(true) => {
+                out.insert("parallel_tool_calls".into(), Value::Bool(false));
+            }
+            v => {
+                return Err(bad(
+                    format!(
+                        "'tool_choice.disable_parallel_tool_use' must be true or false, got {v}"
+                    ),
+                    "tool_choice",
+                ))
+            }
+        }
     }
     if let Some(t) = f.get("thinking") {
         let on = match t["type"].as_str() {

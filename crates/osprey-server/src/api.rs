@@ -58,7 +58,6 @@ const IGNORED: &[&str] = &[
     "user",
     "metadata",
     "store",
-    "parallel_tool_calls",
     "service_tier",
     "stream_options",
     "prompt_cache_key",

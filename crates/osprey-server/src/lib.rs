@@ -512,6 +512,7 @@ const CHAT_FIELDS: &[&str] = &[
     "continue_final_message",
     "add_generation_prompt",
     "reasoning_effort",
+    "parallel_tool_calls",
 ];
 
 /// OpenAI's `reasoning_effort` values: "none" turns the model's thinking off, the others leave
@@ -620,8 +621,19 @@ fn prepare_chat_request(
     let thinking_budget = f
         .int_in("thinking_token_budget", 0, u32::MAX as i64)?
         .map(|n| n as usize);
+    let one_call = match f.get("parallel_tool_calls") {
+        None | Some(Value::Bool(true)) => false,
+        Some(Value::Bool(false)) => true,
+        Some(v) => {
+            return Err(ApiError::bad_request(
+                format!("'parallel_tool_calls' must be true or false, got {v}"),
+                Some("parallel_tool_calls"),
+            ))
+        }
+    };
     let chat = ChatParsing {
         thinking_budget,
+        one_call,
         in_reasoning: text.ends_with("<think>\n"),
         tools: if choice == ToolChoice::None {
             None

@@ -153,6 +153,8 @@ pub struct OutputParser {
     tools: Option<ToolSchemas>,
     call: Option<OpenCall>,
     calls: usize,
+    /// Calls whose `</tool_call>` has been read.
+    closed_calls: usize,
     /// Strip newlines right after `</think>`.
     after_think: bool,
     id_prefix: String,
@@ -171,6 +173,7 @@ impl OutputParser {
             tools,
             call: None,
             calls: 0,
+            closed_calls: 0,
             after_think: false,
             id_prefix: id_prefix.to_string(),
         }
@@ -178,6 +181,11 @@ impl OutputParser {
 
     pub fn tool_calls(&self) -> usize {
         self.calls
+    }
+
+    /// Tool calls read to their end.
+    pub fn closed_tool_calls(&self) -> usize {
+        self.closed_calls
     }
 
     /// Still inside the reasoning block (and not inside a call).
@@ -376,6 +384,7 @@ impl OutputParser {
                     index,
                     fragment: frag.to_string(),
                 });
+                self.closed_calls += 1;
                 // the template separates consecutive calls with "\n"
                 self.after_think = self.mode == Mode::Content;
             }

@@ -289,6 +289,13 @@ pub fn chat_request(
             out.insert(k.into(), v.clone());
         }
     }
+    // true, the default, needs nothing; anything else is the chat request's to check
+    if let Some(v) = f
+        .get("parallel_tool_calls")
+        .filter(|v| **v != Value::Bool(true))
+    {
+        out.insert("parallel_tool_calls".into(), v.clone());
+    }
     // the chat request's reasoning_effort: "none" turns thinking off, the others change nothing
     if let Some(r) = f.get("reasoning").filter(|r| !r.is_null()) {
         match r.get("effort").filter(|e| !e.is_null()) {

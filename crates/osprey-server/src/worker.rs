@@ -33,6 +33,9 @@ pub struct ChatParsing {
     /// Most tokens the reasoning may take before `</think>` is put in for the model
     /// (`thinking_token_budget`, Anthropic's `thinking.budget_tokens`).
     pub thinking_budget: Option<usize>,
+    /// End the reply once its first tool call is complete (`parallel_tool_calls: false`,
+    /// Anthropic's `disable_parallel_tool_use`).
+    pub one_call: bool,
 }
 
 /// What ends a reasoning block put in for the model (which then writes the blank line before its
@@ -377,7 +380,12 @@ impl Reply<'_> {
         if !deltas.is_empty() || !logprobs.is_empty() {
             let _ = job.events.send(Event::Deltas { deltas, logprobs });
         }
-        if hit {
+        let one_call_done = job.chat.as_ref().is_some_and(|c| c.one_call)
+            && self
+                .parser
+                .as_ref()
+                .is_some_and(|p| p.closed_tool_calls() > 0);
+        if hit || one_call_done {
             self.finish = "stop";
             return Ok(Next::Finished);
         }

@@ -1678,3 +1678,69 @@ async fn the_model_answers_to_its_aliases() {
         "{message}"
     );
 }
+
+#[tokio::test]
+async fn parallel_tool_calls_false_ends_the_reply_after_one_call() {
+    const TWO_CALLS: &str = "Both.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nA\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\nB\n</parameter>\n</function>\n</tool_call>";
+    let tools: Value = serde_json::from_str(WEATHER).unwrap();
+    for device in [false, true] {
+        let s = Server::scripted_on(TWO_CALLS, Duration::ZERO, config(), device).await;
+        let ask = |extra: Value| {
+            with(
+                json!({"messages": user("weather?"), "tools": tools, "max_tokens": 100}),
+                extra,
+            )
+        };
+        let cities = |r: &Value| -> Vec<String> {
+            r["choices"][0]["message"]["tool_calls"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|c| c["function"]["arguments"].as_str().unwrap().to_string())
+                .collect()
+        };
+        let (st, both) = s.post("/v1/chat/completions", ask(json!({}))).await;
+        assert_eq!(st, 200, "{both}");
+        assert_eq!(cities(&both), [r#"{"city": "A"}"#, r#"{"city": "B"}"#]);
+        let (st, one) = s
+            .post(
+                "/v1/chat/completions",
+                ask(json!({"parallel_tool_calls": false})),
+            )
+            .await;
+        assert_eq!(st, 200, "{one}");
+        assert_eq!(cities(&one), [r#"{"city": "A"}"#], "{one}");
+        assert_eq!(one["choices"][0]["finish_reason"], "tool_calls");
+        assert!(
+            one["usage"]["completion_tokens"].as_u64()
+                < both["usage"]["completion_tokens"].as_u64()
+        );
+        // Anthropic's form
+        let (st, r) = s
+            .post(
+                "/v1/messages",
+                json!({"max_tokens": 100, "messages": user("weather?"),
+                       "tools": [{"name": "get_weather", "input_schema": {"type": "object"}}],
+                       "tool_choice": {"type": "auto", "disable_parallel_tool_use": true}}),
+            )
+            .await;
+        assert_eq!(st, 200, "{r}");
+        let uses = r["content"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|b| b["type"] == "tool_use")
+            .count();
+        assert_eq!((uses, &r["stop_reason"]), (1, &json!("tool_use")), "{r}");
+        let (st, r) = s
+            .post(
+                "/v1/chat/completions",
+                ask(json!({"parallel_tool_calls": "no"})),
+            )
+            .await;
+        assert_eq!(
+            (st, &r["error"]["param"]),
+            (400, &json!("parallel_tool_calls"))
+        );
+    }
+}
