@@ -11,17 +11,22 @@ use osprey_server::parse::{collect, Delta, OutputParser};
 use osprey_server::worker::PrefixCache;
 use serde_json::{json, Value};
 
-use crate::commands::{load_engine, sampling_params, Detok};
+use crate::commands::{load_engine, opening, sampling_params, Detok};
 use crate::{ModelArgs, SamplingArgs};
 
 const DIM: &str = "\x1b[2m";
 const RESET: &str = "\x1b[0m";
 
-pub fn run(args: &ModelArgs, max_tokens: usize, sampling: &SamplingArgs) -> Result<()> {
+pub fn run(
+    args: &ModelArgs,
+    max_tokens: usize,
+    system: Option<&str>,
+    sampling: &SamplingArgs,
+) -> Result<()> {
     let (engine, dir) = load_engine(args)?;
     let format = PromptFormat::from_dir(&dir)?;
     let mut cache = PrefixCache::new(8, 8 << 30);
-    let mut history: Vec<Value> = Vec::new();
+    let mut history: Vec<Value> = opening(system);
     let mut thinking = true;
     let stdin = std::io::stdin();
     let mut out = std::io::stdout();
@@ -42,7 +47,7 @@ pub fn run(args: &ModelArgs, max_tokens: usize, sampling: &SamplingArgs) -> Resu
             "" => continue,
             "/quit" | "/exit" => return Ok(()),
             "/reset" => {
-                history.clear();
+                history = opening(system);
                 println!("(conversation cleared)");
                 continue;
             }

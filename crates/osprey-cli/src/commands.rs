@@ -15,7 +15,7 @@ use osprey_model::{ModelConfig, ModelWeights};
 use osprey_prompt::{ChatOptions, IncrementalDecoder, PromptFormat};
 use tracing::info;
 
-use crate::{ModelArgs, SamplingArgs, ServeArgs};
+use crate::{GenerateArgs, ModelArgs, SamplingArgs, ServeArgs};
 
 pub fn synth(preset: &str, layers: Option<usize>, seed: u64, out: &Path) -> Result<()> {
     let preset: Preset = preset.parse()?;
@@ -217,23 +217,26 @@ impl TokenText for Detok<'_> {
     }
 }
 
-pub fn generate(
-    args: &ModelArgs,
-    prompt: &str,
-    chat: bool,
-    no_think: bool,
-    max_tokens: usize,
-    stop: Vec<String>,
-    sampling: &SamplingArgs,
-) -> Result<()> {
+/// A conversation's opening: the system message, if any.
+pub fn opening(system: Option<&str>) -> Vec<serde_json::Value> {
+    system
+        .map(|s| serde_json::json!({"role": "system", "content": s}))
+        .into_iter()
+        .collect()
+}
+
+pub fn generate(args: &ModelArgs, g: &GenerateArgs, sampling: &SamplingArgs) -> Result<()> {
     let (engine, dir) = load_engine(args)?;
     let format = PromptFormat::from_dir(&dir)?;
+    let (prompt, chat) = (g.prompt.as_str(), g.chat);
     let ids = if chat {
         let mut kwargs = serde_json::Map::new();
-        if no_think {
+        if g.no_think {
             kwargs.insert("enable_thinking".into(), false.into());
         }
-        let messages = serde_json::json!([{"role": "user", "content": prompt}]);
+        let mut messages = opening(g.system.as_deref());
+        messages.push(serde_json::json!({"role": "user", "content": prompt}));
+        let messages = serde_json::Value::Array(messages);
         format.encode_chat(
             &messages,
             &ChatOptions {
@@ -250,9 +253,9 @@ pub fn generate(
         bail!("the prompt encodes to no tokens");
     }
     let opts = GenerateOptions {
-        max_tokens,
+        max_tokens: g.max_tokens,
         stop_ids: format.stop_ids.clone(),
-        stop_strings: stop,
+        stop_strings: g.stop.clone(),
         sampling: sampling_params(sampling, &format),
         valid_vocab: format.vocab_size.min(engine.config().vocab_size),
     };

@@ -82,6 +82,27 @@ pub struct SamplingArgs {
     pub seed: u64,
 }
 
+/// What `osprey generate` writes after.
+#[derive(Args, Clone)]
+pub struct GenerateArgs {
+    #[arg(long, default_value = "Write a haiku about ospreys.")]
+    pub prompt: String,
+    /// Wrap the prompt as a user message in the chat template.
+    #[arg(long)]
+    pub chat: bool,
+    /// With --chat: a system message before the prompt.
+    #[arg(long, requires = "chat")]
+    pub system: Option<String>,
+    /// With --chat: turn thinking off.
+    #[arg(long)]
+    pub no_think: bool,
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: usize,
+    /// Stop when this text appears (repeatable); it is not printed.
+    #[arg(long)]
+    pub stop: Vec<String>,
+}
+
 /// Server settings.
 #[derive(Args, Clone)]
 pub struct ServeArgs {
@@ -152,19 +173,8 @@ enum Command {
     Generate {
         #[command(flatten)]
         model: ModelArgs,
-        #[arg(long, default_value = "Write a haiku about ospreys.")]
-        prompt: String,
-        /// Wrap the prompt as a user message in the chat template.
-        #[arg(long)]
-        chat: bool,
-        /// With --chat: turn thinking off.
-        #[arg(long)]
-        no_think: bool,
-        #[arg(long, default_value_t = 128)]
-        max_tokens: usize,
-        /// Stop when this text appears (repeatable); it is not printed.
-        #[arg(long)]
-        stop: Vec<String>,
+        #[command(flatten)]
+        generate: GenerateArgs,
         #[command(flatten)]
         sampling: SamplingArgs,
     },
@@ -181,6 +191,9 @@ enum Command {
         model: ModelArgs,
         #[arg(long, default_value_t = 1024)]
         max_tokens: usize,
+        /// A system message opening the conversation (kept by /reset).
+        #[arg(long)]
+        system: Option<String>,
         #[command(flatten)]
         sampling: SamplingArgs,
     },
@@ -302,19 +315,16 @@ fn main() -> ExitCode {
         } => commands::quantize(&model, &out, bits, group_size),
         Command::Generate {
             model,
-            prompt,
-            chat,
-            no_think,
-            max_tokens,
-            stop,
+            generate,
             sampling,
-        } => commands::generate(&model, &prompt, chat, no_think, max_tokens, stop, &sampling),
+        } => commands::generate(&model, &generate, &sampling),
         Command::Serve { model, server } => commands::serve(&model, &server),
         Command::Chat {
             model,
             max_tokens,
+            system,
             sampling,
-        } => chat::run(&model, max_tokens, &sampling),
+        } => chat::run(&model, max_tokens, system.as_deref(), &sampling),
         Command::Inspect { model, tensors } => commands::inspect(&model, tensors),
         Command::Score { model, tokens, out } => commands::score(&model, &tokens, &out),
         Command::Eval {

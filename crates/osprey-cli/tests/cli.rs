@@ -84,6 +84,20 @@ fn synth_inspect_generate_score() {
     // the int8 KV cache (the CPU backend rounds K and V as the GPU stores them)
     let (_, err) = ok(&[&args[..], &["--kv-cache", "int8"]].concat());
     assert!(err.contains("decode: "), "{err}");
+    // a system message opens the conversation: the prompt grows by its turn
+    let prompt_tokens = |err: &str| -> usize {
+        let after = err
+            .split("prompt: ")
+            .nth(1)
+            .unwrap_or_else(|| panic!("{err}"));
+        after.split(' ').next().unwrap().parse().unwrap()
+    };
+    let (_, with_system) = ok(&[&args[..], &["--system", "Be brief."]].concat());
+    // <|im_start|> system \n Be brief. <|im_end|> \n
+    assert!(
+        prompt_tokens(&with_system) >= prompt_tokens(&err) + 6,
+        "{with_system}"
+    );
     // sampled generation with a seed is reproducible too
     let args = [
         "generate",
@@ -258,6 +272,8 @@ fn bad_input_gives_clear_errors() {
         out.to_str().unwrap(),
     ]);
     assert!(err.contains("outside the vocabulary"), "{err}");
+    let err = fails(&["generate", "--model", ms, "--system", "x"]);
+    assert!(err.contains("--chat"), "{err}");
     let err = fails(&["generate", "--model", ms, "--top-p", "0"]);
     assert!(err.contains("top_p"), "{err}");
     let err = fails(&["generate", "--model", ms, "--backend", "tpu"]);
@@ -298,6 +314,8 @@ fn terminal_chat_holds_a_conversation() {
             "4",
             "--temperature",
             "0",
+            "--system",
+            "You are terse.",
         ])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
