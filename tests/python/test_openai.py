@@ -126,6 +126,21 @@ def test_n_choices_whole_and_streamed(client):
     assert [streamed[0], streamed[1]] == [c.message.content for c in r.choices]
 
 
+def test_completions_echo_prompt_logprobs_as_lm_eval_asks(client):
+    # lm-evaluation-harness's loglikelihood request (local-completions): token lists, echo,
+    # one token, logprobs=1; it sums token_logprobs[ctxlen:-1] and checks each against the top
+    r = client.completions.create(model="tiny", prompt=[[760, 4087, 369], [760, 4087]], max_tokens=1,
+                                  temperature=0, logprobs=1, echo=True, seed=1234)
+    assert [c.index for c in r.choices] == [0, 1]
+    for c, n in zip(r.choices, [3, 2]):
+        lp = c.logprobs
+        assert len(lp.token_logprobs) == n + 1 and lp.token_logprobs[0] is None
+        assert all(x <= 0 for x in lp.token_logprobs[1:])
+        # the greedy token generated last is the top alternative
+        assert lp.token_logprobs[-1] == max(lp.top_logprobs[-1].values())
+    assert r.usage.prompt_tokens == 5
+
+
 def test_a_reply_begun_by_the_caller_is_continued(client):
     # vLLM's form: the prompt ends inside the final assistant message, and the reply is the rest
     begun = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite is"}]

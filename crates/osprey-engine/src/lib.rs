@@ -158,6 +158,10 @@ impl Backend for CpuBackend {
 /// Default prefill chunk: bounds scratch memory for long prompts.
 pub const DEFAULT_PREFILL_CHUNK: usize = 512;
 
+/// Positions a scored prefill runs at once: their logits are held together (~64 MB at the real
+/// vocabulary).
+const SCORED_CHUNK: usize = 64;
+
 pub struct Engine {
     pub backend: Box<dyn Backend>,
     pub prefill_chunk: usize,
@@ -272,13 +276,26 @@ impl Engine {
     pub fn score(&self, tokens: &[u32]) -> Result<Vec<f32>> {
         let mut s = self.new_session();
         let mut out = Vec::with_capacity(tokens.len() * self.config().vocab_size);
-        for chunk in tokens.chunks(self.prefill_chunk.max(1)) {
-            out.extend(
-                self.backend
-                    .forward(&mut s.state, &s.tokens, chunk, LogitsFor::All)?,
-            );
+        self.prefill_scored(&mut s, tokens, &mut |row| out.extend_from_slice(row))?;
+        Ok(out)
+    }
+
+    /// Prefills `tokens` into the session handing each position's logits to `each`, in order,
+    /// a few positions at a time (a position's logits are ~1 MB at the real vocabulary).
+    pub fn prefill_scored(
+        &self,
+        s: &mut Session,
+        tokens: &[u32],
+        each: &mut dyn FnMut(&[f32]),
+    ) -> Result<()> {
+        let vocab = self.config().vocab_size;
+        for chunk in tokens.chunks(self.prefill_chunk.clamp(1, SCORED_CHUNK)) {
+            let logits = self
+                .backend
+                .forward(&mut s.state, &s.tokens, chunk, LogitsFor::All)?;
+            logits.chunks_exact(vocab).for_each(&mut *each);
             s.tokens.extend_from_slice(chunk);
         }
-        Ok(out)
+        Ok(())
     }
 }

@@ -526,6 +526,8 @@ pub async fn messages(
                     deltas.iter().for_each(|d| blocks.push(d, out));
                     false
                 }
+                // (a chat request never asks for its prompt back)
+                Event::Prompt { .. } => false,
                 Event::Done {
                     finish_reason,
                     stop_sequence,

@@ -73,7 +73,6 @@ const UNSUPPORTED: &[&str] = &[
     "web_search_options",
     "best_of",
     "suffix",
-    "echo",
 ];
 
 pub struct Fields<'a> {
@@ -296,10 +295,12 @@ pub fn generation_request(
             None => rand::random(),
         },
     };
-    let max_tokens = match f.int_in("max_completion_tokens", 1, u32::MAX as i64)? {
+    // a completion may ask for none (its echoed prompt's log-probabilities are the answer)
+    let fewest = i64::from(chat);
+    let max_tokens = match f.int_in("max_completion_tokens", fewest, u32::MAX as i64)? {
         Some(n) => Some(n as usize),
         None => f
-            .int_in("max_tokens", 1, u32::MAX as i64)?
+            .int_in("max_tokens", fewest, u32::MAX as i64)?
             .map(|n| n as usize),
     };
     let stop = match f.get("stop") {

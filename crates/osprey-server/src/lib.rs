@@ -406,6 +406,8 @@ impl AppState {
 
 /// A whole reply, gathered from the engine's events.
 struct WholeReply {
+    /// The echoed prompt: its text, its first token's, and the rest's log-probabilities.
+    prompt: Option<(String, String, Option<Vec<TokenLogprob>>)>,
     deltas: Vec<Delta>,
     logprobs: Vec<TokenLogprob>,
     finish_reason: &'static str,
@@ -416,9 +418,14 @@ struct WholeReply {
 /// Waits for the engine to finish a request and gathers its reply; its failure is the error to
 /// answer with.
 async fn whole_reply(rx: &mut mpsc::UnboundedReceiver<Event>) -> ApiResult<WholeReply> {
-    let (mut deltas, mut logprobs) = (Vec::new(), Vec::new());
+    let (mut deltas, mut logprobs, mut prompt) = (Vec::new(), Vec::new(), None);
     while let Some(ev) = rx.recv().await {
         match ev {
+            Event::Prompt {
+                text,
+                first_token,
+                logprobs,
+            } => prompt = Some((text, first_token, logprobs)),
             Event::Deltas {
                 deltas: d,
                 logprobs: l,
@@ -432,6 +439,7 @@ async fn whole_reply(rx: &mut mpsc::UnboundedReceiver<Event>) -> ApiResult<Whole
                 usage,
             } => {
                 return Ok(WholeReply {
+                    prompt,
                     deltas,
                     logprobs,
                     finish_reason,
@@ -647,6 +655,8 @@ fn prepare_chat_request(
     let (tx, rx) = mpsc::unbounded_channel();
     let job = Job {
         prompt,
+        echo: None,
+        prompt_logprobs: None,
         branches,
         gen: gen.clone(),
         max_tokens,
@@ -744,70 +754,121 @@ fn render_chat(
     Ok((text, prompt))
 }
 
-const COMPLETION_FIELDS: &[&str] = &["prompt"];
+const COMPLETION_FIELDS: &[&str] = &["prompt", "echo"];
+
+/// Most prompts one completions request may hold (a batch, as evaluation harnesses send).
+const MAX_PROMPTS: usize = 64;
 
 async fn completions(
     State(st): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let received = Instant::now();
-    let prepared =
-        json_body(body).and_then(|body| choices(&body, |b| prepare_completion(&st, b, received)));
+    let prepared = json_body(body).and_then(|body| {
+        let mut all = Vec::new();
+        let mut gen = None;
+        for prompt in completion_prompts(&st, &body)? {
+            let (some, g) = choices(&body, |b| prepare_completion(&st, b, &prompt, received))?;
+            all.extend(some);
+            gen.get_or_insert(g);
+        }
+        Ok((
+            all,
+            gen.ok_or_else(|| internal("a request without prompts"))?,
+        ))
+    });
     match prepared {
         Ok((choices, gen)) => respond(st, choices, gen, false).await,
         Err(e) => e.into_response(),
     }
 }
 
-/// A completions request (a prompt as text or token ids) made into a job.
-fn prepare_completion(st: &AppState, body: &Value, received: Instant) -> ApiResult<Prepared> {
+/// One prompt of a completions request: its tokens, and its text (what `echo` gives back).
+struct CompletionPrompt {
+    ids: Vec<u32>,
+    text: String,
+}
+
+/// A completions request's prompts: a string, token ids, or a list of either (a batch, each
+/// prompt's choices after the one before's).
+fn completion_prompts(st: &AppState, body: &Value) -> ApiResult<Vec<CompletionPrompt>> {
+    let bad = |msg: String| ApiError::bad_request(msg, Some("prompt"));
+    let from_text = |s: &str| -> ApiResult<CompletionPrompt> {
+        let ids = st.format.encode(s).map_err(|e| bad(format!("{e:#}")))?;
+        Ok(CompletionPrompt {
+            ids,
+            text: s.to_string(),
+        })
+    };
+    let from_ids = |a: &[Value]| -> ApiResult<CompletionPrompt> {
+        let ids: Vec<u32> = a
+            .iter()
+            .map(|x| match x.as_u64() {
+                Some(i) if (i as usize) < st.vocab_size => Ok(i as u32),
+                _ => Err(bad(format!(
+                    "token id {x} is not one of the vocabulary's ({} ids)",
+                    st.vocab_size
+                ))),
+            })
+            .collect::<ApiResult<_>>()?;
+        let text = st.format.decode(&ids).map_err(|e| bad(format!("{e:#}")))?;
+        Ok(CompletionPrompt { ids, text })
+    };
+    let prompts = match body.get("prompt") {
+        Some(Value::String(s)) => vec![from_text(s)?],
+        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_number) => {
+            vec![from_ids(a)?]
+        }
+        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_string) => a
+            .iter()
+            .map(|s| from_text(s.as_str().unwrap_or_default()))
+            .collect::<ApiResult<_>>()?,
+        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_array) => a
+            .iter()
+            .map(|ids| from_ids(ids.as_array().map_or(&[], Vec::as_slice)))
+            .collect::<ApiResult<_>>()?,
+        _ => {
+            return Err(bad(
+                "'prompt' must be a string, token ids, or a non-empty list of strings or of token-id lists".into(),
+            ))
+        }
+    };
+    if prompts.len() > MAX_PROMPTS {
+        return Err(bad(format!(
+            "'prompt' holds {} prompts; at most {MAX_PROMPTS}",
+            prompts.len()
+        )));
+    }
+    if let Some(i) = prompts.iter().position(|p| p.ids.is_empty()) {
+        return Err(bad(format!("prompt {i} encodes to no tokens")));
+    }
+    Ok(prompts)
+}
+
+/// One prompt of a completions request made into a job.
+fn prepare_completion(
+    st: &AppState,
+    body: &Value,
+    prompt: &CompletionPrompt,
+    received: Instant,
+) -> ApiResult<Prepared> {
     let f = Fields::parse(body)?;
     f.check_known(&[api::GENERATION_FIELDS, COMPLETION_FIELDS].concat())?;
     st.check_model(&f)?;
     let gen = api::generation_request(&f, &st.format.defaults, false, st.format.vocab_size)?;
-    let prompt = match f.get("prompt") {
-        Some(Value::String(s)) => st
-            .format
-            .encode(s)
-            .map_err(|e| ApiError::bad_request(format!("{e:#}"), Some("prompt")))?,
-        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => st
-            .format
-            .encode(a[0].as_str().unwrap_or_default())
-            .map_err(|e| ApiError::bad_request(format!("{e:#}"), Some("prompt")))?,
-        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(|x| x.is_u64()) => {
-            let ids: Vec<u32> = a
-                .iter()
-                .filter_map(Value::as_u64)
-                .map(|x| x as u32)
-                .collect();
-            if let Some(bad) = ids.iter().find(|&&i| i as usize >= st.vocab_size) {
-                return Err(ApiError::bad_request(
-                    format!(
-                        "token id {bad} is outside the vocabulary ({})",
-                        st.vocab_size
-                    ),
-                    Some("prompt"),
-                ));
-            }
-            ids
-        }
-        _ => {
-            return Err(ApiError::bad_request(
-                "'prompt' must be a string, a list with one string, or a list of token ids",
-                Some("prompt"),
-            ))
-        }
-    };
-    if prompt.is_empty() {
+    let echo = f.bool("echo")?;
+    if gen.max_tokens == Some(0) && !echo {
         return Err(ApiError::bad_request(
-            "'prompt' encodes to no tokens",
-            Some("prompt"),
+            "'max_tokens' may be 0 only with 'echo': true (the prompt's log-probabilities are then the answer)",
+            Some("max_tokens"),
         ));
     }
-    let max_tokens = st.max_tokens(prompt.len(), &gen)?;
+    let max_tokens = st.max_tokens(prompt.ids.len(), &gen)?;
     let (tx, rx) = mpsc::unbounded_channel();
     let job = Job {
-        prompt,
+        prompt: prompt.ids.clone(),
+        echo: echo.then(|| prompt.text.clone()),
+        prompt_logprobs: gen.logprobs.filter(|_| echo),
         branches: Vec::new(),
         gen: gen.clone(),
         max_tokens,
@@ -817,6 +878,55 @@ fn prepare_completion(st: &AppState, body: &Value, received: Instant) -> ApiResu
         deadline: received + st.cfg.request_timeout,
     };
     Ok((job, rx, gen))
+}
+
+/// The completions API's log-probabilities of some tokens (text, log-probability and
+/// alternatives with the token itself among them, as vLLM gives; none for a prompt's first
+/// token): the lists it gives per choice, each token's place in the choice's text counted on
+/// from `offset` by the lengths of the tokens' texts.
+fn completion_logprobs<'a>(
+    entries: impl Iterator<Item = (&'a str, Option<&'a TokenLogprob>)>,
+    offset: &mut usize,
+) -> Value {
+    let (mut tokens, mut logprobs, mut tops, mut offsets) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for (token, entry) in entries {
+        tokens.push(json!(token));
+        offsets.push(json!(*offset));
+        *offset += token.chars().count();
+        match entry {
+            None => {
+                logprobs.push(Value::Null);
+                tops.push(Value::Null);
+            }
+            Some(e) => {
+                logprobs.push(json!(e.logprob));
+                let mut top: Map<String, Value> = e
+                    .top_logprobs
+                    .iter()
+                    .map(|t| (t.token.clone(), json!(t.logprob)))
+                    .collect();
+                top.entry(e.token.clone()).or_insert(json!(e.logprob));
+                tops.push(Value::Object(top));
+            }
+        }
+    }
+    json!({"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops,
+           "text_offset": offsets})
+}
+
+/// The completions entries of tokens chosen by the model.
+fn chosen(entries: &[TokenLogprob]) -> impl Iterator<Item = (&str, Option<&TokenLogprob>)> {
+    entries.iter().map(|e| (e.token.as_str(), Some(e)))
+}
+
+/// The completions entries of an echoed prompt: its first token (no log-probability), then the
+/// rest.
+fn prompt_entries<'a>(
+    first_token: &'a str,
+    rest: &'a [TokenLogprob],
+) -> impl Iterator<Item = (&'a str, Option<&'a TokenLogprob>)> {
+    std::iter::once((first_token, None)).chain(chosen(rest))
 }
 
 fn logprobs_json(entries: &[TokenLogprob]) -> Value {
@@ -853,15 +963,19 @@ async fn respond(
     gen: GenerationRequest,
     chat: bool,
 ) -> Response {
-    let mut queue: Vec<(Option<Job>, mpsc::UnboundedReceiver<Event>)> = Vec::new();
+    // each choice: its job until queued, its events, and whether its prompt is the one before's
+    let mut queue: Vec<(Option<Job>, mpsc::UnboundedReceiver<Event>, bool)> = Vec::new();
+    let mut before: Option<Vec<u32>> = None;
     for (i, (job, rx)) in choices.into_iter().enumerate() {
+        let same_prompt = before.as_ref() == Some(&job.prompt);
+        before = Some(job.prompt.clone());
         if i == 0 {
             if let Err(e) = st.enqueue(job) {
                 return e.into_response();
             }
-            queue.push((None, rx));
+            queue.push((None, rx, same_prompt));
         } else {
-            queue.push((Some(job), rx));
+            queue.push((Some(job), rx, same_prompt));
         }
     }
     let id = st.next_id(if chat { "chatcmpl" } else { "cmpl" });
@@ -883,7 +997,9 @@ async fn respond(
             };
             let error_chunk = |message: &str| json!({"error": {"message": message, "type": "server_error", "param": null, "code": null}});
             let mut total: Option<Usage> = None;
-            'choices: for (index, (job, mut rx)) in queue.into_iter().enumerate() {
+            'choices: for (index, (job, mut rx, same_prompt)) in queue.into_iter().enumerate() {
+                // where the next token's text starts in the choice's (an echoed prompt's first)
+                let mut offset = 0;
                 if let Some(job) = job {
                     if let Err(e) = st.enqueue(job) {
                         send(error_chunk(&e.message));
@@ -900,6 +1016,22 @@ async fn respond(
                 }
                 while let Some(ev) = rx.recv().await {
                     let alive = match ev {
+                        Event::Prompt {
+                            text,
+                            first_token,
+                            logprobs,
+                        } => {
+                            let lp = match &logprobs {
+                                Some(rest) => completion_logprobs(
+                                    prompt_entries(&first_token, rest),
+                                    &mut offset,
+                                ),
+                                None => Value::Null,
+                            };
+                            send(chunk(
+                                json!({"index": index, "text": text, "logprobs": lp, "finish_reason": null}),
+                            ))
+                        }
                         Event::Deltas { deltas, logprobs } => {
                             let lp = if logprobs.is_empty() {
                                 Value::Null
@@ -927,8 +1059,13 @@ async fn respond(
                                         }
                                     })
                                     .collect();
+                                let lp = if gen.logprobs.is_some() {
+                                    completion_logprobs(chosen(&logprobs), &mut offset)
+                                } else {
+                                    Value::Null
+                                };
                                 send(chunk(
-                                    json!({"index": index, "text": text, "logprobs": null, "finish_reason": null}),
+                                    json!({"index": index, "text": text, "logprobs": lp, "finish_reason": null}),
                                 ))
                             }
                         }
@@ -943,7 +1080,8 @@ async fn respond(
                                 json!({"index": index, "text": "", "logprobs": null, "finish_reason": finish_reason})
                             };
                             send(chunk(last));
-                            total = Some(total.map_or(usage, |t| t.with_choice(&usage)));
+                            total =
+                                Some(total.map_or(usage, |t| t.with_choice(&usage, same_prompt)));
                             continue 'choices;
                         }
                         Event::Error { message, .. } => {
@@ -973,7 +1111,7 @@ async fn respond(
 
     let mut replies = Vec::new();
     let mut total: Option<Usage> = None;
-    for (index, (job, mut rx)) in queue.into_iter().enumerate() {
+    for (index, (job, mut rx, same_prompt)) in queue.into_iter().enumerate() {
         if let Some(job) = job {
             if let Err(e) = st.enqueue(job) {
                 return e.into_response();
@@ -983,18 +1121,23 @@ async fn respond(
             Ok(w) => w,
             Err(e) => return e.into_response(),
         };
-        total = Some(total.map_or(whole.usage, |t| t.with_choice(&whole.usage)));
+        total = Some(total.map_or(whole.usage, |t| t.with_choice(&whole.usage, same_prompt)));
         let parse::Reply {
             reasoning,
             content,
             calls,
         } = parse::collect(&whole.deltas);
         let finish_reason = whole.finish_reason;
-        let lp = if gen.logprobs.is_some() {
-            logprobs_json(&whole.logprobs)
-        } else {
-            Value::Null
+        let lp = match (&gen.logprobs, chat, &whole.prompt) {
+            (None, ..) => Value::Null,
+            (Some(_), true, _) => logprobs_json(&whole.logprobs),
+            (Some(_), false, Some((_, first, Some(rest)))) => completion_logprobs(
+                prompt_entries(first, rest).chain(chosen(&whole.logprobs)),
+                &mut 0,
+            ),
+            (Some(_), false, _) => completion_logprobs(chosen(&whole.logprobs), &mut 0),
         };
+        let echo = whole.prompt.map(|(text, ..)| text).unwrap_or_default();
         replies.push(if chat {
             let mut message = json!({"role": "assistant", "content": if content.is_empty() && !calls.is_empty() { Value::Null } else { Value::String(content) }});
             if !reasoning.is_empty() {
@@ -1005,7 +1148,7 @@ async fn respond(
             }
             json!({"index": index, "message": message, "logprobs": lp, "finish_reason": finish_reason})
         } else {
-            json!({"index": index, "text": content, "logprobs": null, "finish_reason": finish_reason})
+            json!({"index": index, "text": echo + &content, "logprobs": lp, "finish_reason": finish_reason})
         });
     }
     let usage = usage_json(&total.unwrap_or_default());

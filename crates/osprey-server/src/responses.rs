@@ -739,6 +739,8 @@ pub async fn responses(
                 deltas.extend(d);
                 false
             }
+            // (a chat request never asks for its prompt back)
+            Event::Prompt { .. } => false,
             Event::Done {
                 finish_reason,
                 usage,

@@ -44,6 +44,12 @@ const CLOSE_REASONING: &str = "\n</think>";
 
 pub struct Job {
     pub prompt: Vec<u32>,
+    /// The prompt's text, reported back (`Event::Prompt`) before the reply: a completion's
+    /// `echo`.
+    pub echo: Option<String>,
+    /// With `echo`: each prompt token's log-probability and this many alternatives (the
+    /// prompt then runs from scratch, every position's logits kept).
+    pub prompt_logprobs: Option<usize>,
     /// Snapshot the state at these positions, ascending (a shared system part's end, the start
     /// of the assistant turn: where other conversations and the next turn branch).
     pub branches: Vec<usize>,
@@ -80,18 +86,31 @@ pub struct Usage {
 }
 
 impl Usage {
-    /// The usage of a request with one more choice: the prompt is counted once (as the first
-    /// choice read it), the generated tokens of every choice.
-    pub fn with_choice(self, other: &Usage) -> Usage {
+    /// The usage of a request with one more choice: the generated tokens of every choice, each
+    /// prompt once (a choice of the same prompt as the one before adds none of its tokens).
+    pub fn with_choice(self, other: &Usage, same_prompt: bool) -> Usage {
+        let (prompt, cached) = if same_prompt {
+            (0, 0)
+        } else {
+            (other.prompt_tokens, other.cached_tokens)
+        };
         Usage {
+            prompt_tokens: self.prompt_tokens + prompt,
+            cached_tokens: self.cached_tokens + cached,
             completion_tokens: self.completion_tokens + other.completion_tokens,
             reasoning_tokens: self.reasoning_tokens + other.reasoning_tokens,
-            ..self
         }
     }
 }
 
 pub enum Event {
+    /// The prompt, for `echo`: its text, its first token's text, and the log-probabilities of
+    /// the rest when they were asked for.
+    Prompt {
+        text: String,
+        first_token: String,
+        logprobs: Option<Vec<TokenLogprob>>,
+    },
     Deltas {
         deltas: Vec<Delta>,
         logprobs: Vec<TokenLogprob>,
@@ -274,6 +293,30 @@ fn log_softmax_top(logits: &[f32], chosen: u32, top: usize, format: &PromptForma
     }
 }
 
+/// Runs `prompt` in a fresh session keeping each position's logits only long enough to take
+/// the next token's log-probability (with `top` alternatives); returns the session, those
+/// log-probabilities (for tokens 1.., the first has no context) and the last position's logits.
+fn score_prompt(
+    engine: &Engine,
+    format: &PromptFormat,
+    prompt: &[u32],
+    top: usize,
+) -> anyhow::Result<(Session, Vec<TokenLogprob>, Vec<f32>)> {
+    let valid_vocab = format.vocab_size.min(engine.config().vocab_size);
+    let mut session = engine.new_session();
+    let mut logprobs = Vec::with_capacity(prompt.len().saturating_sub(1));
+    let mut last = Vec::new();
+    engine.prefill_scored(
+        &mut session,
+        prompt,
+        &mut |row| match prompt.get(logprobs.len() + 1) {
+            Some(&next) => logprobs.push(log_softmax_top(&row[..valid_vocab], next, top, format)),
+            None => last = row.to_vec(),
+        },
+    )?;
+    Ok((session, logprobs, last))
+}
+
 /// What a chosen token means for the reply.
 enum Next {
     Continue,
@@ -431,7 +474,25 @@ impl Worker {
         // cached copy of the whole prompt with its logits needs no prefill
         let started = Instant::now();
         let recomputed_before = engine.recomputed_tokens();
-        let (mut session, cached, ready) = self.cache.resume(engine, prompt, &job.branches)?;
+        // an echoed prompt with its log-probabilities runs from scratch, every position scored
+        let (scored, prompt_logprobs) = match job.prompt_logprobs {
+            Some(top) => {
+                let (session, logprobs, last) = score_prompt(engine, &format, prompt, top)?;
+                (Some((session, last)), Some(logprobs))
+            }
+            None => (None, None),
+        };
+        if let Some(text) = &job.echo {
+            let _ = job.events.send(Event::Prompt {
+                text: text.clone(),
+                first_token: format.decode(&prompt[..1])?,
+                logprobs: prompt_logprobs,
+            });
+        }
+        let (mut session, cached, ready) = match scored {
+            Some((session, last)) => (session, 0, Some(last)),
+            None => self.cache.resume(engine, prompt, &job.branches)?,
+        };
         let mut logits = match ready {
             Some(l) => l,
             None => {

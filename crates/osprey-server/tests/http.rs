@@ -1744,3 +1744,109 @@ async fn parallel_tool_calls_false_ends_the_reply_after_one_call() {
         );
     }
 }
+
+#[tokio::test]
+async fn completions_echo_the_prompt_with_its_log_probabilities() {
+    let s = Server::tiny(config()).await;
+    let format = PromptFormat::from_dir(tiny_dir()).unwrap();
+    let prompt = format.encode("Once upon a time there").unwrap();
+    // the greedy next token and its log-probability, from a plain completion
+    let (st, r) = s
+        .post(
+            "/v1/completions",
+            json!({"prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 2}),
+        )
+        .await;
+    assert_eq!(st, 200, "{r}");
+    let lp = &r["choices"][0]["logprobs"];
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), 1, "{r}");
+    let next_lp = lp["token_logprobs"][0].as_f64().unwrap();
+    let next = format.encode(lp["tokens"][0].as_str().unwrap()).unwrap();
+    assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 2, "{r}");
+
+    // lm-evaluation-harness's loglikelihood request: a batch of token lists, echo, one token
+    let extended: Vec<u32> = prompt.iter().chain(&next).copied().collect();
+    let (st, r) = s
+        .post(
+            "/v1/completions",
+            json!({"prompt": [prompt, extended], "max_tokens": 1, "temperature": 0,
+                   "logprobs": 1, "echo": true, "seed": 1234}),
+        )
+        .await;
+    assert_eq!(st, 200, "{r}");
+    let choices = r["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2);
+    for (c, ids) in choices.iter().zip([&prompt, &extended]) {
+        let lp = &c["logprobs"];
+        let logprobs = lp["token_logprobs"].as_array().unwrap();
+        // every prompt token and the one generated
+        assert_eq!(logprobs.len(), ids.len() + 1, "{c}");
+        assert!(logprobs[0].is_null() && lp["top_logprobs"][0].is_null());
+        assert!(logprobs[1..].iter().all(|x| x.as_f64().unwrap() <= 0.0));
+        assert!(c["text"]
+            .as_str()
+            .unwrap()
+            .starts_with("Once upon a time there"));
+        let offsets = lp["text_offset"].as_array().unwrap();
+        assert!(offsets.windows(2).all(|w| w[0].as_u64() <= w[1].as_u64()));
+    }
+    // the token the model chose after the prompt, scored as part of the next prompt: the same
+    // log-probability (the prompt scored position by position on the CPU path; 1e-3 for the
+    // different chunking of the same arithmetic)
+    let scored = choices[1]["logprobs"]["token_logprobs"][prompt.len()]
+        .as_f64()
+        .unwrap();
+    assert!((scored - next_lp).abs() < 1e-3, "{scored} vs {next_lp}");
+    // and what follows the first prompt, generated greedily, is that token
+    assert_eq!(
+        choices[0]["logprobs"]["token_logprobs"][prompt.len()]
+            .as_f64()
+            .unwrap(),
+        next_lp
+    );
+    assert_eq!(
+        r["usage"]["prompt_tokens"],
+        prompt.len() + extended.len(),
+        "{r}"
+    );
+
+    // no generation at all: the prompt's log-probabilities are the answer
+    let (st, r) = s
+        .post(
+            "/v1/completions",
+            json!({"prompt": "Once upon a time there", "max_tokens": 0, "echo": true, "logprobs": 0}),
+        )
+        .await;
+    assert_eq!(st, 200, "{r}");
+    assert_eq!(r["choices"][0]["text"], "Once upon a time there");
+    assert_eq!(r["usage"]["completion_tokens"], 0);
+    assert_eq!(
+        r["choices"][0]["logprobs"]["tokens"]
+            .as_array()
+            .unwrap()
+            .len(),
+        prompt.len()
+    );
+    let (st, r) = s
+        .post(
+            "/v1/completions",
+            json!({"prompt": "Once", "max_tokens": 0}),
+        )
+        .await;
+    assert_eq!(
+        (st, &r["error"]["param"]),
+        (400, &json!("max_tokens")),
+        "{r}"
+    );
+
+    // streamed: the prompt comes first
+    let text = s
+        .sse_text(
+            "/v1/completions",
+            json!({"prompt": "Once upon", "max_tokens": 2, "echo": true, "stream": true, "temperature": 0}),
+        )
+        .await;
+    let first: Value =
+        serde_json::from_str(text.lines().find_map(|l| l.strip_prefix("data: ")).unwrap()).unwrap();
+    assert_eq!(first["choices"][0]["text"], "Once upon", "{text}");
+}
