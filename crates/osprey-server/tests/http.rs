@@ -242,6 +242,12 @@ impl Server {
         (status, r.json().await.unwrap_or(Value::Null))
     }
 
+    /// Posts a request the server must refuse with a 400 naming `param`.
+    async fn refuses(&self, path: &str, body: Value, param: &str) {
+        let (st, r) = self.post(path, body).await;
+        assert_eq!((st, &r["error"]["param"]), (400, &json!(param)), "{r}");
+    }
+
     async fn post_raw(&self, path: &str, body: Vec<u8>, key: Option<&str>) -> (u16, Value) {
         let mut req = self
             .client
@@ -1344,17 +1350,12 @@ async fn thinking_token_budget_closes_the_reasoning_for_the_model() {
         plain["usage"]["completion_tokens_details"]["reasoning_tokens"],
         16
     );
-    let (st, r) = s
-        .post(
-            "/v1/chat/completions",
-            json!({"messages": user("hi"), "thinking_token_budget": -1}),
-        )
-        .await;
-    assert_eq!(
-        (st, &r["error"]["param"]),
-        (400, &json!("thinking_token_budget")),
-        "{r}"
-    );
+    s.refuses(
+        "/v1/chat/completions",
+        json!({"messages": user("hi"), "thinking_token_budget": -1}),
+        "thinking_token_budget",
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -1452,8 +1453,7 @@ async fn a_reply_begun_by_the_caller_is_continued() {
             "continue_final_message",
         ),
     ] {
-        let (st, r) = s.post("/v1/chat/completions", body).await;
-        assert_eq!((st, &r["error"]["param"]), (400, &json!(param)), "{r}");
+        s.refuses("/v1/chat/completions", body, param).await;
     }
 }
 
@@ -1592,17 +1592,12 @@ async fn reasoning_effort_none_turns_thinking_off() {
         assert_eq!(st, 200, "{r}");
         assert!(thought(&r), "{r}");
     }
-    let (st, r) = s
-        .post(
-            "/v1/chat/completions",
-            ask(json!({"reasoning_effort": "max"})),
-        )
-        .await;
-    assert_eq!(
-        (st, &r["error"]["param"]),
-        (400, &json!("reasoning_effort")),
-        "{r}"
-    );
+    s.refuses(
+        "/v1/chat/completions",
+        ask(json!({"reasoning_effort": "max"})),
+        "reasoning_effort",
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -1732,16 +1727,12 @@ async fn parallel_tool_calls_false_ends_the_reply_after_one_call() {
             .filter(|b| b["type"] == "tool_use")
             .count();
         assert_eq!((uses, &r["stop_reason"]), (1, &json!("tool_use")), "{r}");
-        let (st, r) = s
-            .post(
-                "/v1/chat/completions",
-                ask(json!({"parallel_tool_calls": "no"})),
-            )
-            .await;
-        assert_eq!(
-            (st, &r["error"]["param"]),
-            (400, &json!("parallel_tool_calls"))
-        );
+        s.refuses(
+            "/v1/chat/completions",
+            ask(json!({"parallel_tool_calls": "no"})),
+            "parallel_tool_calls",
+        )
+        .await;
     }
 }
 
@@ -1827,17 +1818,12 @@ async fn completions_echo_the_prompt_with_its_log_probabilities() {
             .len(),
         prompt.len()
     );
-    let (st, r) = s
-        .post(
-            "/v1/completions",
-            json!({"prompt": "Once", "max_tokens": 0}),
-        )
-        .await;
-    assert_eq!(
-        (st, &r["error"]["param"]),
-        (400, &json!("max_tokens")),
-        "{r}"
-    );
+    s.refuses(
+        "/v1/completions",
+        json!({"prompt": "Once", "max_tokens": 0}),
+        "max_tokens",
+    )
+    .await;
 
     // streamed: the prompt comes first
     let text = s
