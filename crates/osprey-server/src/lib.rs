@@ -543,8 +543,9 @@ async fn chat_completions(
 
 type Prepared = (Job, mpsc::UnboundedReceiver<Event>, GenerationRequest);
 
-/// One reply of a request: its job and the receiver of its events.
-type Choice = (Job, mpsc::UnboundedReceiver<Event>);
+/// One reply of a request: its job, the receiver of its events, and whether it is the first
+/// reply to its prompt (a request's usage counts each prompt once).
+type Choice = (Job, mpsc::UnboundedReceiver<Event>, bool);
 
 /// The request's `n` choices, each prepared as a job of its own (every one checked before any
 /// runs); with a `seed`, choice i samples with seed + i, so they differ and repeat alike.
@@ -554,13 +555,13 @@ fn choices(
 ) -> ApiResult<(Vec<Choice>, GenerationRequest)> {
     let (job, rx, gen) = prepare(body)?;
     let seeded = body.get("seed").is_some_and(|s| !s.is_null());
-    let mut out = vec![(job, rx)];
+    let mut out = vec![(job, rx, true)];
     for i in 1..gen.choices {
         let (mut job, rx, _) = prepare(body)?;
         if seeded {
             job.gen.sampling.seed = gen.sampling.seed.wrapping_add(i as u64);
         }
-        out.push((job, rx));
+        out.push((job, rx, false));
     }
     Ok((out, gen))
 }
@@ -965,10 +966,8 @@ async fn respond(
 ) -> Response {
     // each choice: its job until queued, its events, and whether its prompt is the one before's
     let mut queue: Vec<(Option<Job>, mpsc::UnboundedReceiver<Event>, bool)> = Vec::new();
-    let mut before: Option<Vec<u32>> = None;
-    for (i, (job, rx)) in choices.into_iter().enumerate() {
-        let same_prompt = before.as_ref() == Some(&job.prompt);
-        before = Some(job.prompt.clone());
+    for (i, (job, rx, first_of_prompt)) in choices.into_iter().enumerate() {
+        let same_prompt = !first_of_prompt;
         if i == 0 {
             if let Err(e) = st.enqueue(job) {
                 return e.into_response();
