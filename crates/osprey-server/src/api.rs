@@ -162,10 +162,36 @@ pub struct GenerationRequest {
     /// Generate past end-of-turn tokens until `max_tokens` or a stop string (vLLM's
     /// `ignore_eos`, which serving benchmarks send to fix every reply's length).
     pub ignore_eos: bool,
+    /// More token ids that end the reply (vLLM's `stop_token_ids`; not ignored by `ignore_eos`).
+    pub stop_token_ids: Vec<u32>,
 }
 
 /// Most choices (`n`) one request may ask for: each is a whole generation on a batch-1 engine.
 pub const MAX_CHOICES: usize = 16;
+
+/// `stop_token_ids`: a list of at most 64 ids below `vocab`.
+fn stop_token_ids(f: &Fields, vocab: usize) -> ApiResult<Vec<u32>> {
+    let Some(v) = f.get("stop_token_ids") else {
+        return Ok(Vec::new());
+    };
+    let ids: Option<Vec<u32>> = v.as_array().filter(|a| a.len() <= 64).and_then(|a| {
+        a.iter()
+            .map(|x| {
+                x.as_u64()
+                    .filter(|&i| (i as usize) < vocab)
+                    .map(|i| i as u32)
+            })
+            .collect()
+    });
+    ids.ok_or_else(|| {
+        ApiError::bad_request(
+            format!(
+                "'stop_token_ids' must be a list of at most 64 token ids below {vocab}, got {v}"
+            ),
+            Some("stop_token_ids"),
+        )
+    })
+}
 
 /// Most entries `logit_bias` may hold (OpenAI documents no limit; this bounds a request's work).
 const MAX_LOGIT_BIAS: usize = 1024;
@@ -234,6 +260,7 @@ pub const GENERATION_FIELDS: &[&str] = &[
     "logit_bias",
     "n",
     "ignore_eos",
+    "stop_token_ids",
 ];
 
 pub fn generation_request(
@@ -370,6 +397,7 @@ pub fn generation_request(
         logit_bias: logit_bias(f, vocab)?,
         choices,
         ignore_eos: f.bool("ignore_eos")?,
+        stop_token_ids: stop_token_ids(f, vocab)?,
     })
 }
 

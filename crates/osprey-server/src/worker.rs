@@ -380,7 +380,8 @@ impl Reply<'_> {
             (Some(top), Some(l)) => vec![log_softmax_top(l, token, top, self.format)],
             _ => Vec::new(),
         };
-        if !job.gen.ignore_eos && self.format.stop_ids.contains(&token) {
+        let ends_turn = !job.gen.ignore_eos && self.format.stop_ids.contains(&token);
+        if ends_turn || job.gen.stop_token_ids.contains(&token) {
             self.finish = "stop";
             if !logprobs.is_empty() {
                 let _ = job.events.send(Event::Deltas {

@@ -1619,6 +1619,26 @@ async fn ignore_eos_runs_to_the_token_limit() {
         assert_eq!(r["usage"]["completion_tokens"], 6, "{r}");
         // "Hi" "." <|im_end|>, twice: past the end of turn, which adds no text
         assert_eq!(r["choices"][0]["message"]["content"], "Hi.Hi.", "{r}");
+        // stop_token_ids end it still, and so does any other id given
+        let format = PromptFormat::from_dir(tiny_dir()).unwrap();
+        let dot = format.encode(".").unwrap()[0];
+        for (ids, content) in [(json!([248046]), "Hi."), (json!([dot]), "Hi")] {
+            let (st, r) = s
+                .post(
+                    "/v1/chat/completions",
+                    with(ask(true), json!({"stop_token_ids": ids})),
+                )
+                .await;
+            assert_eq!(st, 200, "{r}");
+            assert_eq!(r["choices"][0]["message"]["content"], content, "{r}");
+            assert_eq!(r["choices"][0]["finish_reason"], "stop", "{r}");
+        }
+        s.refuses(
+            "/v1/chat/completions",
+            with(ask(true), json!({"stop_token_ids": [-1]})),
+            "stop_token_ids",
+        )
+        .await;
     }
 }
 
