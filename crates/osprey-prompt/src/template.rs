@@ -95,32 +95,25 @@ fn mark_final_message(messages: &mut Value) -> Result<String> {
     let Some(last) = messages.as_array_mut().and_then(|m| m.last_mut()) else {
         bail!("continue_final_message is set but the conversation is empty");
     };
-    match last.get_mut("content") {
-        Some(Value::String(s)) => {
-            let text = s.clone();
-            s.push_str(CONTINUE_TAG);
-            Ok(text)
-        }
-        Some(Value::Array(parts)) => {
-            let text_part = parts.iter_mut().rev().find_map(|p| {
-                p.get_mut("text").and_then(|t| match t {
-                    Value::String(s) => Some(s),
-                    _ => None,
-                })
-            });
-            let Some(s) = text_part else {
-                bail!(
-                    "continue_final_message is set but the final message has no text to continue"
-                );
-            };
-            let text = s.clone();
-            s.push_str(CONTINUE_TAG);
-            Ok(text)
-        }
-        _ => {
-            bail!("continue_final_message is set but the final message has no content to continue")
-        }
-    }
+    let text = match last.get_mut("content") {
+        Some(Value::String(s)) => Some(s),
+        Some(Value::Array(parts)) => parts
+            .iter_mut()
+            .rev()
+            .find_map(|p| match p.get_mut("text") {
+                Some(Value::String(s)) => Some(s),
+                _ => None,
+            }),
+        _ => None,
+    };
+    let Some(text) = text else {
+        bail!(
+            "continue_final_message is set but the final message has no text content to continue"
+        );
+    };
+    let original = text.clone();
+    text.push_str(CONTINUE_TAG);
+    Ok(original)
 }
 
 fn cut_at_continue_tag(rendered: String, final_text: &str) -> Result<String> {
@@ -227,10 +220,10 @@ mod tests {
         let e = continuing(plain, serde_json::json!([])).unwrap_err();
         assert!(e.to_string().contains("conversation is empty"), "{e}");
         let e = continuing(plain, serde_json::json!([{"role": "assistant"}])).unwrap_err();
-        assert!(e.to_string().contains("no content"), "{e}");
+        assert!(e.to_string().contains("no text content"), "{e}");
         let parts = serde_json::json!([{"role": "assistant", "content": [{"type": "image"}]}]);
         let e = continuing(plain, parts).unwrap_err();
-        assert!(e.to_string().contains("no text"), "{e}");
+        assert!(e.to_string().contains("no text content"), "{e}");
         let drops = "{% for m in messages %}{{ m.content[:3] }}{% endfor %}";
         let msgs = serde_json::json!([{"role": "assistant", "content": "hello"}]);
         let e = continuing(drops, msgs).unwrap_err();
