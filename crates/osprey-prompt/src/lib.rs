@@ -35,8 +35,18 @@ pub struct GenerationDefaults {
     pub repetition_penalty: Option<f32>,
 }
 
+/// The tokenizer's named special tokens (`tokenizer_config.json`), for clients that ask the
+/// server about its tokenizer.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SpecialTokens {
+    pub bos: Option<String>,
+    pub eos: Option<String>,
+    pub pad: Option<String>,
+}
+
 pub struct PromptFormat {
     pub tokenizer: Tokenizer,
+    pub special: SpecialTokens,
     pub template: ChatTemplate,
     /// Token ids that end generation.
     pub stop_ids: Vec<u32>,
@@ -96,10 +106,12 @@ impl PromptFormat {
                 .get_ids()
                 .to_vec())
         };
+        let special = special_tokens(dir, &tokenizer, &stop_ids)?;
         let assistant_header = header("<|im_start|>assistant\n")?;
         let user_header = header("<|im_start|>user\n")?;
         Ok(PromptFormat {
             tokenizer,
+            special,
             template,
             stop_ids,
             defaults,
@@ -180,6 +192,27 @@ impl PromptFormat {
             read: 0,
         }
     }
+}
+
+/// `tokenizer_config.json`'s bos/eos/pad tokens (a string, or an object with `content`); without
+/// the file, or its eos, the first stop id's token is the eos.
+fn special_tokens(dir: &Path, tokenizer: &Tokenizer, stop_ids: &[u32]) -> Result<SpecialTokens> {
+    let path = dir.join("tokenizer_config.json");
+    let config: Value = match std::fs::read_to_string(&path) {
+        Ok(text) => serde_json::from_str(&text)
+            .with_context(|| format!("{} is not valid JSON", path.display()))?,
+        Err(_) => Value::Null,
+    };
+    let named = |key: &str| match &config[key] {
+        Value::String(s) => Some(s.clone()),
+        v => v["content"].as_str().map(String::from),
+    };
+    Ok(SpecialTokens {
+        bos: named("bos_token"),
+        eos: named("eos_token")
+            .or_else(|| stop_ids.first().and_then(|&id| tokenizer.id_to_token(id))),
+        pad: named("pad_token"),
+    })
 }
 
 /// Streams text from tokens: a token's text is released once it is complete UTF-8 (byte-level

@@ -13,6 +13,7 @@ use crate::ChatOptions;
 
 pub struct ChatTemplate {
     env: Environment<'static>,
+    source: String,
 }
 
 impl ChatTemplate {
@@ -47,9 +48,14 @@ impl ChatTemplate {
             Err(Error::new(ErrorKind::InvalidOperation, msg))
         });
         env.add_filter("tojson", python_tojson);
-        env.add_template_owned("chat", source)
+        env.add_template_owned("chat", source.clone())
             .context("the chat template does not parse")?;
-        Ok(ChatTemplate { env })
+        Ok(ChatTemplate { env, source })
+    }
+
+    /// The template's Jinja text.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     pub fn render(&self, messages: &Value, opts: &ChatOptions) -> Result<String> {

@@ -97,6 +97,10 @@ fn published_prompt_ids() {
 #[test]
 fn stop_ids_and_defaults_from_generation_config() {
     let f = format();
+    assert_eq!(f.special.eos.as_deref(), Some("<|im_end|>"));
+    assert_eq!(f.special.pad.as_deref(), Some("<|endoftext|>"));
+    assert_eq!(f.special.bos, None);
+    assert!(f.template.source().contains("<|im_start|>"));
     assert_eq!(f.stop_ids, vec![248046, 248044]);
     assert_eq!(f.defaults.top_k, Some(20));
     assert_eq!(f.defaults.top_p, Some(0.95));

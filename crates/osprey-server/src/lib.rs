@@ -7,6 +7,7 @@ pub mod metrics;
 pub mod parse;
 mod responses;
 pub mod structured;
+mod tokenize;
 pub mod worker;
 
 use std::convert::Infallible;
@@ -108,6 +109,9 @@ pub fn app(engine: Engine, format: PromptFormat, cfg: ServerConfig) -> anyhow::R
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/v1/responses", post(responses::responses))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
+        .route("/tokenizer_info", get(tokenize::tokenizer_info))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
     Ok(Router::new()
         .merge(v1)

@@ -1856,3 +1856,66 @@ async fn completions_echo_the_prompt_with_its_log_probabilities() {
         serde_json::from_str(text.lines().find_map(|l| l.strip_prefix("data: ")).unwrap()).unwrap();
     assert_eq!(first["choices"][0]["text"], "Once upon", "{text}");
 }
+
+#[tokio::test]
+async fn the_tokenizer_endpoints_speak_vllms_form() {
+    let s = Server::tiny(config()).await;
+    let format = PromptFormat::from_dir(tiny_dir()).unwrap();
+    let info: Value = s
+        .client
+        .get(format!("{}/tokenizer_info", s.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(info["eos_token"], "<|im_end|>", "{info}");
+    assert_eq!(info["model_max_length"], 4096);
+    assert_eq!(info["chat_template"], format.template.source());
+
+    let (st, r) = s
+        .post(
+            "/tokenize",
+            json!({"prompt": "Hello world", "add_special_tokens": false}),
+        )
+        .await;
+    assert_eq!(st, 200, "{r}");
+    let ids = format.encode("Hello world").unwrap();
+    assert_eq!(r["tokens"], json!(ids));
+    assert_eq!(r["count"], ids.len());
+    // a chat request's prompt, as the chat endpoint reads it
+    let (_, chat) = s
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": user("Hi"), "max_tokens": 1}),
+        )
+        .await;
+    let (st, r) = s
+        .post(
+            "/tokenize",
+            json!({"messages": user("Hi"), "return_token_strs": true}),
+        )
+        .await;
+    assert_eq!(st, 200, "{r}");
+    assert_eq!(r["count"], chat["usage"]["prompt_tokens"], "{r}");
+    assert_eq!(r["token_strs"][0], "<|im_start|>");
+
+    let text = "<|im_start|>user\nHi there<|im_end|>";
+    let (st, r) = s
+        .post(
+            "/detokenize",
+            json!({"tokens": format.encode(text).unwrap()}),
+        )
+        .await;
+    assert_eq!((st, &r["prompt"]), (200, &json!(text)), "{r}");
+
+    s.refuses(
+        "/tokenize",
+        json!({"prompt": "x", "messages": user("y")}),
+        "prompt",
+    )
+    .await;
+    s.refuses("/detokenize", json!({"tokens": [1, -1]}), "tokens")
+        .await;
+}
