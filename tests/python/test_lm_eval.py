@@ -1,0 +1,70 @@
+"""lm-evaluation-harness (its `local-completions` model) against `osprey serve`: a multiple-choice
+task from a local file, scored by loglikelihood through the completions endpoint (echo, prompt
+log-probabilities) with the server's own tokenizer (found through /tokenizer_info and /tokenize).
+
+Run by .ci/run:  OSPREY_BIN=target/debug/osprey python -m pytest tests/python
+"""
+import json
+import math
+
+import lm_eval
+import requests
+from lm_eval.tasks import TaskManager
+
+DOCS = [
+    {"question": "The capital of France is", "choices": [" Paris", " Rome", " Berlin"], "answer": 0},
+    {"question": "Two plus two equals", "choices": [" four", " five"], "answer": 0},
+    {"question": "Ospreys eat", "choices": [" fish", " rocks"], "answer": 0},
+]
+
+TASK = """task: osprey_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+
+KEY = {"Authorization": "Bearer test-key"}
+
+
+def loglikelihood(base, context, continuation):
+    """What the harness should compute, asked of the server directly: the continuation's tokens'
+    log-probabilities after the context (the pair encoded whole and split where the context's
+    own tokens end, as the harness does)."""
+    tok = lambda text: requests.post(f"{base}/tokenize", json={"prompt": text}, headers=KEY).json()["tokens"]  # noqa: E731
+    whole, ctx = tok(context + continuation), tok(context)
+    r = requests.post(f"{base}/v1/completions", headers=KEY, json={
+        "prompt": [whole], "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}).json()
+    return sum(r["choices"][0]["logprobs"]["token_logprobs"][len(ctx):])
+
+
+def test_a_multiple_choice_task_scores_through_the_completions_endpoint(osprey_server, tmp_path, monkeypatch):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
+    (tmp_path / "osprey_mc.yaml").write_text(TASK.format(data=data))
+    monkeypatch.setenv("OPENAI_API_KEY", "test-key")
+    out = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=f"model=tiny,base_url={osprey_server}/v1/completions,auth_token=test-key,num_concurrent=1,max_retries=1",
+        tasks=["osprey_mc"], task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True)
+    acc = out["results"]["osprey_mc"]["acc,none"]
+    assert 0 <= acc <= 1
+    samples = out["samples"]["osprey_mc"]
+    assert len(samples) == len(DOCS)
+    # the harness's loglikelihood of each choice is the server's, position by position
+    for s in samples:
+        doc = s["doc"]
+        for choice, resp in zip(doc["choices"], s["resps"]):
+            ll, _greedy = resp[0]
+            assert math.isfinite(ll) and ll < 0
+            # (the harness puts its target delimiter, a space, between question and choice)
+            assert abs(ll - loglikelihood(osprey_server, doc["question"], " " + choice)) < 1e-4
