@@ -189,9 +189,14 @@ impl StopScanner {
         if self.done {
             return (String::new(), true);
         }
-        let search_from = self
+        // a stop string may have begun in text already released (held back no longer than the
+        // longest stop), so search from that far back, at a character's start
+        let mut search_from = self
             .emitted
             .saturating_sub(self.stops.iter().map(|s| s.len()).max().unwrap_or(0));
+        while !self.text.is_char_boundary(search_from) {
+            search_from -= 1;
+        }
         self.text.push_str(delta);
         let hit = self
             .stops
@@ -410,6 +415,17 @@ mod tests {
     fn earliest_of_several_stops_wins() {
         let (out, _, stopped) = run(&["cd", "b"], &["abcd"]);
         assert_eq!(out, "a");
+        assert!(stopped);
+    }
+
+    #[test]
+    fn multibyte_text_before_a_stop_is_searched_from_a_character_start() {
+        // a one-byte stop after a three-byte character: the search went back one byte, into it
+        let (out, _, stopped) = run(&["\n"], &["漫长", "_ste", "p\nmore"]);
+        assert_eq!(out, "漫长_step");
+        assert!(stopped);
+        let (out, _, stopped) = run(&["é!"], &["caf", "é", "é", "!x"]);
+        assert_eq!(out, "café");
         assert!(stopped);
     }
 
