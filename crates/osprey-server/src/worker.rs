@@ -456,9 +456,25 @@ impl Worker {
             if events.is_closed() {
                 continue;
             }
-            if let Err(e) = self.serve(job) {
+            // a defect that panics fails its own request, not the server: the engine thread
+            // goes on to the next (a backend that held a lock then reports it poisoned)
+            let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.serve(job)));
+            let failed = match served {
+                Ok(Ok(())) => None,
+                Ok(Err(e)) => Some(format!("{e:#}")),
+                Err(panic) => {
+                    let what = panic
+                        .downcast_ref::<String>()
+                        .map(String::as_str)
+                        .or_else(|| panic.downcast_ref::<&str>().copied())
+                        .unwrap_or("a panic");
+                    tracing::error!("the engine failed a request: {what}");
+                    Some(format!("internal error: {what}"))
+                }
+            };
+            if let Some(message) = failed {
                 let _ = events.send(Event::Error {
-                    message: format!("{e:#}"),
+                    message,
                     timeout: false,
                 });
             }

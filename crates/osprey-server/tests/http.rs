@@ -79,6 +79,8 @@ struct Calls {
     ran_after: Vec<Vec<u32>>,
     /// Acts as a device backend that lost every state: each call's history is run again.
     forgets: bool,
+    /// The next forward call panics (a defect in the engine).
+    panic_once: bool,
     recomputed: usize,
 }
 
@@ -112,6 +114,12 @@ impl Backend for Scripted {
         want: LogitsFor,
     ) -> anyhow::Result<Vec<f32>> {
         std::thread::sleep(self.delay);
+        let panics = self
+            .calls
+            .lock()
+            .map(|mut c| std::mem::take(&mut c.panic_once))
+            .unwrap_or(false);
+        assert!(!panics, "scripted defect");
         state.position += tokens.len();
         if let Ok(mut c) = self.calls.lock() {
             c.ran_after.push(history.to_vec());
@@ -1918,4 +1926,20 @@ async fn the_tokenizer_endpoints_speak_vllms_form() {
     .await;
     s.refuses("/detokenize", json!({"tokens": [1, -1]}), "tokens")
         .await;
+}
+
+#[tokio::test]
+async fn a_panic_fails_its_request_and_the_server_goes_on() {
+    let (s, calls) = Server::scripted_calls("Hi.", Duration::ZERO, config(), false).await;
+    calls.lock().unwrap().panic_once = true;
+    let body = json!({"messages": user("?"), "max_tokens": 4});
+    let (st, r) = s.post("/v1/chat/completions", body.clone()).await;
+    assert_eq!(st, 500, "{r}");
+    assert!(r["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("scripted defect"));
+    let (st, r) = s.post("/v1/chat/completions", body).await;
+    assert_eq!(st, 200, "{r}");
+    assert_eq!(r["choices"][0]["message"]["reasoning_content"], "Hi.");
 }
