@@ -33,6 +33,24 @@ metric_list:
     higher_is_better: true
 """
 
+GEN_TASK = """task: osprey_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{choices[0]}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 12
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+"""
+
 KEY = {"Authorization": "Bearer test-key"}
 
 
@@ -68,3 +86,24 @@ def test_a_multiple_choice_task_scores_through_the_completions_endpoint(osprey_s
             assert math.isfinite(ll) and ll < 0
             # (the harness puts its target delimiter, a space, between question and choice)
             assert abs(ll - loglikelihood(osprey_server, doc["question"], " " + choice)) < 1e-4
+
+
+def test_generation_until_a_stop_string(osprey_server, tmp_path, monkeypatch):
+    # (the tiny model's random text is mostly CJK: a stop string after multibyte text once
+    # panicked the engine)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
+    (tmp_path / "osprey_gen.yaml").write_text(GEN_TASK.format(data=data))
+    monkeypatch.setenv("OPENAI_API_KEY", "test-key")
+    out = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=f"model=tiny,base_url={osprey_server}/v1/completions,auth_token=test-key,num_concurrent=1,max_retries=1",
+        tasks=["osprey_gen"], task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True)
+    samples = out["samples"]["osprey_gen"]
+    assert len(samples) == len(DOCS)
+    for s in samples:
+        text = s["resps"][0][0]
+        # the server's own greedy reply to the same prompt and stop
+        r = requests.post(f"{osprey_server}/v1/completions", headers=KEY, json={
+            "prompt": s["doc"]["question"], "max_tokens": 12, "temperature": 0, "stop": ["\n"]}).json()
+        assert text == r["choices"][0]["text"] and "\n" not in text
