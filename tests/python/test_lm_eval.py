@@ -65,15 +65,20 @@ def loglikelihood(base, context, continuation):
     return sum(r["choices"][0]["logprobs"]["token_logprobs"][len(ctx):])
 
 
-def test_a_multiple_choice_task_scores_through_the_completions_endpoint(osprey_server, tmp_path, monkeypatch):
+def evaluate(base, tmp_path, monkeypatch, task, template):
+    """The harness's run of `template` (a task over DOCS) against the server, samples logged."""
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
-    (tmp_path / "osprey_mc.yaml").write_text(TASK.format(data=data))
+    (tmp_path / f"{task}.yaml").write_text(template.format(data=data))
     monkeypatch.setenv("OPENAI_API_KEY", "test-key")
-    out = lm_eval.simple_evaluate(
+    return lm_eval.simple_evaluate(
         model="local-completions",
-        model_args=f"model=tiny,base_url={osprey_server}/v1/completions,auth_token=test-key,num_concurrent=1,max_retries=1",
-        tasks=["osprey_mc"], task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True)
+        model_args=f"model=tiny,base_url={base}/v1/completions,auth_token=test-key,num_concurrent=1,max_retries=1",
+        tasks=[task], task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True)
+
+
+def test_a_multiple_choice_task_scores_through_the_completions_endpoint(osprey_server, tmp_path, monkeypatch):
+    out = evaluate(osprey_server, tmp_path, monkeypatch, "osprey_mc", TASK)
     acc = out["results"]["osprey_mc"]["acc,none"]
     assert 0 <= acc <= 1
     samples = out["samples"]["osprey_mc"]
@@ -91,14 +96,7 @@ def test_a_multiple_choice_task_scores_through_the_completions_endpoint(osprey_s
 def test_generation_until_a_stop_string(osprey_server, tmp_path, monkeypatch):
     # (the tiny model's random text is mostly CJK: a stop string after multibyte text once
     # panicked the engine)
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
-    (tmp_path / "osprey_gen.yaml").write_text(GEN_TASK.format(data=data))
-    monkeypatch.setenv("OPENAI_API_KEY", "test-key")
-    out = lm_eval.simple_evaluate(
-        model="local-completions",
-        model_args=f"model=tiny,base_url={osprey_server}/v1/completions,auth_token=test-key,num_concurrent=1,max_retries=1",
-        tasks=["osprey_gen"], task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True)
+    out = evaluate(osprey_server, tmp_path, monkeypatch, "osprey_gen", GEN_TASK)
     samples = out["samples"]["osprey_gen"]
     assert len(samples) == len(DOCS)
     for s in samples:

@@ -47,11 +47,7 @@ pub async fn tokenize(
     State(st): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let answer = (|| -> ApiResult<Value> {
-        let body = json_body(body)?;
-        let f = Fields::parse(&body)?;
-        f.check_known(TOKENIZE_FIELDS)?;
-        st.check_model(&f)?;
+    answer(&st, body, TOKENIZE_FIELDS, |f| {
         f.bool("add_special_tokens")?;
         let tokens = match (f.get("prompt"), f.get("messages")) {
             (Some(Value::String(text)), None) => st
@@ -59,15 +55,8 @@ pub async fn tokenize(
                 .encode(text)
                 .map_err(|e| ApiError::bad_request(format!("{e:#}"), Some("prompt")))?,
             (None, Some(_)) => {
-                let tools = api::tools(&f)?;
-                render_chat(
-                    &st,
-                    &f,
-                    api::messages(&f)?,
-                    &tools,
-                    PromptEnding::parse(&f)?,
-                )?
-                .1
+                let tools = api::tools(f)?;
+                render_chat(&st, f, api::messages(f)?, &tools, PromptEnding::parse(f)?)?.1
             }
             _ => {
                 return Err(ApiError::bad_request(
@@ -88,11 +77,7 @@ pub async fn tokenize(
             json!({"count": tokens.len(), "max_model_len": st.cfg.max_context,
                   "tokens": tokens, "token_strs": token_strs}),
         )
-    })();
-    match answer {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => e.into_response(),
-    }
+    })
 }
 
 /// `POST /detokenize`: `tokens` to text (special tokens kept, as the prompt holds them).
@@ -100,11 +85,7 @@ pub async fn detokenize(
     State(st): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let answer = (|| -> ApiResult<Value> {
-        let body = json_body(body)?;
-        let f = Fields::parse(&body)?;
-        f.check_known(&["model", "tokens"])?;
-        st.check_model(&f)?;
+    answer(&st, body, &["model", "tokens"], |f| {
         let bad = || {
             ApiError::bad_request(
                 format!(
@@ -132,8 +113,24 @@ pub async fn detokenize(
             .decode(&ids, false)
             .map_err(|e| ApiError::bad_request(format!("tokenizer: {e}"), Some("tokens")))?;
         Ok(json!({"prompt": text}))
-    })();
-    match answer {
+    })
+}
+
+/// A JSON request with these `known` fields (and the served model, if it names one), answered
+/// by `reply` or with the error it raises.
+fn answer(
+    st: &AppState,
+    body: Result<Bytes, BytesRejection>,
+    known: &[&str],
+    reply: impl FnOnce(&Fields) -> ApiResult<Value>,
+) -> Response {
+    let answered = json_body(body).and_then(|body| {
+        let f = Fields::parse(&body)?;
+        f.check_known(known)?;
+        st.check_model(&f)?;
+        reply(&f)
+    });
+    match answered {
         Ok(v) => Json(v).into_response(),
         Err(e) => e.into_response(),
     }
