@@ -169,20 +169,28 @@ pub struct GenerationRequest {
 /// Most choices (`n`) one request may ask for: each is a whole generation on a batch-1 engine.
 pub const MAX_CHOICES: usize = 16;
 
+/// JSON values as token ids below `vocab`; the first value that is not one is the error.
+pub fn token_ids(values: &[Value], vocab: usize) -> Result<Vec<u32>, &Value> {
+    values
+        .iter()
+        .map(|x| {
+            x.as_u64()
+                .filter(|&i| (i as usize) < vocab)
+                .map(|i| i as u32)
+                .ok_or(x)
+        })
+        .collect()
+}
+
 /// `stop_token_ids`: a list of at most 64 ids below `vocab`.
 fn stop_token_ids(f: &Fields, vocab: usize) -> ApiResult<Vec<u32>> {
     let Some(v) = f.get("stop_token_ids") else {
         return Ok(Vec::new());
     };
-    let ids: Option<Vec<u32>> = v.as_array().filter(|a| a.len() <= 64).and_then(|a| {
-        a.iter()
-            .map(|x| {
-                x.as_u64()
-                    .filter(|&i| (i as usize) < vocab)
-                    .map(|i| i as u32)
-            })
-            .collect()
-    });
+    let ids = v
+        .as_array()
+        .filter(|a| a.len() <= 64)
+        .and_then(|a| token_ids(a, vocab).ok());
     ids.ok_or_else(|| {
         ApiError::bad_request(
             format!(

@@ -806,16 +806,12 @@ fn completion_prompts(st: &AppState, body: &Value) -> ApiResult<Vec<CompletionPr
         })
     };
     let from_ids = |a: &[Value]| -> ApiResult<CompletionPrompt> {
-        let ids: Vec<u32> = a
-            .iter()
-            .map(|x| match x.as_u64() {
-                Some(i) if (i as usize) < st.vocab_size => Ok(i as u32),
-                _ => Err(bad(format!(
-                    "token id {x} is not one of the vocabulary's ({} ids)",
-                    st.vocab_size
-                ))),
-            })
-            .collect::<ApiResult<_>>()?;
+        let ids = api::token_ids(a, st.vocab_size).map_err(|x| {
+            bad(format!(
+                "token id {x} is not one of the vocabulary's ({} ids)",
+                st.vocab_size
+            ))
+        })?;
         let text = st.format.decode(&ids).map_err(|e| bad(format!("{e:#}")))?;
         Ok(CompletionPrompt { ids, text })
     };

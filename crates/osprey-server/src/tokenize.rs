@@ -95,18 +95,11 @@ pub async fn detokenize(
                 Some("tokens"),
             )
         };
-        let ids: Vec<u32> = f
+        let ids = f
             .get("tokens")
             .and_then(Value::as_array)
-            .ok_or_else(bad)?
-            .iter()
-            .map(|x| {
-                x.as_u64()
-                    .filter(|&i| (i as usize) < st.vocab_size)
-                    .map(|i| i as u32)
-                    .ok_or_else(bad)
-            })
-            .collect::<ApiResult<_>>()?;
+            .and_then(|a| api::token_ids(a, st.vocab_size).ok())
+            .ok_or_else(bad)?;
         let text = st
             .format
             .tokenizer
