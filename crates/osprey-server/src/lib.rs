@@ -995,7 +995,8 @@ async fn respond(
                     .is_ok()
             };
             let error_chunk = |message: &str| json!({"error": {"message": message, "type": "server_error", "param": null, "code": null}});
-            let mut total: Option<Usage> = None;
+            // the usage so far; None once a choice has failed
+            let mut total = Some(Usage::default());
             'choices: for (index, (job, mut rx, same_prompt)) in queue.into_iter().enumerate() {
                 // where the next token's text starts in the choice's (an echoed prompt's first)
                 let mut offset = 0;
@@ -1032,12 +1033,12 @@ async fn respond(
                             ))
                         }
                         Event::Deltas { deltas, logprobs } => {
-                            let lp = if logprobs.is_empty() {
-                                Value::Null
-                            } else {
-                                logprobs_json(&logprobs)
-                            };
                             if chat {
+                                let lp = if logprobs.is_empty() {
+                                    Value::Null
+                                } else {
+                                    logprobs_json(&logprobs)
+                                };
                                 let mut ds = chat_deltas(&deltas);
                                 if ds.is_empty() && !logprobs.is_empty() {
                                     ds.push(json!({"content": ""}));
@@ -1079,8 +1080,7 @@ async fn respond(
                                 json!({"index": index, "text": "", "logprobs": null, "finish_reason": finish_reason})
                             };
                             send(chunk(last));
-                            total =
-                                Some(total.map_or(usage, |t| t.with_choice(&usage, same_prompt)));
+                            total = total.map(|t| t.with_choice(&usage, same_prompt));
                             continue 'choices;
                         }
                         Event::Error { message, .. } => {
@@ -1109,7 +1109,7 @@ async fn respond(
     }
 
     let mut replies = Vec::new();
-    let mut total: Option<Usage> = None;
+    let mut total = Usage::default();
     for (index, (job, mut rx, same_prompt)) in queue.into_iter().enumerate() {
         if let Some(job) = job {
             if let Err(e) = st.enqueue(job) {
@@ -1120,7 +1120,7 @@ async fn respond(
             Ok(w) => w,
             Err(e) => return e.into_response(),
         };
-        total = Some(total.map_or(whole.usage, |t| t.with_choice(&whole.usage, same_prompt)));
+        total = total.with_choice(&whole.usage, same_prompt);
         let parse::Reply {
             reasoning,
             content,
@@ -1150,7 +1150,7 @@ async fn respond(
             json!({"index": index, "text": echo + &content, "logprobs": lp, "finish_reason": finish_reason})
         });
     }
-    let usage = usage_json(&total.unwrap_or_default());
+    let usage = usage_json(&total);
     let object = if chat {
         "chat.completion"
     } else {

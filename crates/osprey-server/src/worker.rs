@@ -86,8 +86,9 @@ pub struct Usage {
 }
 
 impl Usage {
-    /// The usage of a request with one more choice: the generated tokens of every choice, each
-    /// prompt once (a choice of the same prompt as the one before adds none of its tokens).
+    /// A request's usage with one more choice added (starting from the default): the generated
+    /// tokens of every choice, each prompt once (a choice of the same prompt as the one before
+    /// adds none of its tokens).
     pub fn with_choice(self, other: &Usage, same_prompt: bool) -> Usage {
         let (prompt, cached) = if same_prompt {
             (0, 0)
