@@ -162,6 +162,7 @@ pub fn check(
     let (kv_name, device) = (gpu.kv_cache().to_string(), gpu.device_name());
     drop(gpu);
     let resumed = check_resume(m, context, chunk, &long, &cpu_logits, &make_prompt)?;
+    let scored = check_scoring(m, context, chunk, &long, &cpu)?;
 
     let pass = sampling.pass
         && decode.worst_rel <= MAX_RELATIVE_RMS
@@ -171,7 +172,8 @@ pub fn check(
         && prefill_disagree == 0
         && after.worst_rel <= MAX_PREFILL_RELATIVE_RMS
         && after.disagree == 0
-        && resumed.pass;
+        && resumed.pass
+        && scored.pass;
     println!(
         "decode: cuda vs cpu over {steps} steps after a {prompt_len}-token prompt: worst relative RMS {:.2e} (limit {MAX_RELATIVE_RMS:.0e}), worst max |Δ| {:.3e}, greedy disagreements {}, device token record {}",
         decode.worst_rel, decode.worst_abs, decode.disagree,
@@ -183,6 +185,7 @@ pub fn check(
     );
     println!("{}", sampling.summary);
     println!("{}", resumed.summary);
+    println!("{}", scored.summary);
     println!(
         "prefill then decode: {steps} teacher-forced steps: worst relative RMS {:.2e}, greedy disagreements {} -> {}",
         after.worst_rel,
@@ -204,6 +207,7 @@ pub fn check(
                 "decode_after_prefill": {"steps": steps, "worst_relative_rms": after.worst_rel, "worst_max_abs": after.worst_abs, "greedy_disagreements": after.disagree, "per_step": after.rows},
             },
             "resume_from_state_copy": resumed.report,
+            "scored_prefill": scored.report,
             "gpu_sampling": sampling.report,
             "pass": pass, "per_step": decode.rows,
         });
@@ -290,6 +294,62 @@ fn check_resume(
             "first_steps_then_prefill_relative_rms": compared[1].rel, "first_steps_then_prefill_max_abs": compared[1].max_abs,
             "after_another_conversation_relative_rms": compared[2].rel, "after_another_conversation_max_abs": compared[2].max_abs,
             "limit_relative_rms": MAX_PREFILL_RELATIVE_RMS, "greedy_disagreements": disagree, "pass": pass,
+        }),
+    })
+}
+
+/// Positions the scoring check scores: past one scored chunk of the engine (64), so that the last
+/// chunk is a single token.
+const SCORED_POSITIONS: usize = 65;
+
+/// Every position's logits (`Engine::score`, what prompt log-probabilities are computed from)
+/// through `CudaBackend`, which runs them by prefill, against the CPU's, row by row.
+fn check_scoring(
+    m: &GpuModel,
+    context: usize,
+    chunk: usize,
+    long: &[u32],
+    cpu: &Engine,
+) -> Result<PartCheck> {
+    let weights = ModelWeights::load(m.dir)?;
+    let vocab = weights.config.vocab_size;
+    let valid = vocab.min(TOKENIZER_VOCAB);
+    let engine = Engine::new(Box::new(CudaBackend::new(
+        &weights, context, valid, chunk, m.kv, 0,
+    )?));
+    let tokens = &long[..SCORED_POSITIONS.min(long.len())];
+    let gpu_rows = engine.score(tokens)?;
+    let cpu_rows = cpu.score(tokens)?;
+    if gpu_rows.len() != cpu_rows.len() {
+        bail!(
+            "scored prefill returned {} logits for {} positions of {vocab}",
+            gpu_rows.len(),
+            tokens.len()
+        );
+    }
+    let compared: Vec<Compared> = cpu_rows
+        .chunks_exact(vocab)
+        .zip(gpu_rows.chunks_exact(vocab))
+        .map(|(c, g)| Compared::new(&c[..valid], &g[..valid]))
+        .collect();
+    let disagree = compared
+        .iter()
+        .zip(gpu_rows.chunks_exact(vocab))
+        .filter(|(c, g)| c.disagrees(argmax(&g[..valid])))
+        .count();
+    let worst = compared.iter().map(|c| c.rel).fold(0.0, f32::max);
+    let worst_abs = compared.iter().map(|c| c.max_abs).fold(0.0, f32::max);
+    let pass = worst <= MAX_PREFILL_RELATIVE_RMS && disagree == 0;
+    Ok(PartCheck {
+        pass,
+        summary: format!(
+            "scored prefill: the logits of all {} positions (as prompt log-probabilities take them): worst relative RMS {worst:.2e} (limit {MAX_PREFILL_RELATIVE_RMS:.0e}), worst max |Δ| {worst_abs:.3e}, greedy disagreements {disagree}",
+            tokens.len()
+        ),
+        report: json!({
+            "positions": tokens.len(), "worst_relative_rms": worst, "worst_max_abs": worst_abs,
+            "limit_relative_rms": MAX_PREFILL_RELATIVE_RMS, "greedy_disagreements": disagree, "pass": pass,
+            "per_position_relative_rms": compared.iter().map(|c| c.rel).collect::<Vec<_>>(),
         }),
     })
 }

@@ -295,29 +295,21 @@ impl Backend for CudaBackend {
             bail!("the context is full: {needed} tokens, {} allocated on the GPU (raise --max-context)", d.decoder.max_context);
         }
         if want == LogitsFor::All {
-            // scoring: every position's logits, token by token through the decode step (the
-            // path generation uses), after the held prefix is brought up to date
+            // scoring: every position's logits, by prefill after the held prefix is brought up
+            // to date
             d.catch_up(history, &[], 0, self.prefill_chunk)?;
-            let mut all = Vec::with_capacity(tokens.len() * self.config.vocab_size);
-            for &t in tokens {
-                let logits = d
-                    .decoder
-                    .set_token(t)
-                    .and_then(|_| d.decoder.step())
-                    .and_then(|_| d.decoder.logits());
-                match logits {
-                    Ok(l) => {
-                        all.extend(l);
-                        d.book.ran(&[t]);
-                    }
-                    Err(e) => {
-                        d.book.lost();
-                        return Err(e);
-                    }
+            let from = d.book.held().len();
+            return match d.decoder.prefill_scored(from, tokens, self.prefill_chunk) {
+                Ok(all) => {
+                    d.book.ran(tokens);
+                    state.position = d.book.held().len();
+                    Ok(all)
                 }
-            }
-            state.position = d.book.held().len();
-            return Ok(all);
+                Err(e) => {
+                    d.book.lost();
+                    Err(e)
+                }
+            };
         }
         let min_run = usize::from(want != LogitsFor::None);
         d.catch_up(history, tokens, min_run, self.prefill_chunk)?;

@@ -706,6 +706,9 @@ pub struct CudaDecoder {
     pk: prefill::PrefillKernels,
     /// Prefill activations, allocated for the chunk size of the first prefill.
     prefill: Option<prefill::PrefillScratch>,
+    /// A scored prefill's logits rows on the device and their page-locked host copy
+    /// (`prefill::SCORED_ROWS` of each; allocated on first use).
+    scored: Option<(CudaSlice<f32>, cudarc::driver::PinnedHostSlice<f32>)>,
     gdn_prefill: GdnPrefill,
     /// Where the prefill runs its warpgroup-MMA GEMM (OSPREY_PREFILL_WGMMA).
     wgmma: prefill::Wgmma,
@@ -1225,6 +1228,7 @@ impl CudaDecoder {
             token_slots,
             pk,
             prefill: None,
+            scored: None,
             gdn_prefill: GdnPrefill::Auto,
             wgmma: prefill::Wgmma::from_env(),
             overlap: StepOverlap::from_env(),

@@ -108,6 +108,10 @@ impl GdnPrefill {
 /// Split-K partial sums: a dense launch splits only when it has fewer blocks than SMs, so its
 /// positions × outputs stay below 132 blocks × 64 × 256; at most 8 splits.
 const MAX_K_SPLITS: usize = 8;
+
+/// Positions whose logits a scored prefill computes before copying them back (16 MB on the
+/// device and as much page-locked on the host at the real vocabulary, allocated on first use).
+pub(super) const SCORED_ROWS: usize = 16;
 const PARTIAL_FLOATS: usize = MAX_K_SPLITS * 132 * 64 * 256;
 
 pub(super) struct PrefillKernels {
@@ -487,7 +491,61 @@ impl CudaDecoder {
     /// logits in the logits buffer (read them with `logits`). The caller keeps `start` equal to
     /// the number of tokens the device state holds.
     pub fn prefill(&mut self, start: usize, tokens: &[u32], chunk: usize) -> Result<()> {
-        self.prefill_profiled(start, tokens, chunk, None)
+        self.prefill_profiled(start, tokens, chunk, None, None)
+    }
+
+    /// `prefill`, also returning every position's logits, `[tokens.len(), vocab]` (row i: the
+    /// logits after token i), as scoring a prompt needs them: each chunk's rows of the residual
+    /// stream go through the final norm and the lm_head GEMV that the last position takes, and
+    /// come back `SCORED_ROWS` rows at a time.
+    pub fn prefill_scored(
+        &mut self,
+        start: usize,
+        tokens: &[u32],
+        chunk: usize,
+    ) -> Result<Vec<f32>> {
+        let mut all = Vec::with_capacity(tokens.len() * self.cfg.vocab_size);
+        self.prefill_profiled(start, tokens, chunk, None, Some(&mut all))?;
+        Ok(all)
+    }
+
+    /// The logits of the first `rows` rows of the prefill's residual stream (the chunk just
+    /// run), appended to `all`.
+    fn score_rows(&mut self, rows: usize, all: &mut Vec<f32>) -> Result<()> {
+        let (vocab, h) = (self.cfg.vocab_size, self.cfg.hidden_size);
+        if self.scored.is_none() {
+            let device = self.stream.alloc_zeros::<f32>(SCORED_ROWS * vocab)?;
+            // SAFETY: page-locked host memory read only after the copy into it has completed
+            let host = unsafe {
+                self.ctx
+                    .alloc_pinned_with_flags::<f32>(SCORED_ROWS * vocab, 0)?
+            };
+            self.scored = Some((device, host));
+        }
+        let x = self.p(&self.prefill.as_ref().expect("allocated by the prefill").x);
+        let group = self.lm_head.m.group;
+        for first in (0..rows).step_by(SCORED_ROWS) {
+            let n = SCORED_ROWS.min(rows - first);
+            let out = self.p(&self.scored.as_ref().expect("allocated above").0);
+            for r in 0..n {
+                let lm = self
+                    .lm_head
+                    .segment(out + (r * vocab * 4) as u64, false, &self.stream);
+                self.gemv(
+                    &[lm],
+                    x + ((first + r) * h * 4) as u64,
+                    Prologue::RmsNorm(self.p(&self.final_norm)),
+                    h,
+                    group,
+                )?;
+            }
+            let (device, host) = self.scored.as_mut().expect("allocated above");
+            let host = &mut host.as_mut_slice()?[..n * vocab];
+            self.stream.memcpy_dtoh(&device.slice(..n * vocab), host)?;
+            self.stream.synchronize()?;
+            all.extend_from_slice(host);
+        }
+        Ok(())
     }
 
     /// `prefill` with each launch bracketed by events (time per kernel family).
@@ -498,7 +556,7 @@ impl CudaDecoder {
         chunk: usize,
     ) -> Result<Vec<super::KernelTime>> {
         let mut events = Vec::new();
-        self.prefill_profiled(start, tokens, chunk, Some(&mut events))?;
+        self.prefill_profiled(start, tokens, chunk, Some(&mut events), None)?;
         self.synchronize()?;
         super::sum_events(&events)
     }
@@ -509,6 +567,7 @@ impl CudaDecoder {
         tokens: &[u32],
         chunk: usize,
         mut events: Events,
+        mut scored: Option<&mut Vec<f32>>,
     ) -> Result<()> {
         if tokens.is_empty() {
             bail!("prefill needs at least one token");
@@ -534,6 +593,9 @@ impl CudaDecoder {
             let scratch = self.prefill.as_mut().expect("allocated above");
             self.stream.memcpy_htod(&ids, &mut scratch.tokens)?;
             self.issue_chunk(start + n * chunk, part.len(), &mut events)?;
+            if let Some(all) = scored.as_deref_mut() {
+                self.score_rows(part.len(), all)?;
+            }
         }
         // logits of the last token: final norm + lm_head on its row of the residual stream
         let s = self.prefill.as_ref().expect("allocated above");
