@@ -162,6 +162,8 @@ pub struct StopScanner {
     /// All text accepted so far (without the stop string).
     pub text: String,
     emitted: usize,
+    /// Text before this byte was passed through unsearched (`pass`): no stop begins in it.
+    floor: usize,
     done: bool,
     /// The stop string that ended the text, once one has.
     matched: Option<usize>,
@@ -173,9 +175,21 @@ impl StopScanner {
             stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(),
             text: String::new(),
             emitted: 0,
+            floor: 0,
             done: false,
             matched: None,
         }
+    }
+
+    /// Adds text that no stop string may begin in (what a reply writes before it may end:
+    /// vLLM's `min_tokens`) and releases it with whatever was held back.
+    pub fn pass(&mut self, delta: &str) -> String {
+        if self.done {
+            return String::new();
+        }
+        self.text.push_str(delta);
+        self.floor = self.text.len();
+        self.finish()
     }
 
     /// The stop string that ended the text (the earliest in it; of two at one place, the first
@@ -197,6 +211,7 @@ impl StopScanner {
         while !self.text.is_char_boundary(search_from) {
             search_from -= 1;
         }
+        let search_from = search_from.max(self.floor);
         self.text.push_str(delta);
         let hit = self
             .stops
@@ -427,6 +442,18 @@ mod tests {
         let (out, _, stopped) = run(&["é!"], &["caf", "é", "é", "!x"]);
         assert_eq!(out, "café");
         assert!(stopped);
+    }
+
+    #[test]
+    fn text_passed_through_is_released_and_never_starts_a_stop() {
+        let stops = vec!["ab".to_string(), "e".to_string()];
+        let mut sc = StopScanner::new(&stops);
+        assert_eq!(sc.pass("xea"), "xea");
+        // "ab" would begin in the passed text; "e" was in it
+        assert_eq!(sc.push("b"), ("b".to_string(), false));
+        assert_eq!(sc.push("cea"), ("c".to_string(), true));
+        assert_eq!(sc.text, "xeabc");
+        assert_eq!(sc.matched(), Some("e"));
     }
 
     #[test]

@@ -164,6 +164,9 @@ pub struct GenerationRequest {
     pub ignore_eos: bool,
     /// More token ids that end the reply (vLLM's `stop_token_ids`; not ignored by `ignore_eos`).
     pub stop_token_ids: Vec<u32>,
+    /// Tokens the reply runs before it may end (vLLM's `min_tokens`): until then the tokens that
+    /// would end it are not chosen and stop strings are not looked for.
+    pub min_tokens: usize,
 }
 
 /// Most choices (`n`) one request may ask for: each is a whole generation on a batch-1 engine.
@@ -269,6 +272,7 @@ pub const GENERATION_FIELDS: &[&str] = &[
     "n",
     "ignore_eos",
     "stop_token_ids",
+    "min_tokens",
 ];
 
 pub fn generation_request(
@@ -395,6 +399,15 @@ pub fn generation_request(
     } else {
         f.int_in("logprobs", 0, 20)?.map(|n| n as usize)
     };
+    let min_tokens = f.int_in("min_tokens", 0, u32::MAX as i64)?.unwrap_or(0) as usize;
+    if let Some(max) = max_tokens.filter(|&max| min_tokens > max) {
+        return Err(ApiError::bad_request(
+            format!(
+                "'min_tokens' ({min_tokens}) must not exceed the most tokens asked for ({max})"
+            ),
+            Some("min_tokens"),
+        ));
+    }
     Ok(GenerationRequest {
         sampling,
         max_tokens,
@@ -406,6 +419,7 @@ pub fn generation_request(
         choices,
         ignore_eos: f.bool("ignore_eos")?,
         stop_token_ids: stop_token_ids(f, vocab)?,
+        min_tokens,
     })
 }
 

@@ -349,6 +349,24 @@ struct Reply<'a> {
 }
 
 impl Reply<'_> {
+    /// Whether choosing `token` ends the reply: an end-of-turn token (unless `ignore_eos`) or
+    /// one of the request's `stop_token_ids`.
+    fn ends_reply(&self, token: u32) -> bool {
+        self.ending_tokens().any(|t| t == token)
+    }
+
+    fn ending_tokens(&self) -> impl Iterator<Item = u32> + '_ {
+        let end_of_turn: &[u32] = if self.job.gen.ignore_eos {
+            &[]
+        } else {
+            &self.format.stop_ids
+        };
+        end_of_turn
+            .iter()
+            .chain(&self.job.gen.stop_token_ids)
+            .copied()
+    }
+
     /// Whether the reply is inside its reasoning block.
     fn in_reasoning(&self) -> bool {
         self.parser.as_ref().is_some_and(OutputParser::in_reasoning)
@@ -381,8 +399,7 @@ impl Reply<'_> {
             (Some(top), Some(l)) => vec![log_softmax_top(l, token, top, self.format)],
             _ => Vec::new(),
         };
-        let ends_turn = !job.gen.ignore_eos && self.format.stop_ids.contains(&token);
-        if ends_turn || job.gen.stop_token_ids.contains(&token) {
+        if self.ends_reply(token) {
             self.finish = "stop";
             if !logprobs.is_empty() {
                 let _ = job.events.send(Event::Deltas {
@@ -392,7 +409,12 @@ impl Reply<'_> {
             }
             return Ok(Next::EndOfTurn);
         }
-        let (piece, hit) = self.stops.push(&self.detok.push(token));
+        let text = self.detok.push(token);
+        let (piece, hit) = if self.generated <= job.gen.min_tokens {
+            (self.stops.pass(&text), false)
+        } else {
+            self.stops.push(&text)
+        };
         let mut deltas = match self.parser.as_mut() {
             Some(p) => p.push(&piece),
             None if piece.is_empty() => Vec::new(),
@@ -579,13 +601,21 @@ impl Worker {
         // (forced text to inject), else the host decodes token by token. Log-probabilities need
         // the logits of every token, and a grammar (response_format, a forced tool call) masks
         // them: both keep the whole reply on the host path, as does a logit_bias (added to the
-        // logits the host samples from; log-probabilities stay the model's).
+        // logits the host samples from; log-probabilities stay the model's). So do the first
+        // `min_tokens`, whose choices leave out the tokens that would end the reply.
         let device_ok =
             job.gen.logprobs.is_none() && constraint.is_none() && job.gen.logit_bias.is_empty();
         let mut biased = Vec::new();
         while reply.generated < job.max_tokens {
             let logits_now = &logits[..valid_vocab];
-            let choose_from = if job.gen.logit_bias.is_empty() {
+            // (a forced tool call's grammar starts after its injected opening)
+            let mut held = constraint
+                .as_mut()
+                .filter(|_| !reply.in_reasoning() && reply.force.is_none());
+            // a grammar decides itself where the reply ends (a finished JSON value may allow
+            // only the end of the turn)
+            let may_end = reply.generated >= job.gen.min_tokens || held.is_some();
+            let choose_from = if job.gen.logit_bias.is_empty() && may_end {
                 logits_now
             } else {
                 biased.clear();
@@ -595,12 +625,15 @@ impl Worker {
                         *l += bias;
                     }
                 }
+                if !may_end {
+                    for id in reply.ending_tokens() {
+                        if let Some(l) = biased.get_mut(id as usize) {
+                            *l = f32::NEG_INFINITY;
+                        }
+                    }
+                }
                 &biased
             };
-            // (a forced tool call's grammar starts after its injected opening)
-            let mut held = constraint
-                .as_mut()
-                .filter(|_| !reply.in_reasoning() && reply.force.is_none());
             let token = match held.as_mut() {
                 Some(c) => sampler.sample(&c.mask(choose_from)?),
                 None => sampler.sample(choose_from),
@@ -613,7 +646,8 @@ impl Worker {
             // the last chosen token, and whether the model has run it (the device runs each
             // token as it hands over the next, so all but possibly its last have run)
             let (mut last, mut last_ran, mut on_device) = (token, false, false);
-            if matches!(next, Next::Continue) && device_ok {
+            if matches!(next, Next::Continue) && device_ok && reply.generated >= job.gen.min_tokens
+            {
                 let remaining = job.max_tokens - reply.generated;
                 let mut chosen = Vec::new();
                 let mut failed = None;

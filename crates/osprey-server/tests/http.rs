@@ -1651,6 +1651,64 @@ async fn ignore_eos_runs_to_the_token_limit() {
 }
 
 #[tokio::test]
+async fn min_tokens_holds_off_the_end_of_the_reply() {
+    // the script: "Hi" "." <|im_end|>, then again; an end held off leaves every other logit 0,
+    // so greedy takes id 0 ("!") and the script starts over
+    for device in [false, true] {
+        let s = Server::scripted_on("Hi.", Duration::ZERO, config(), device).await;
+        let ask = |extra: Value| {
+            with(
+                json!({"messages": user("?"), "max_tokens": 10, "temperature": 0,
+                       "chat_template_kwargs": {"enable_thinking": false}}),
+                extra,
+            )
+        };
+        let (st, r) = s
+            .post("/v1/chat/completions", ask(json!({"min_tokens": 4})))
+            .await;
+        assert_eq!(st, 200, "{r}");
+        assert_eq!(r["choices"][0]["message"]["content"], "Hi.!Hi.", "{r}");
+        assert_eq!(r["choices"][0]["finish_reason"], "stop", "{r}");
+        assert_eq!(r["usage"]["completion_tokens"], 6, "{r}");
+        // stop strings are looked for only in what comes after the first min_tokens
+        let (st, r) = s
+            .post(
+                "/v1/chat/completions",
+                ask(json!({"min_tokens": 4, "stop": "."})),
+            )
+            .await;
+        assert_eq!(st, 200, "{r}");
+        assert_eq!(r["choices"][0]["message"]["content"], "Hi.!Hi", "{r}");
+        assert_eq!(r["choices"][0]["finish_reason"], "stop", "{r}");
+        // so are stop_token_ids
+        let format = PromptFormat::from_dir(tiny_dir()).unwrap();
+        let dot = format.encode(".").unwrap()[0];
+        let (st, r) = s
+            .post(
+                "/v1/chat/completions",
+                ask(json!({"min_tokens": 3, "stop_token_ids": [dot]})),
+            )
+            .await;
+        assert_eq!(st, 200, "{r}");
+        assert_eq!(r["choices"][0]["message"]["content"], "Hi!Hi", "{r}");
+        // a min_tokens within what was asked for
+        let (st, r) = s
+            .post("/v1/chat/completions", ask(json!({"min_tokens": 10})))
+            .await;
+        assert_eq!(st, 200, "{r}");
+        assert_eq!(r["choices"][0]["finish_reason"], "length", "{r}");
+        for bad in [json!(11), json!(-1), json!("4")] {
+            s.refuses(
+                "/v1/chat/completions",
+                ask(json!({"min_tokens": bad})),
+                "min_tokens",
+            )
+            .await;
+        }
+    }
+}
+
+#[tokio::test]
 async fn the_model_answers_to_its_aliases() {
     // an agent asking for its own models (Claude Code: a large and a small one)
     let cfg = ServerConfig {
