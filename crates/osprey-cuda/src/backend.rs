@@ -101,10 +101,20 @@ impl CudaBackend {
         }
     }
 
+    /// The device, for one call. After a panic while it was in use (a defect; the server fails
+    /// only that request and goes on) what it holds is unknown: the next call starts from an
+    /// empty state instead of refusing every call after.
     fn device(&self) -> Result<std::sync::MutexGuard<'_, Device>> {
-        self.device
-            .lock()
-            .map_err(|_| anyhow!("the CUDA device state is poisoned by an earlier failure"))
+        Ok(self.device.lock().unwrap_or_else(|poisoned| {
+            self.device.clear_poison();
+            let mut d = poisoned.into_inner();
+            d.book.lost();
+            if let Err(e) = d.decoder.set_sampling(None) {
+                tracing::warn!("after a failure, the GPU token choice could not be reset: {e:#}");
+            }
+            tracing::warn!("the CUDA backend failed in an earlier call: its state is rebuilt");
+            d
+        }))
     }
 }
 
