@@ -446,6 +446,15 @@ pub fn numerics(args: &ModelArgs, n: usize, out: Option<&Path>) -> Result<()> {
         d.logits_std,
         100.0 * d.top1_agreement
     );
+    let worst = d
+        .per_position
+        .iter()
+        .enumerate()
+        .fold((0, 0.0f32), |w, (i, &r)| if r > w.1 { (i, r) } else { w });
+    println!(
+        "  per position: worst {:.5} at position {}",
+        worst.1, worst.0
+    );
     if let Some(path) = out {
         let report = serde_json::json!({
             "kind": "numerics",

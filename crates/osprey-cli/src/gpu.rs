@@ -319,6 +319,17 @@ fn check_scoring(
     )?));
     let tokens = &long[..SCORED_POSITIONS.min(long.len())];
     let gpu_rows = engine.score(tokens)?;
+    // what scoring costs beside the prefill it rides on (the whole prompt, not timed as a
+    // benchmark: one run each, after the compared one)
+    let started = std::time::Instant::now();
+    let all = engine.score(long)?.len() / vocab;
+    let scored_s = started.elapsed().as_secs_f64();
+    let mut plain = engine.new_session();
+    let started = std::time::Instant::now();
+    for part in long.chunks(64) {
+        engine.prefill(&mut plain, part)?;
+    }
+    let prefill_s = started.elapsed().as_secs_f64();
     let cpu_rows = cpu.score(tokens)?;
     if gpu_rows.len() != cpu_rows.len() {
         bail!(
@@ -343,13 +354,14 @@ fn check_scoring(
     Ok(PartCheck {
         pass,
         summary: format!(
-            "scored prefill: the logits of all {} positions (as prompt log-probabilities take them): worst relative RMS {worst:.2e} (limit {MAX_PREFILL_RELATIVE_RMS:.0e}), worst max |Δ| {worst_abs:.3e}, greedy disagreements {disagree}",
-            tokens.len()
+            "scored prefill: the logits of all {} positions (as prompt log-probabilities take them): worst relative RMS {worst:.2e} (limit {MAX_PREFILL_RELATIVE_RMS:.0e}), worst max |Δ| {worst_abs:.3e}, greedy disagreements {disagree}; {all} positions scored in {:.0} ms, prefilled alone in chunks of 64 in {:.0} ms",
+            tokens.len(), scored_s * 1e3, prefill_s * 1e3
         ),
         report: json!({
             "positions": tokens.len(), "worst_relative_rms": worst, "worst_max_abs": worst_abs,
             "limit_relative_rms": MAX_PREFILL_RELATIVE_RMS, "greedy_disagreements": disagree, "pass": pass,
             "per_position_relative_rms": compared.iter().map(|c| c.rel).collect::<Vec<_>>(),
+            "whole_prompt": {"positions": all, "scored_seconds": scored_s, "prefilled_alone_in_chunks_of_64_seconds": prefill_s},
         }),
     })
 }

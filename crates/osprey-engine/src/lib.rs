@@ -280,20 +280,20 @@ impl Engine {
         Ok(out)
     }
 
-    /// Prefills `tokens` into the session handing each position's logits to `each`, in order,
-    /// a few positions at a time (a position's logits are ~1 MB at the real vocabulary).
+    /// Prefills `tokens` into the session handing every position's logits to `rows`, in order,
+    /// a few positions at a time (`[n, vocab]`: a position's logits are ~1 MB at the real
+    /// vocabulary).
     pub fn prefill_scored(
         &self,
         s: &mut Session,
         tokens: &[u32],
-        each: &mut dyn FnMut(&[f32]),
+        rows: &mut dyn FnMut(&[f32]),
     ) -> Result<()> {
-        let vocab = self.config().vocab_size;
         for chunk in tokens.chunks(self.prefill_chunk.clamp(1, SCORED_CHUNK)) {
             let logits = self
                 .backend
                 .forward(&mut s.state, &s.tokens, chunk, LogitsFor::All)?;
-            logits.chunks_exact(vocab).for_each(&mut *each);
+            rows(&logits);
             s.tokens.extend_from_slice(chunk);
         }
         Ok(())

@@ -7,9 +7,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use osprey_engine::generate::StopScanner;
+use osprey_engine::sampler::top_k_indices;
 use osprey_engine::sampler::Sampler;
 use osprey_engine::{Engine, Session};
 use osprey_prompt::PromptFormat;
+use rayon::prelude::*;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::api::GenerationRequest;
@@ -267,15 +269,10 @@ fn log_softmax_top(logits: &[f32], chosen: u32, top: usize, format: &PromptForma
     let text = |id: u32| format.decode(&[id]).unwrap_or_default();
     let mut top_logprobs = Vec::new();
     if top > 0 {
-        let mut idx: Vec<usize> = (0..logits.len()).collect();
-        idx.select_nth_unstable_by(top.min(logits.len()) - 1, |&a, &b| {
-            logits[b].total_cmp(&logits[a])
-        });
-        idx.truncate(top);
-        idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
-        top_logprobs = idx
+        top_logprobs = top_k_indices(logits, top)
             .into_iter()
             .map(|i| {
+                let i = i as usize;
                 let t = text(i as u32);
                 TopLogprob {
                     bytes: t.as_bytes().to_vec(),
@@ -303,18 +300,29 @@ fn score_prompt(
     prompt: &[u32],
     top: usize,
 ) -> anyhow::Result<(Session, Vec<TokenLogprob>, Vec<f32>)> {
-    let valid_vocab = format.vocab_size.min(engine.config().vocab_size);
+    let vocab = engine.config().vocab_size;
+    let valid_vocab = format.vocab_size.min(vocab);
     let mut session = engine.new_session();
     let mut logprobs = Vec::with_capacity(prompt.len().saturating_sub(1));
-    let mut last = Vec::new();
-    engine.prefill_scored(
-        &mut session,
-        prompt,
-        &mut |row| match prompt.get(logprobs.len() + 1) {
-            Some(&next) => logprobs.push(log_softmax_top(&row[..valid_vocab], next, top, format)),
-            None => last = row.to_vec(),
-        },
-    )?;
+    let (mut last, mut done) = (Vec::new(), 0);
+    engine.prefill_scored(&mut session, prompt, &mut |rows| {
+        // rows for positions done.. (each ~1 ms: the log-sum-exp over the vocabulary), side
+        // by side
+        let first = done;
+        done += rows.len() / vocab;
+        let scored: Vec<TokenLogprob> = rows
+            .par_chunks_exact(vocab)
+            .enumerate()
+            .filter_map(|(i, row)| {
+                let next = *prompt.get(first + i + 1)?;
+                Some(log_softmax_top(&row[..valid_vocab], next, top, format))
+            })
+            .collect();
+        logprobs.extend(scored);
+        if done == prompt.len() && rows.len() >= vocab {
+            last = rows[rows.len() - vocab..].to_vec();
+        }
+    })?;
     Ok((session, logprobs, last))
 }
 

@@ -17,6 +17,9 @@ pub struct Divergence {
     pub residual_rms: Vec<f32>,
     /// ‖logits_bf16 − logits_f32‖ / ‖logits_f32‖ over all positions.
     pub logits_relative_rms: f32,
+    /// The same for each position's logits (a discrete flip, such as a different expert chosen
+    /// at a near-tie of the router, shows as one position far above the others).
+    pub per_position: Vec<f32>,
     /// Standard deviation of the f32 logits (non-degenerate outputs have it well above 0).
     pub logits_std: f32,
     /// Fraction of positions where both runs pick the same top token.
@@ -64,6 +67,11 @@ pub fn bf16_divergence(model: &mut CpuModel, tokens: &[u32]) -> Result<Divergenc
             .map(|x| (x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32).sqrt())
             .collect(),
         logits_relative_rms: relative(&l16, &l32),
+        per_position: l16
+            .chunks_exact(vocab)
+            .zip(l32.chunks_exact(vocab))
+            .map(|(a, b)| relative(a, b))
+            .collect(),
         logits_std: var.sqrt() as f32,
         top1_agreement: agree as f32 / rows as f32,
     })
