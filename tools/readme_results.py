@@ -191,6 +191,8 @@ def checks():
         ("resumed from a session copy after another branch and another conversation, worst relative RMS",
          lambda d: f"{max(v for k, v in d['resume_from_state_copy'].items() if k.endswith('relative_rms') and k != 'limit_relative_rms'):.1e}"
          if "resume_from_state_copy" in d else "—", f"{tiny['prefill']['limit_relative_rms']:.0e}"),
+        ("scored prefill: every position's logits (prompt log-probabilities), worst relative RMS",
+         lambda d: f"{d['scored_prefill']['worst_relative_rms']:.1e}" if "scored_prefill" in d else "—", f"{tiny['prefill']['limit_relative_rms']:.0e}"),
         ("GPU sampling: total variation vs the host distribution", lambda d: f"{d['gpu_sampling']['total_variation']:.3f}", f"{tiny['gpu_sampling']['limit_total_variation']}"),
         ("passed", lambda d: "yes" if d["pass"] else "NO", ""),
     ]
