@@ -522,21 +522,12 @@ impl CudaDecoder {
             };
             self.scored = Some((device, host));
         }
-        let scratch = self.prefill.as_ref().expect("allocated by the prefill");
-        let (x, act) = (self.p(&scratch.x), self.p(&scratch.act));
+        let x = self.p(&self.prefill.as_ref().expect("allocated by the prefill").x);
         let group = self.lm_head.m.group;
-        let by_gemm = std::env::var("OSPREY_SCORE_LM_HEAD").as_deref() != Ok("gemv");
-        if by_gemm {
-            self.norm_to_bf16(x, self.p(&self.final_norm), h, h, rows, act)?;
-        }
         for first in (0..rows).step_by(SCORED_ROWS) {
             let n = SCORED_ROWS.min(rows - first);
             let out = self.p(&self.scored.as_ref().expect("allocated above").0);
-            if by_gemm {
-                let a = act + (first * h * 2) as u64;
-                self.gemm(&[&self.lm_head], a, n, EPI_STORE, out, vocab, None)?;
-            }
-            for r in (0..n).filter(|_| !by_gemm) {
+            for r in 0..n {
                 let lm = self
                     .lm_head
                     .segment(out + (r * vocab * 4) as u64, false, &self.stream);
