@@ -108,11 +108,11 @@ impl GdnPrefill {
 /// Split-K partial sums: a dense launch splits only when it has fewer blocks than SMs, so its
 /// positions × outputs stay below 132 blocks × 64 × 256; at most 8 splits.
 const MAX_K_SPLITS: usize = 8;
+const PARTIAL_FLOATS: usize = MAX_K_SPLITS * 132 * 64 * 256;
 
 /// Positions whose logits a scored prefill computes before copying them back (16 MB on the
 /// device and as much page-locked on the host at the real vocabulary, allocated on first use).
 pub(super) const SCORED_ROWS: usize = 16;
-const PARTIAL_FLOATS: usize = MAX_K_SPLITS * 132 * 64 * 256;
 
 pub(super) struct PrefillKernels {
     gemm4: [CudaFunction; 3],
