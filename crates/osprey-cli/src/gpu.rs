@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use anyhow::{bail, Context, Result};
 use osprey_cuda::{CudaBackend, CudaDecoder, GdnPrefill};
 use osprey_engine::sampler::{argmax, Sampler, SamplingParams};
-use osprey_engine::{CpuBackend, Engine};
+use osprey_engine::{CpuBackend, Engine, SCORED_CHUNK};
 use osprey_model::ModelWeights;
 use serde_json::json;
 use tracing::{info, warn};
@@ -298,9 +298,9 @@ fn check_resume(
     })
 }
 
-/// Positions the scoring check scores: past one scored chunk of the engine (64), so that the last
+/// Positions the scoring check scores: past one scored chunk of the engine, so that the last
 /// chunk is a single token.
-const SCORED_POSITIONS: usize = 65;
+const SCORED_POSITIONS: usize = SCORED_CHUNK + 1;
 
 /// Every position's logits (`Engine::score`, what prompt log-probabilities are computed from)
 /// through `CudaBackend`, which runs them by prefill, against the CPU's, row by row.
@@ -326,7 +326,7 @@ fn check_scoring(
     let scored_s = started.elapsed().as_secs_f64();
     let mut plain = engine.new_session();
     let started = std::time::Instant::now();
-    for part in long.chunks(64) {
+    for part in long.chunks(SCORED_CHUNK) {
         engine.prefill(&mut plain, part)?;
     }
     let prefill_s = started.elapsed().as_secs_f64();
@@ -354,14 +354,14 @@ fn check_scoring(
     Ok(PartCheck {
         pass,
         summary: format!(
-            "scored prefill: the logits of all {} positions (as prompt log-probabilities take them): worst relative RMS {worst:.2e} (limit {MAX_PREFILL_RELATIVE_RMS:.0e}), worst max |Δ| {worst_abs:.3e}, greedy disagreements {disagree}; {all} positions scored in {:.0} ms, prefilled alone in chunks of 64 in {:.0} ms",
+            "scored prefill: the logits of all {} positions (as prompt log-probabilities take them): worst relative RMS {worst:.2e} (limit {MAX_PREFILL_RELATIVE_RMS:.0e}), worst max |Δ| {worst_abs:.3e}, greedy disagreements {disagree}; {all} positions scored in {:.0} ms, prefilled alone in chunks of {SCORED_CHUNK} in {:.0} ms",
             tokens.len(), scored_s * 1e3, prefill_s * 1e3
         ),
         report: json!({
             "positions": tokens.len(), "worst_relative_rms": worst, "worst_max_abs": worst_abs,
             "limit_relative_rms": MAX_PREFILL_RELATIVE_RMS, "greedy_disagreements": disagree, "pass": pass,
             "per_position_relative_rms": compared.iter().map(|c| c.rel).collect::<Vec<_>>(),
-            "whole_prompt": {"positions": all, "scored_seconds": scored_s, "prefilled_alone_in_chunks_of_64_seconds": prefill_s},
+            "whole_prompt": {"positions": all, "scored_seconds": scored_s, "prefilled_alone_seconds": prefill_s, "chunk": SCORED_CHUNK},
         }),
     })
 }

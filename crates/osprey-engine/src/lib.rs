@@ -160,7 +160,7 @@ pub const DEFAULT_PREFILL_CHUNK: usize = 512;
 
 /// Positions a scored prefill runs at once: their logits are held together (~64 MB at the real
 /// vocabulary).
-const SCORED_CHUNK: usize = 64;
+pub const SCORED_CHUNK: usize = 64;
 
 pub struct Engine {
     pub backend: Box<dyn Backend>,

@@ -85,10 +85,10 @@ const TOP_K_BY_PASS: usize = 64;
 /// vocabulary this takes ~0.15 ms where a partial selection of its indices took ~0.55 (top-k
 /// sampling on the host, a position's top log-probabilities).
 pub fn top_k_indices(v: &[f32], k: usize) -> Vec<u32> {
-    let mut best: Vec<(f32, u32)> = Vec::with_capacity(k + 1);
     if k == 0 {
         return Vec::new();
     }
+    let mut best: Vec<(f32, u32)> = Vec::with_capacity(k + 1);
     for (i, &x) in v.iter().enumerate() {
         if !x.is_finite() || (best.len() == k && x <= best[k - 1].0) {
             continue;

@@ -267,21 +267,17 @@ fn log_softmax_top(logits: &[f32], chosen: u32, top: usize, format: &PromptForma
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let lse = max + logits.iter().map(|x| (x - max).exp()).sum::<f32>().ln();
     let text = |id: u32| format.decode(&[id]).unwrap_or_default();
-    let mut top_logprobs = Vec::new();
-    if top > 0 {
-        top_logprobs = top_k_indices(logits, top)
-            .into_iter()
-            .map(|i| {
-                let i = i as usize;
-                let t = text(i as u32);
-                TopLogprob {
-                    bytes: t.as_bytes().to_vec(),
-                    token: t,
-                    logprob: logits[i] - lse,
-                }
-            })
-            .collect();
-    }
+    let top_logprobs = top_k_indices(logits, top)
+        .into_iter()
+        .map(|i| {
+            let t = text(i);
+            TopLogprob {
+                bytes: t.as_bytes().to_vec(),
+                token: t,
+                logprob: logits[i as usize] - lse,
+            }
+        })
+        .collect();
     let t = text(chosen);
     TokenLogprob {
         bytes: t.as_bytes().to_vec(),
@@ -359,6 +355,11 @@ struct Reply<'a> {
 impl Reply<'_> {
     /// Whether choosing `token` ends the reply: an end-of-turn token (unless `ignore_eos`) or
     /// one of the request's `stop_token_ids`.
+    /// Whether the next token may end the reply: the first `min_tokens` are chosen.
+    fn may_end(&self) -> bool {
+        self.generated >= self.job.gen.min_tokens
+    }
+
     fn ends_reply(&self, token: u32) -> bool {
         self.ending_tokens().any(|t| t == token)
     }
@@ -395,6 +396,7 @@ impl Reply<'_> {
             });
             return Ok(Next::Aborted);
         }
+        let may_end = self.may_end();
         self.generated += 1;
         if self.in_reasoning() {
             self.reasoning += 1;
@@ -418,10 +420,10 @@ impl Reply<'_> {
             return Ok(Next::EndOfTurn);
         }
         let text = self.detok.push(token);
-        let (piece, hit) = if self.generated <= job.gen.min_tokens {
-            (self.stops.pass(&text), false)
-        } else {
+        let (piece, hit) = if may_end {
             self.stops.push(&text)
+        } else {
+            (self.stops.pass(&text), false)
         };
         let mut deltas = match self.parser.as_mut() {
             Some(p) => p.push(&piece),
@@ -622,7 +624,7 @@ impl Worker {
                 .filter(|_| !reply.in_reasoning() && reply.force.is_none());
             // a grammar decides itself where the reply ends (a finished JSON value may allow
             // only the end of the turn)
-            let may_end = reply.generated >= job.gen.min_tokens || held.is_some();
+            let may_end = reply.may_end() || held.is_some();
             let choose_from = if job.gen.logit_bias.is_empty() && may_end {
                 logits_now
             } else {
@@ -654,8 +656,7 @@ impl Worker {
             // the last chosen token, and whether the model has run it (the device runs each
             // token as it hands over the next, so all but possibly its last have run)
             let (mut last, mut last_ran, mut on_device) = (token, false, false);
-            if matches!(next, Next::Continue) && device_ok && reply.generated >= job.gen.min_tokens
-            {
+            if matches!(next, Next::Continue) && device_ok && reply.may_end() {
                 let remaining = job.max_tokens - reply.generated;
                 let mut chosen = Vec::new();
                 let mut failed = None;
