@@ -11,7 +11,7 @@ use osprey_server::parse::{collect, Delta, OutputParser};
 use osprey_server::worker::PrefixCache;
 use serde_json::{json, Value};
 
-use crate::commands::{load_engine, opening, sampling_params, Detok};
+use crate::commands::{load_engine, opening, reasoning_budget, sampling_params, Detok};
 use crate::{ModelArgs, SamplingArgs};
 
 const DIM: &str = "\x1b[2m";
@@ -21,10 +21,14 @@ pub fn run(
     args: &ModelArgs,
     max_tokens: usize,
     system: Option<&str>,
+    thinking_budget: Option<usize>,
     sampling: &SamplingArgs,
 ) -> Result<()> {
     let (engine, dir) = load_engine(args)?;
     let format = PromptFormat::from_dir(&dir)?;
+    let reasoning_budget = thinking_budget
+        .map(|n| reasoning_budget(&format, n))
+        .transpose()?;
     let mut cache = PrefixCache::new(8, 8 << 30);
     let mut history: Vec<Value> = opening(system);
     let mut thinking = true;
@@ -80,6 +84,7 @@ pub fn run(
             stop_strings: Vec::new(),
             sampling: sampling_params(sampling, &format),
             valid_vocab: format.vocab_size.min(engine.config().vocab_size),
+            reasoning_budget: reasoning_budget.clone(),
         };
         let mut parser = OutputParser::new(text.ends_with("<think>\n"), None, "call_");
         let mut deltas = Vec::new();

@@ -5,7 +5,9 @@ use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use osprey_engine::generate::{generate as run_generation, GenerateOptions, TokenText};
+use osprey_engine::generate::{
+    generate as run_generation, GenerateOptions, ReasoningBudget, TokenText,
+};
 use osprey_engine::sampler::SamplingParams;
 use osprey_engine::Engine;
 use osprey_model::checkpoint::Checkpoint;
@@ -13,6 +15,7 @@ use osprey_model::convert::{quantize_checkpoint, QuantizeOptions};
 use osprey_model::synth::{write_checkpoint, Preset, SynthOptions};
 use osprey_model::{ModelConfig, ModelWeights};
 use osprey_prompt::{ChatOptions, IncrementalDecoder, PromptFormat};
+use osprey_server::parse::{CLOSE_REASONING, THINK_CLOSE, THINK_OPEN};
 use tracing::info;
 
 use crate::{GenerateArgs, ModelArgs, SamplingArgs, ServeArgs};
@@ -217,6 +220,26 @@ impl TokenText for Detok<'_> {
     }
 }
 
+/// A thinking budget of `tokens` for the engine: the tokenizer's `<think>` and `</think>` (one
+/// token each) and the closing the server puts in.
+pub fn reasoning_budget(format: &PromptFormat, tokens: usize) -> Result<ReasoningBudget> {
+    let single = |tag: &str| -> Result<u32> {
+        match format.encode(tag)?.as_slice() {
+            [id] => Ok(*id),
+            ids => bail!(
+                "a thinking budget needs {tag} to be one token; this tokenizer makes it {}",
+                ids.len()
+            ),
+        }
+    };
+    Ok(ReasoningBudget {
+        tokens,
+        open_id: single(THINK_OPEN)?,
+        close_id: single(THINK_CLOSE)?,
+        close: format.encode(CLOSE_REASONING)?,
+    })
+}
+
 /// A conversation's opening: the system message, if any.
 pub fn opening(system: Option<&str>) -> Vec<serde_json::Value> {
     system
@@ -258,6 +281,10 @@ pub fn generate(args: &ModelArgs, g: &GenerateArgs, sampling: &SamplingArgs) -> 
         stop_strings: g.stop.clone(),
         sampling: sampling_params(sampling, &format),
         valid_vocab: format.vocab_size.min(engine.config().vocab_size),
+        reasoning_budget: g
+            .thinking_budget
+            .map(|n| reasoning_budget(&format, n))
+            .transpose()?,
     };
     let mut session = engine.new_session();
     let mut detok = Detok(format.incremental());

@@ -96,6 +96,10 @@ pub struct GenerateArgs {
     /// With --chat: turn thinking off.
     #[arg(long)]
     pub no_think: bool,
+    /// With --chat: close the reasoning block after this many tokens of it (the model then
+    /// answers; the server's `thinking_token_budget`).
+    #[arg(long, requires = "chat", conflicts_with = "no_think")]
+    pub thinking_budget: Option<usize>,
     #[arg(long, default_value_t = 128)]
     pub max_tokens: usize,
     /// Stop when this text appears (repeatable); it is not printed.
@@ -194,6 +198,10 @@ enum Command {
         /// A system message opening the conversation (kept by /reset).
         #[arg(long)]
         system: Option<String>,
+        /// Close each reply's reasoning block after this many tokens of it (the model then
+        /// answers).
+        #[arg(long)]
+        thinking_budget: Option<usize>,
         #[command(flatten)]
         sampling: SamplingArgs,
     },
@@ -323,8 +331,15 @@ fn main() -> ExitCode {
             model,
             max_tokens,
             system,
+            thinking_budget,
             sampling,
-        } => chat::run(&model, max_tokens, system.as_deref(), &sampling),
+        } => chat::run(
+            &model,
+            max_tokens,
+            system.as_deref(),
+            thinking_budget,
+            &sampling,
+        ),
         Command::Inspect { model, tensors } => commands::inspect(&model, tensors),
         Command::Score { model, tokens, out } => commands::score(&model, &tokens, &out),
         Command::Eval {

@@ -98,6 +98,18 @@ fn synth_inspect_generate_score() {
         prompt_tokens(&with_system) >= prompt_tokens(&err) + 6,
         "{with_system}"
     );
+    // a thinking budget closes the reasoning block after that many tokens (a random model's
+    // reply is all reasoning without it); the first 3 tokens are the unbudgeted reply's
+    let (budgeted, _) = ok(&[&args[..], &["--thinking-budget", "3"]].concat());
+    assert!(budgeted.contains("\n</think>"), "{budgeted:?}");
+    assert!(!a.contains("</think>"), "{a:?}");
+    let first_three = budgeted.split("\n</think>").next().unwrap();
+    assert!(
+        !first_three.trim().is_empty() && a.starts_with(first_three),
+        "{a:?} {budgeted:?}"
+    );
+    let err = fails(&["generate", "--model", ms, "--thinking-budget", "3"]);
+    assert!(err.contains("--chat"), "{err}");
     // sampled generation with a seed is reproducible too
     let args = [
         "generate",

@@ -26,6 +26,21 @@ pub struct GenerateOptions {
     pub sampling: SamplingParams,
     /// Ids at or above this are vocabulary padding and never sampled.
     pub valid_vocab: usize,
+    pub reasoning_budget: Option<ReasoningBudget>,
+}
+
+/// A limit on the reply's reasoning (its `<think>` block): once `tokens` have been chosen inside
+/// the block, `close` (the tokens that end it) is put in and the model goes on with its answer.
+/// The budget is of the whole reply's reasoning, not of each block it may open; 0 closes the
+/// block before the model writes in it. Whether the reply starts inside the block is read from
+/// the session (the chat template opens it at the end of the prompt when thinking is on).
+#[derive(Clone, Debug)]
+pub struct ReasoningBudget {
+    pub tokens: usize,
+    /// The single tokens that open and close the block.
+    pub open_id: u32,
+    pub close_id: u32,
+    pub close: Vec<u32>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,11 +55,21 @@ pub enum FinishReason {
 
 #[derive(Clone, Debug)]
 pub struct Generation {
+    /// The reply's tokens: those chosen and those put in (a reasoning budget's closing).
     pub tokens: Vec<u32>,
     pub text: String,
     pub finish: FinishReason,
     pub prompt: Timing,
     pub decode: Timing,
+}
+
+/// What the reply needs after a token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Next {
+    Continue,
+    /// The reasoning budget is spent: the block's closing goes in before the next choice.
+    CloseReasoning,
+    Finished,
 }
 
 /// The reply so far: tokens, streamed text, and why it ended.
@@ -54,19 +79,51 @@ struct Reply<'a> {
     detok: &'a mut dyn TokenText,
     on_text: &'a mut dyn FnMut(&str) -> ControlFlow<()>,
     tokens: Vec<u32>,
+    /// Of `tokens`, those the model chose (what `max_tokens` limits).
+    chosen: usize,
+    /// Whether the last token left the reply inside the reasoning block.
+    in_reasoning: bool,
+    /// Reasoning tokens left before the block is closed for the model (None: no budget, or spent).
+    reasoning_left: Option<usize>,
     finish: FinishReason,
 }
 
 impl Reply<'_> {
-    /// Takes one chosen token; false once the reply is over (stop id or string, cancelled by
-    /// the callback, or the token limit).
-    fn accept(&mut self, next: u32) -> bool {
-        self.tokens.push(next);
-        if self.opts.stop_ids.contains(&next) {
+    /// Takes one chosen token and says what comes next: the reply is over at a stop id or string,
+    /// when the callback cancels, or at the token limit.
+    fn accept(&mut self, next: u32) -> Next {
+        self.chosen += 1;
+        if !self.take(next) || self.chosen >= self.opts.max_tokens {
+            return Next::Finished;
+        }
+        match self.reasoning_left.as_mut() {
+            Some(left) if self.in_reasoning => {
+                *left = left.saturating_sub(1);
+                if *left == 0 {
+                    Next::CloseReasoning
+                } else {
+                    Next::Continue
+                }
+            }
+            _ => Next::Continue,
+        }
+    }
+
+    /// Appends a token to the reply and streams its text; false once the reply is over.
+    fn take(&mut self, token: u32) -> bool {
+        self.tokens.push(token);
+        if self.opts.stop_ids.contains(&token) {
             self.finish = FinishReason::Stop;
             return false;
         }
-        let (piece, stopped) = self.stream.push(&self.detok.push(next));
+        if let Some(b) = &self.opts.reasoning_budget {
+            if token == b.open_id {
+                self.in_reasoning = true;
+            } else if token == b.close_id {
+                self.in_reasoning = false;
+            }
+        }
+        let (piece, stopped) = self.stream.push(&self.detok.push(token));
         if !piece.is_empty() && (self.on_text)(&piece).is_break() {
             self.finish = FinishReason::Cancelled;
             return false;
@@ -75,14 +132,41 @@ impl Reply<'_> {
             self.finish = FinishReason::Stop;
             return false;
         }
-        self.tokens.len() < self.opts.max_tokens
+        true
+    }
+
+    /// Puts the reasoning block's closing into the reply and the session (after `unrun`, chosen
+    /// tokens the model has not run yet) and returns the logits to choose the next token from;
+    /// None when the closing ended the reply (a stop string in it, or a cancelled stream).
+    fn close_reasoning(
+        &mut self,
+        engine: &Engine,
+        session: &mut Session,
+        unrun: Option<u32>,
+    ) -> Result<Option<Vec<f32>>> {
+        self.reasoning_left = None;
+        let close = self
+            .opts
+            .reasoning_budget
+            .as_ref()
+            .map(|b| b.close.clone())
+            .unwrap_or_default();
+        for &t in &close {
+            if !self.take(t) {
+                return Ok(None);
+            }
+        }
+        let feed: Vec<u32> = unrun.into_iter().chain(close).collect();
+        Ok(Some(engine.prefill(session, &feed)?.0))
     }
 }
 
 /// Generates a reply to `prompt` (appended to the session). `on_text` receives each final piece
-/// of text and may return `Break` to cancel. The first token is sampled on the host from the
-/// prompt's logits; after it, a backend that chooses tokens itself (the GPU) runs the rest
-/// without handing logits back, else the host samples every token.
+/// of text and may return `Break` to cancel. Each token the host chooses is sampled from logits
+/// (the prompt's first); after it, a backend that chooses tokens itself (the GPU) runs on
+/// without handing logits back until the reply ends or its reasoning budget is spent (the
+/// block's closing is then put in and the host chooses again), else the host samples every
+/// token.
 pub fn generate(
     engine: &Engine,
     session: &mut Session,
@@ -94,35 +178,52 @@ pub fn generate(
     opts.sampling.validate()?;
     let (logits, prompt_timing) = engine.prefill(session, prompt)?;
     let mut sampler = Sampler::new(opts.sampling.clone(), opts.valid_vocab, &session.tokens);
+    let in_reasoning = opts.reasoning_budget.as_ref().is_some_and(|b| {
+        let last = |id| session.tokens.iter().rposition(|&t| t == id);
+        last(b.open_id) > last(b.close_id)
+    });
     let mut reply = Reply {
         opts,
         stream: StopScanner::new(&opts.stop_strings),
         detok,
         on_text,
         tokens: Vec::new(),
+        chosen: 0,
+        in_reasoning,
+        reasoning_left: opts.reasoning_budget.as_ref().map(|b| b.tokens),
         finish: FinishReason::Length,
     };
     let started = Instant::now();
-    if opts.max_tokens > 0 {
-        let first = sampler.sample(&logits);
-        sampler.observe(first);
-        if reply.accept(first) {
-            let remaining = opts.max_tokens - 1;
-            let on_device =
-                engine.decode_on_device(session, first, &sampler, remaining, &mut |t| {
-                    reply.accept(t)
-                })?;
-            if on_device.is_none() {
-                let mut next = first;
-                loop {
-                    let logits = engine.decode(session, next)?;
-                    next = sampler.sample(&logits);
-                    sampler.observe(next);
-                    if !reply.accept(next) {
-                        break;
-                    }
-                }
-            }
+    // the logits the host chooses the next token from; None once the reply is over
+    let mut logits = (opts.max_tokens > 0).then_some(logits);
+    if logits.is_some() && in_reasoning && reply.reasoning_left == Some(0) {
+        logits = reply.close_reasoning(engine, session, None)?;
+    }
+    while let Some(from) = logits.take() {
+        let token = sampler.sample(&from);
+        sampler.observe(token);
+        let mut next = reply.accept(token);
+        // the last chosen token, and whether the model has run it (the device runs each token
+        // as it hands over the next, so all but possibly its last have run)
+        let (mut last, mut last_ran) = (token, false);
+        if next == Next::Continue {
+            let remaining = opts.max_tokens - reply.chosen;
+            let mut chosen = Vec::new();
+            let ran = engine.decode_on_device(session, token, &sampler, remaining, &mut |t| {
+                chosen.push(t);
+                next = reply.accept(t);
+                next == Next::Continue
+            })?;
+            let Some(ran) = ran else {
+                logits = Some(engine.decode(session, token)?);
+                continue;
+            };
+            chosen.iter().for_each(|&t| sampler.observe(t));
+            last = chosen.last().copied().unwrap_or(token);
+            last_ran = ran == 1 + chosen.len();
+        }
+        if next == Next::CloseReasoning {
+            logits = reply.close_reasoning(engine, session, (!last_ran).then_some(last))?;
         }
     }
     let Reply {
@@ -130,6 +231,7 @@ pub fn generate(
         detok,
         on_text,
         tokens,
+        chosen,
         finish,
         ..
     } = reply;
@@ -142,9 +244,10 @@ pub fn generate(
     }
     // on the host path the last sampled token was never run through the model: the session
     // ends at the last token whose logits were used, so a follow-up turn feeds it first (the
-    // device path may have run it already; the session records what ran)
+    // device path may have run it already; the session records what ran). A reasoning
+    // budget's closing is prefilled, not decoded.
     let decode = Timing {
-        tokens: tokens.len().saturating_sub(1),
+        tokens: chosen.saturating_sub(1),
         seconds: started.elapsed().as_secs_f64(),
     };
     Ok(Generation {
@@ -350,6 +453,7 @@ mod tests {
             stop_strings,
             sampling: SamplingParams::default(),
             valid_vocab: 64,
+            reasoning_budget: None,
         };
         let run = |e: &Engine, o: &GenerateOptions| {
             let mut s = e.new_session();
@@ -375,6 +479,77 @@ mod tests {
             // the device may have run the last token already; never less than the host
             assert!(d.4.starts_with(&h.4) && d.4.len() <= h.4.len() + 1, "{o:?}");
         }
+    }
+
+    #[test]
+    fn a_spent_reasoning_budget_closes_the_block_for_the_model() {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/qwen3.6-35b-a3b");
+        let config = ModelConfig::from_dir(&dir).unwrap();
+        let engine = |device| {
+            Engine::new(Box::new(Counting {
+                config: config.clone(),
+                device,
+            }))
+        };
+        // the model never chooses 60 or 61 (next_after is below 50): they stand for <think>
+        // and </think>, and the closing put in is "61 62"
+        let (open, close) = (60u32, 61u32);
+        let opts = |tokens, max_tokens| GenerateOptions {
+            max_tokens,
+            stop_ids: Vec::new(),
+            stop_strings: Vec::new(),
+            sampling: SamplingParams::default(),
+            valid_vocab: 64,
+            reasoning_budget: Some(ReasoningBudget {
+                tokens,
+                open_id: open,
+                close_id: close,
+                close: vec![close, 62],
+            }),
+        };
+        let run = |e: &Engine, prompt: &[u32], o: &GenerateOptions| {
+            let mut s = e.new_session();
+            let g = generate(e, &mut s, prompt, o, &mut Names, &mut |_| {
+                ControlFlow::Continue(())
+            })
+            .unwrap();
+            (g.tokens, g.text, s.tokens)
+        };
+        let thinking = [3u32, 1, 4, open];
+        for device in [false, true] {
+            let e = engine(device);
+            for budget in [0, 1, 5] {
+                let (tokens, text, session) = run(&e, &thinking, &opts(budget, 12));
+                // `budget` chosen tokens, the closing, then chosen tokens that follow the model
+                // over a sequence that holds the closing
+                assert_eq!(tokens[budget..budget + 2], [close, 62], "{budget} {device}");
+                assert_eq!(
+                    tokens.len(),
+                    12 + 2,
+                    "the closing is not counted against max_tokens"
+                );
+                let mut seq = thinking.to_vec();
+                for &t in &tokens {
+                    if t < 50 {
+                        assert_eq!(t, next_after(&seq), "{budget} {device}");
+                    }
+                    seq.push(t);
+                }
+                assert!(session.starts_with(&seq[..thinking.len() + budget + 2]));
+                assert!(text.contains("t61 t62 "));
+            }
+            // a prompt whose block is already closed (thinking off): nothing is put in
+            let closed = [3u32, open, close, 1];
+            let (tokens, _, _) = run(&e, &closed, &opts(2, 8));
+            assert!(tokens.iter().all(|&t| t < 50), "{tokens:?}");
+            // the budget ends with the reply's token limit: no closing past it
+            let (tokens, _, _) = run(&e, &thinking, &opts(5, 5));
+            assert_eq!(tokens.len(), 5);
+        }
+        let host = run(&engine(false), &thinking, &opts(3, 20));
+        let device = run(&engine(true), &thinking, &opts(3, 20));
+        assert_eq!((&host.0, &host.1), (&device.0, &device.1));
     }
 
     fn run(stops: &[&str], pieces: &[&str]) -> (String, String, bool) {

@@ -65,7 +65,8 @@ impl PromptFormat {
         let tok_path = dir.join("tokenizer.json");
         let tokenizer = Tokenizer::from_file(&tok_path)
             .map_err(|e| anyhow::anyhow!("cannot load {}: {e}", tok_path.display()))?;
-        let template = ChatTemplate::from_dir(dir)?;
+        let tokenizer_config = tokenizer_config(dir)?;
+        let template = ChatTemplate::from_dir(dir, &tokenizer_config)?;
         let vocab_size = tokenizer.get_vocab_size(true);
 
         let mut stop_ids = Vec::new();
@@ -106,7 +107,7 @@ impl PromptFormat {
                 .get_ids()
                 .to_vec())
         };
-        let special = special_tokens(dir, &tokenizer, &stop_ids)?;
+        let special = special_tokens(&tokenizer_config, &tokenizer, &stop_ids);
         let assistant_header = header("<|im_start|>assistant\n")?;
         let user_header = header("<|im_start|>user\n")?;
         Ok(PromptFormat {
@@ -194,25 +195,29 @@ impl PromptFormat {
     }
 }
 
+/// `tokenizer_config.json`, parsed; Null when the directory has none.
+fn tokenizer_config(dir: &Path) -> Result<Value> {
+    let path = dir.join("tokenizer_config.json");
+    match std::fs::read_to_string(&path) {
+        Ok(text) => serde_json::from_str(&text)
+            .with_context(|| format!("{} is not valid JSON", path.display())),
+        Err(_) => Ok(Value::Null),
+    }
+}
+
 /// `tokenizer_config.json`'s bos/eos/pad tokens (a string, or an object with `content`); without
 /// the file, or its eos, the first stop id's token is the eos.
-fn special_tokens(dir: &Path, tokenizer: &Tokenizer, stop_ids: &[u32]) -> Result<SpecialTokens> {
-    let path = dir.join("tokenizer_config.json");
-    let config: Value = match std::fs::read_to_string(&path) {
-        Ok(text) => serde_json::from_str(&text)
-            .with_context(|| format!("{} is not valid JSON", path.display()))?,
-        Err(_) => Value::Null,
-    };
+fn special_tokens(config: &Value, tokenizer: &Tokenizer, stop_ids: &[u32]) -> SpecialTokens {
     let named = |key: &str| match &config[key] {
         Value::String(s) => Some(s.clone()),
         v => v["content"].as_str().map(String::from),
     };
-    Ok(SpecialTokens {
+    SpecialTokens {
         bos: named("bos_token"),
         eos: named("eos_token")
             .or_else(|| stop_ids.first().and_then(|&id| tokenizer.id_to_token(id))),
         pad: named("pad_token"),
-    })
+    }
 }
 
 /// Streams text from tokens: a token's text is released once it is complete UTF-8 (byte-level

@@ -17,22 +17,18 @@ pub struct ChatTemplate {
 }
 
 impl ChatTemplate {
-    pub fn from_dir(dir: &Path) -> Result<Self> {
+    /// The template of a model directory: chat_template.jinja, else the `chat_template` string
+    /// of its tokenizer_config.json (`tokenizer_config`, parsed; Null when there is none).
+    pub fn from_dir(dir: &Path, tokenizer_config: &Value) -> Result<Self> {
         let jinja = dir.join("chat_template.jinja");
         let source = if jinja.exists() {
             std::fs::read_to_string(&jinja)
                 .with_context(|| format!("cannot read {}", jinja.display()))?
         } else {
-            let cfg = dir.join("tokenizer_config.json");
-            let text = std::fs::read_to_string(&cfg).with_context(|| {
-                format!("no chat_template.jinja and cannot read {}", cfg.display())
-            })?;
-            let v: Value = serde_json::from_str(&text)
-                .with_context(|| format!("{} is not valid JSON", cfg.display()))?;
-            match v.get("chat_template") {
+            match tokenizer_config.get("chat_template") {
                 Some(Value::String(s)) => s.clone(),
                 _ => bail!(
-                    "{} has no chat template (no chat_template.jinja, no \"chat_template\" string)",
+                    "{} has no chat template (no chat_template.jinja, no \"chat_template\" string in tokenizer_config.json)",
                     dir.display()
                 ),
             }

@@ -20,8 +20,11 @@ use std::collections::HashMap;
 
 use serde_json::{json, Value};
 
-const THINK_OPEN: &str = "<think>";
-const THINK_CLOSE: &str = "</think>";
+pub const THINK_OPEN: &str = "<think>";
+pub const THINK_CLOSE: &str = "</think>";
+/// What ends a reasoning block put in for the model (a thinking budget spent; the model then
+/// writes the blank line before its answer, as after its own `</think>`).
+pub const CLOSE_REASONING: &str = "\n</think>";
 const CALL_OPEN: &str = "<tool_call>";
 const CALL_CLOSE: &str = "</tool_call>";
 

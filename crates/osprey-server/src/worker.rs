@@ -16,7 +16,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use crate::api::GenerationRequest;
 use crate::metrics::Metrics;
-use crate::parse::{Delta, OutputParser, ToolSchemas};
+use crate::parse::{Delta, OutputParser, ToolSchemas, CLOSE_REASONING};
 use crate::structured::Constraint;
 
 /// How a chat reply's text is split into reasoning, content and tool calls.
@@ -39,10 +39,6 @@ pub struct ChatParsing {
     /// Anthropic's `disable_parallel_tool_use`).
     pub one_call: bool,
 }
-
-/// What ends a reasoning block put in for the model (which then writes the blank line before its
-/// answer, as after its own `</think>`).
-const CLOSE_REASONING: &str = "\n</think>";
 
 pub struct Job {
     pub prompt: Vec<u32>,
@@ -353,13 +349,13 @@ struct Reply<'a> {
 }
 
 impl Reply<'_> {
-    /// Whether choosing `token` ends the reply: an end-of-turn token (unless `ignore_eos`) or
-    /// one of the request's `stop_token_ids`.
     /// Whether the next token may end the reply: the first `min_tokens` are chosen.
     fn may_end(&self) -> bool {
         self.generated >= self.job.gen.min_tokens
     }
 
+    /// Whether choosing `token` ends the reply: an end-of-turn token (unless `ignore_eos`) or
+    /// one of the request's `stop_token_ids`.
     fn ends_reply(&self, token: u32) -> bool {
         self.ending_tokens().any(|t| t == token)
     }
