@@ -433,17 +433,18 @@ mod tests {
         }
     }
 
-    #[test]
-    fn device_decoding_gives_the_host_replies() {
+    /// An engine on `Counting` (with the real model's config), host-only or choosing on a device.
+    fn engine(device: bool) -> Engine {
         let dir =
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/qwen3.6-35b-a3b");
-        let config = ModelConfig::from_dir(&dir).unwrap();
-        let engine = |device| {
-            Engine::new(Box::new(Counting {
-                config: config.clone(),
-                device,
-            }))
-        };
+        Engine::new(Box::new(Counting {
+            config: ModelConfig::from_dir(&dir).unwrap(),
+            device,
+        }))
+    }
+
+    #[test]
+    fn device_decoding_gives_the_host_replies() {
         let (host, device) = (engine(false), engine(true));
         let prompt = [3u32, 1, 4, 1, 5];
         // the path without a stop first, to pick stops that do occur in it
@@ -483,15 +484,6 @@ mod tests {
 
     #[test]
     fn a_spent_reasoning_budget_closes_the_block_for_the_model() {
-        let dir =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/qwen3.6-35b-a3b");
-        let config = ModelConfig::from_dir(&dir).unwrap();
-        let engine = |device| {
-            Engine::new(Box::new(Counting {
-                config: config.clone(),
-                device,
-            }))
-        };
         // the model never chooses 60 or 61 (next_after is below 50): they stand for <think>
         // and </think>, and the closing put in is "61 62"
         let (open, close) = (60u32, 61u32);
