@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 
 use anyhow::{bail, Context, Result};
 use osprey_cuda::{CudaBackend, CudaDecoder, GdnPrefill};
-use osprey_engine::sampler::{argmax, Sampler, SamplingParams};
+use osprey_engine::sampler::{argmax, PositionLogprobs, Sampler, SamplingParams};
 use osprey_engine::{CpuBackend, Engine, SCORED_CHUNK};
 use osprey_model::ModelWeights;
 use serde_json::json;
@@ -302,8 +302,43 @@ fn check_resume(
 /// chunk is a single token.
 const SCORED_POSITIONS: usize = SCORED_CHUNK + 1;
 
+/// Alternatives a position's summary holds in the check: the API's most (`top_logprobs` 20).
+const SUMMARY_TOP: usize = 20;
+
+/// How far the device's summaries of a position's logits (`logit_summary`) may be from the
+/// host's summaries of the same logits: the two differ by the order of the sums and the fast
+/// exp over 248K logits (~1e-6 relative); a wrong row, offset or token is off by whole units.
+const MAX_SUMMARY_DIFFERENCE: f32 = 1e-3;
+
+/// The device's summaries of each position's logits (`Engine::prefill_logprobs` on the GPU)
+/// against the host's summaries of the same logits, rows as `Engine::score` returns them:
+/// the largest difference of the log normaliser, the next token's logit and the top logits rank
+/// by rank, and the positions whose top ids differ other than at a near-tie.
+fn compare_summaries(
+    device: &[PositionLogprobs],
+    rows: &[f32],
+    tokens: &[u32],
+    valid: usize,
+) -> (f32, usize) {
+    if device.len() != tokens.len() {
+        return (f32::INFINITY, 0);
+    }
+    let vocab = rows.len() / tokens.len().max(1);
+    let mut worst = 0f32;
+    let mut differ = 0;
+    for (i, (d, row)) in device.iter().zip(rows.chunks_exact(vocab)).enumerate() {
+        let host = PositionLogprobs::of(&row[..valid], tokens.get(i + 1).copied(), SUMMARY_TOP);
+        let (gap, ids_differ) = host.difference(d, MAX_SUMMARY_DIFFERENCE);
+        worst = worst.max(gap);
+        differ += usize::from(ids_differ);
+    }
+    (worst, differ)
+}
+
 /// Every position's logits (`Engine::score`, what prompt log-probabilities are computed from)
-/// through `CudaBackend`, which runs them by prefill, against the CPU's, row by row.
+/// through `CudaBackend`, which runs them by prefill, against the CPU's, row by row; and the
+/// summaries the server takes (`Engine::prefill_logprobs`, made on the device) against the
+/// host's summaries of the same logits.
 fn check_scoring(
     m: &GpuModel,
     context: usize,
@@ -330,6 +365,22 @@ fn check_scoring(
         engine.prefill(&mut plain, part)?;
     }
     let prefill_s = started.elapsed().as_secs_f64();
+    let (summaries, last) =
+        engine.prefill_logprobs(&mut engine.new_session(), tokens, valid, SUMMARY_TOP)?;
+    let (summary_worst, summary_ids_differ) =
+        compare_summaries(&summaries, &gpu_rows, tokens, valid);
+    let last_row = &gpu_rows[gpu_rows.len().saturating_sub(vocab)..];
+    let last_worst = last.iter().zip(last_row).map(|(a, b)| (a - b).abs()).fold(
+        if last.len() == vocab {
+            0.0
+        } else {
+            f32::INFINITY
+        },
+        f32::max,
+    );
+    let started = std::time::Instant::now();
+    engine.prefill_logprobs(&mut engine.new_session(), long, valid, 5)?;
+    let summarised_s = started.elapsed().as_secs_f64();
     let cpu_rows = cpu.score(tokens)?;
     if gpu_rows.len() != cpu_rows.len() {
         bail!(
@@ -350,18 +401,24 @@ fn check_scoring(
         .count();
     let worst = compared.iter().map(|c| c.rel).fold(0.0, f32::max);
     let worst_abs = compared.iter().map(|c| c.max_abs).fold(0.0, f32::max);
-    let pass = worst <= MAX_PREFILL_RELATIVE_RMS && disagree == 0;
+    let summaries_pass = summary_worst <= MAX_SUMMARY_DIFFERENCE
+        && summary_ids_differ == 0
+        && last_worst <= MAX_SUMMARY_DIFFERENCE;
+    let pass = worst <= MAX_PREFILL_RELATIVE_RMS && disagree == 0 && summaries_pass;
     Ok(PartCheck {
         pass,
         summary: format!(
-            "scored prefill: the logits of all {} positions (as prompt log-probabilities take them): worst relative RMS {worst:.2e} (limit {MAX_PREFILL_RELATIVE_RMS:.0e}), worst max |Δ| {worst_abs:.3e}, greedy disagreements {disagree}; {all} positions scored in {:.0} ms, prefilled alone in chunks of {SCORED_CHUNK} in {:.0} ms",
-            tokens.len(), scored_s * 1e3, prefill_s * 1e3
+            "scored prefill: the logits of all {} positions (as prompt log-probabilities take them): worst relative RMS {worst:.2e} (limit {MAX_PREFILL_RELATIVE_RMS:.0e}), worst max |Δ| {worst_abs:.3e}, greedy disagreements {disagree}; summarised on the GPU (top {SUMMARY_TOP}) against the host's summaries of the same logits: worst |Δ| {summary_worst:.2e} (limit {MAX_SUMMARY_DIFFERENCE:.0e}), top ids differing {summary_ids_differ}, last logits |Δ| {last_worst:.2e}; {all} positions: logits scored in {:.0} ms, summarised (top 5) in {:.0} ms, prefilled alone in chunks of {SCORED_CHUNK} in {:.0} ms",
+            tokens.len(), scored_s * 1e3, summarised_s * 1e3, prefill_s * 1e3
         ),
         report: json!({
             "positions": tokens.len(), "worst_relative_rms": worst, "worst_max_abs": worst_abs,
             "limit_relative_rms": MAX_PREFILL_RELATIVE_RMS, "greedy_disagreements": disagree, "pass": pass,
             "per_position_relative_rms": compared.iter().map(|c| c.rel).collect::<Vec<_>>(),
-            "whole_prompt": {"positions": all, "scored_seconds": scored_s, "prefilled_alone_seconds": prefill_s, "chunk": SCORED_CHUNK},
+            "device_summaries": {"top": SUMMARY_TOP, "worst_difference": summary_worst, "top_ids_differing": summary_ids_differ,
+                "last_logits_max_abs": last_worst, "limit": MAX_SUMMARY_DIFFERENCE, "pass": summaries_pass},
+            "whole_prompt": {"positions": all, "scored_seconds": scored_s, "summarised_top5_seconds": summarised_s,
+                "prefilled_alone_seconds": prefill_s, "chunk": SCORED_CHUNK},
         }),
     })
 }

@@ -370,3 +370,74 @@ extern "C" __global__ void __launch_bounds__(PREPASS_THREADS) sample_prepass(Sam
     __syncthreads();
     for (int r = min(ncand, stride) + tid; r < stride; r += PREPASS_THREADS) { out_v[r] = -INFINITY; out_i[r] = 0x7fffffff; }
 }
+
+// Prompt log-probabilities (echo, lm-evaluation-harness's loglikelihood): each scored position's
+// logits summarised where the lm_head wrote them, so that a few floats cross to the host instead
+// of the whole row (~1 MB at the real vocabulary).
+//   logit_summary — one block of 1024 threads a row: the log of the softmax's normaliser over the
+//                   ids below `valid` (the maximum, then the sum of exp(x - max), as the host's
+//                   PositionLogprobs::of), the logit of the token that follows the position, and
+//                   the `top` largest finite logits (logit desc, id asc: top_k_indices' order),
+//                   by `top` arg-max passes, each over the logits after the one found last.
+//                   The row is read 2 + top times (from L2 after the first).
+#define SUMMARY_THREADS 1024
+#define NO_NEXT 0xffffffffu
+#define NO_ID 0x7fffffff
+
+struct SummaryArgs {
+    const float* logits;  // [rows, vocab]
+    const unsigned* next; // [rows]: the token after each position, NO_NEXT where none
+    float* out;           // [rows, 2 + 2 top]: log normaliser, next's logit (NaN: none), then
+                          // (id as int bits, -1 past the finite logits; logit) pairs
+    int vocab, valid, top, _pad;
+};
+
+extern "C" __global__ void __launch_bounds__(SUMMARY_THREADS) logit_summary(SummaryArgs a) {
+    __shared__ float scratch[32];
+    __shared__ float best_v[32];
+    __shared__ int best_i[32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const float* row = a.logits + (size_t)blockIdx.x * a.vocab;
+    float* out = a.out + (size_t)blockIdx.x * (2 + 2 * a.top);
+    float m = -INFINITY;
+    for (int i = tid; i < a.valid; i += SUMMARY_THREADS) m = fmaxf(m, row[i]);
+    m = block_max(m, scratch);
+    float s = 0.f;
+    for (int i = tid; i < a.valid; i += SUMMARY_THREADS) s += __expf(row[i] - m);
+    s = block_sum(s, scratch);
+    if (tid == 0) {
+        out[0] = m + __logf(s);
+        const unsigned next = a.next[blockIdx.x];
+        out[1] = next == NO_NEXT ? __int_as_float(0x7fc00000) : next < (unsigned)a.valid ? row[next] : -INFINITY;
+    }
+    // (last_v, last_i): the logit found last; every pass looks only after it in the order
+    float last_v = INFINITY;
+    int last_i = -1;
+    for (int r = 0; r < a.top; ++r) {
+        float bv = -INFINITY;
+        int bi = NO_ID;
+        for (int i = tid; i < a.valid; i += SUMMARY_THREADS) {
+            const float x = row[i];
+            if (isfinite(x) && before(last_v, last_i, x, i) && before(x, i, bv, bi)) {
+                bv = x;
+                bi = i;
+            }
+        }
+        warp_best(bv, bi);
+        __syncthreads();  // the previous pass's reads of best_v / best_i are done
+        if (lane == 0) {
+            best_v[warp] = bv;
+            best_i[warp] = bi;
+        }
+        __syncthreads();
+        bv = lane < SUMMARY_THREADS / 32 ? best_v[lane] : -INFINITY;
+        bi = lane < SUMMARY_THREADS / 32 ? best_i[lane] : NO_ID;
+        warp_best(bv, bi);
+        if (tid == 0) {
+            out[2 + 2 * r] = __int_as_float(bi == NO_ID ? -1 : bi);
+            out[3 + 2 * r] = bv;
+        }
+        last_v = bv;
+        last_i = bi;
+    }
+}

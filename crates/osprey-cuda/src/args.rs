@@ -253,6 +253,20 @@ pub struct SampleArgs {
     pub pad: i32,
 }
 
+/// sample.cu `SummaryArgs`: a scored prefill's rows of logits summarised for prompt
+/// log-probabilities (`logit_summary`).
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct SummaryArgs {
+    pub logits: u64,
+    pub next: u64,
+    pub out: u64,
+    pub vocab: i32,
+    pub valid: i32,
+    pub top: i32,
+    pub pad: i32,
+}
+
 /// gemm.cu `GemmArgs`: the prefill GEMM, dense or grouped by expert.
 #[repr(C)]
 #[derive(Clone, Copy, Default, Debug)]
@@ -513,6 +527,7 @@ unsafe impl DeviceRepr for EmbedArgs {}
 unsafe impl DeviceRepr for TokenChoice {}
 unsafe impl DeviceRepr for SampleParams {}
 unsafe impl DeviceRepr for SampleArgs {}
+unsafe impl DeviceRepr for SummaryArgs {}
 unsafe impl DeviceRepr for GemmArgs {}
 unsafe impl DeviceRepr for WgmmaArgs {}
 unsafe impl DeviceRepr for ReduceArgs {}
@@ -555,6 +570,7 @@ mod tests {
         assert_eq!(std::mem::size_of::<DecodeArgs>(), 11 * 8 + 20 + 4);
         assert_eq!(std::mem::size_of::<SampleParams>(), 8 * 4 + 8);
         assert_eq!(std::mem::size_of::<SampleArgs>(), 8 * 8 + 8 + 2 * 8 + 2 * 4);
+        assert_eq!(std::mem::size_of::<SummaryArgs>(), 3 * 8 + 4 * 4);
         assert_eq!(std::mem::size_of::<GemmArgs>(), 14 * 8 + 8 * 4);
         // GemmArgs padded to the maps' 64-byte alignment, then 8 maps of 128 bytes
         assert_eq!(std::mem::size_of::<WgmmaArgs>(), 192 + 8 * 128);

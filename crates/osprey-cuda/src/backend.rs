@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, bail, Result};
-use osprey_engine::sampler::Sampler;
+use osprey_engine::sampler::{PositionLogprobs, Sampler};
 use osprey_engine::{Backend, KvCache, LogitsFor, SessionState};
 use osprey_model::config::ModelConfig;
 use osprey_model::ModelWeights;
@@ -119,6 +119,39 @@ impl CudaBackend {
 }
 
 impl Device {
+    /// Whether `tokens` after `history` fit the context allocated on the device.
+    fn fits(&self, history: &[u32], tokens: &[u32]) -> Result<()> {
+        let needed = history.len() + tokens.len();
+        if needed > self.decoder.max_context {
+            bail!("the context is full: {needed} tokens, {} allocated on the GPU (raise --max-context)", self.decoder.max_context);
+        }
+        Ok(())
+    }
+
+    /// A scored prefill: brings the held prefix up to date with `history`, then `run` prefills
+    /// `tokens` from that position keeping what it needs of each position's logits; what the
+    /// device holds is forgotten if the run fails midway.
+    fn score<T>(
+        &mut self,
+        history: &[u32],
+        tokens: &[u32],
+        chunk: usize,
+        run: impl FnOnce(&mut CudaDecoder, usize) -> Result<T>,
+    ) -> Result<T> {
+        self.catch_up(history, &[], 0, chunk)?;
+        let from = self.book.held().len();
+        match run(&mut self.decoder, from) {
+            Ok(kept) => {
+                self.book.ran(tokens);
+                Ok(kept)
+            }
+            Err(e) => {
+                self.book.lost();
+                Err(e)
+            }
+        }
+    }
+
     /// Brings the device state to `history` followed by `then`, leaving at least `min_run` of
     /// those tokens to run (1 when the last one's logits are wanted): continues what it holds,
     /// or restores a kept copy, or starts from an empty state; then runs the rest by prefill or
@@ -234,15 +267,8 @@ impl Backend for CudaBackend {
         }
         let mut d = self.device()?;
         // each step runs one token: the steps that fit the allocated context
-        let room = d.decoder.max_context.saturating_sub(history.len());
-        if room == 0 {
-            bail!(
-                "the context is full: {} tokens, {} allocated on the GPU (raise --max-context)",
-                history.len() + 1,
-                d.decoder.max_context
-            );
-        }
-        let max_steps = max_steps.min(room);
+        d.fits(history, &[first])?;
+        let max_steps = max_steps.min(d.decoder.max_context - history.len());
         d.catch_up(history, &[], 0, self.prefill_chunk)?;
         let mut chosen = Vec::new();
         let ran = d.decoder.set_sampling(Some(sampler)).and_then(|_| {
@@ -300,26 +326,14 @@ impl Backend for CudaBackend {
         want: LogitsFor,
     ) -> Result<Vec<f32>> {
         let mut d = self.device()?;
-        let needed = history.len() + tokens.len();
-        if needed > d.decoder.max_context {
-            bail!("the context is full: {needed} tokens, {} allocated on the GPU (raise --max-context)", d.decoder.max_context);
-        }
+        d.fits(history, tokens)?;
         if want == LogitsFor::All {
-            // scoring: every position's logits, by prefill after the held prefix is brought up
-            // to date
-            d.catch_up(history, &[], 0, self.prefill_chunk)?;
-            let from = d.book.held().len();
-            return match d.decoder.prefill_scored(from, tokens, self.prefill_chunk) {
-                Ok(all) => {
-                    d.book.ran(tokens);
-                    state.position = d.book.held().len();
-                    Ok(all)
-                }
-                Err(e) => {
-                    d.book.lost();
-                    Err(e)
-                }
-            };
+            let chunk = self.prefill_chunk;
+            let all = d.score(history, tokens, chunk, |dec, from| {
+                dec.prefill_scored(from, tokens, chunk)
+            })?;
+            state.position = d.book.held().len();
+            return Ok(all);
         }
         let min_run = usize::from(want != LogitsFor::None);
         d.catch_up(history, tokens, min_run, self.prefill_chunk)?;
@@ -328,5 +342,26 @@ impl Backend for CudaBackend {
             LogitsFor::None => Ok(Vec::new()),
             _ => d.decoder.logits(),
         }
+    }
+
+    fn prefill_logprobs(
+        &self,
+        state: &mut SessionState,
+        history: &[u32],
+        tokens: &[u32],
+        following: Option<u32>,
+        valid: usize,
+        top: usize,
+    ) -> Result<(Vec<PositionLogprobs>, Vec<f32>)> {
+        let mut d = self.device()?;
+        d.fits(history, tokens)?;
+        // the logits summarised on the device (`forward`'s scoring brings back ~1 MB a position)
+        let chunk = self.prefill_chunk;
+        let scored = d.score(history, tokens, chunk, |dec, from| {
+            let summaries = dec.prefill_logprobs(from, tokens, chunk, following, valid, top)?;
+            Ok((summaries, dec.logits()?))
+        })?;
+        state.position = d.book.held().len();
+        Ok(scored)
     }
 }

@@ -14,6 +14,7 @@ use std::time::Instant;
 use anyhow::Result;
 use osprey_model::config::ModelConfig;
 use osprey_model::ModelWeights;
+use rayon::prelude::*;
 
 use cpu::forward::CpuModel;
 pub use cpu::forward::{GdnForm, LogitsFor};
@@ -63,6 +64,34 @@ pub trait Backend: Send + Sync {
     /// `tokens`.
     fn keep_state(&self, _tokens: &[u32]) -> Result<()> {
         Ok(())
+    }
+    /// Prefills `tokens` after `history` and summarises each position's logits over the ids
+    /// below `valid` for prompt log-probabilities (`following`: the token after the last
+    /// position, when known; `top` alternatives); returns the summaries and the last position's
+    /// logits. This default takes every position's logits from `forward` and summarises them on
+    /// the host, side by side; a backend whose logits live on a device summarises them there, so
+    /// that ~1 MB a position does not cross to the host.
+    fn prefill_logprobs(
+        &self,
+        state: &mut SessionState,
+        history: &[u32],
+        tokens: &[u32],
+        following: Option<u32>,
+        valid: usize,
+        top: usize,
+    ) -> Result<(Vec<sampler::PositionLogprobs>, Vec<f32>)> {
+        let rows = self.forward(state, history, tokens, LogitsFor::All)?;
+        let vocab = self.config().vocab_size;
+        let summaries = rows
+            .par_chunks_exact(vocab)
+            .enumerate()
+            .map(|(i, row)| {
+                let next = tokens.get(i + 1).copied().or(following);
+                sampler::PositionLogprobs::of(&row[..valid.min(vocab)], next, top)
+            })
+            .collect();
+        let last = rows[rows.len().saturating_sub(vocab)..].to_vec();
+        Ok((summaries, last))
     }
     /// Tokens of calls' `history` that the backend ran again so far, because it no longer held
     /// their state (a device backend after another branch ran and no kept copy served). Lets a
@@ -278,6 +307,36 @@ impl Engine {
         let mut out = Vec::with_capacity(tokens.len() * self.config().vocab_size);
         self.prefill_scored(&mut s, tokens, &mut |row| out.extend_from_slice(row))?;
         Ok(out)
+    }
+
+    /// Prefills `tokens` into the session summarising every position's logits for prompt
+    /// log-probabilities (`PositionLogprobs` over the ids below `valid`, with `top`
+    /// alternatives; position i's `next` is token i + 1's logit), a chunk at a time; returns
+    /// the summaries and the last position's logits.
+    pub fn prefill_logprobs(
+        &self,
+        s: &mut Session,
+        tokens: &[u32],
+        valid: usize,
+        top: usize,
+    ) -> Result<(Vec<sampler::PositionLogprobs>, Vec<f32>)> {
+        let size = self.prefill_chunk.clamp(1, SCORED_CHUNK);
+        let (mut all, mut last) = (Vec::with_capacity(tokens.len()), Vec::new());
+        for (c, chunk) in tokens.chunks(size).enumerate() {
+            let following = tokens.get((c + 1) * size).copied();
+            let (summaries, logits) = self.backend.prefill_logprobs(
+                &mut s.state,
+                &s.tokens,
+                chunk,
+                following,
+                valid,
+                top,
+            )?;
+            all.extend(summaries);
+            last = logits;
+            s.tokens.extend_from_slice(chunk);
+        }
+        Ok((all, last))
     }
 
     /// Prefills `tokens` into the session handing every position's logits to `rows`, in order,

@@ -77,6 +77,67 @@ impl SamplingParams {
     }
 }
 
+/// What prompt log-probabilities take of one position's logits (over the ids a reply may hold):
+/// the log of the softmax's normaliser, the logit of the token that follows the position (none
+/// after the last; -inf for an id past the valid ones) and the `top` largest finite logits, best
+/// first (of equal ones the lower id first, as `top_k_indices` orders them).
+#[derive(Clone, Debug, PartialEq)]
+pub struct PositionLogprobs {
+    pub log_normaliser: f32,
+    pub next: Option<f32>,
+    pub top: Vec<(u32, f32)>,
+}
+
+impl PositionLogprobs {
+    /// Summarises `logits` (cut to the valid ids) on the host.
+    pub fn of(logits: &[f32], next: Option<u32>, top: usize) -> Self {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f32 = logits.iter().map(|x| (x - max).exp()).sum();
+        PositionLogprobs {
+            log_normaliser: max + sum.ln(),
+            next: next.map(|t| logits.get(t as usize).copied().unwrap_or(f32::NEG_INFINITY)),
+            top: top_k_indices(logits, top)
+                .into_iter()
+                .map(|i| (i, logits[i as usize]))
+                .collect(),
+        }
+    }
+
+    /// How far `other` (the same position summarised elsewhere, e.g. on a device) is from this
+    /// one: the largest difference of the log normaliser, the next token's logit and the top
+    /// logits rank by rank (infinite where one has a value the other lacks, or for a NaN), and
+    /// whether a top id differs other than at a near-tie (a neighbouring rank within `tie`).
+    pub fn difference(&self, other: &Self, tie: f32) -> (f32, bool) {
+        let gap = |a: f32, b: f32| match (a == b, (a - b).abs()) {
+            (true, _) => 0.0,
+            (false, d) if d.is_nan() => f32::INFINITY,
+            (false, d) => d,
+        };
+        let mut worst = gap(self.log_normaliser, other.log_normaliser);
+        worst = worst.max(match (self.next, other.next) {
+            (Some(a), Some(b)) => gap(a, b),
+            (None, None) => 0.0,
+            _ => f32::INFINITY,
+        });
+        if self.top.len() != other.top.len() {
+            worst = f32::INFINITY;
+        }
+        let near_tie = |r: usize| {
+            let v = self.top[r].1;
+            [r.wrapping_sub(1), r + 1]
+                .iter()
+                .filter_map(|&n| self.top.get(n))
+                .any(|&(_, w)| (v - w).abs() <= tie)
+        };
+        let mut ids_differ = false;
+        for (r, (&(i, v), &(j, w))) in self.top.iter().zip(&other.top).enumerate() {
+            worst = worst.max(gap(v, w));
+            ids_differ |= i != j && !near_tie(r);
+        }
+        (worst, ids_differ)
+    }
+}
+
 /// Largest k that `top_k_indices` serves; a larger top-k takes a partial selection.
 const TOP_K_BY_PASS: usize = 64;
 
@@ -268,6 +329,43 @@ mod tests {
 
     fn logits() -> Vec<f32> {
         vec![1.0, 3.0, 2.0, 0.5, -1.0, 2.9, 0.0, 10.0]
+    }
+
+    #[test]
+    fn a_position_summary_is_the_log_softmax_and_its_top() {
+        let l = logits();
+        let p = PositionLogprobs::of(&l, Some(2), 3);
+        let lse = l.iter().map(|x| x.exp()).sum::<f32>().ln();
+        assert!((p.log_normaliser - lse).abs() < 1e-5);
+        assert_eq!(p.next, Some(2.0));
+        assert_eq!(p.top, vec![(7, 10.0), (1, 3.0), (5, 2.9)]);
+        assert_eq!(PositionLogprobs::of(&l, None, 0).next, None);
+        // an id past the valid ones has no probability
+        assert_eq!(
+            PositionLogprobs::of(&l, Some(99), 0).next,
+            Some(f32::NEG_INFINITY)
+        );
+
+        // differences: none against itself; a shifted logit, a NaN, a missing next, a swapped id
+        assert_eq!(p.difference(&p, 1e-3), (0.0, false));
+        let mut q = p.clone();
+        q.top[2].1 += 0.5;
+        assert_eq!(p.difference(&q, 1e-3).0, 0.5);
+        q = p.clone();
+        q.log_normaliser = f32::NAN;
+        assert_eq!(p.difference(&q, 1e-3).0, f32::INFINITY);
+        q = p.clone();
+        q.next = None;
+        assert_eq!(p.difference(&q, 1e-3).0, f32::INFINITY);
+        q = p.clone();
+        q.top[1].0 = 4;
+        assert_eq!(p.difference(&q, 1e-3), (0.0, true));
+        // at a near-tie the order of two ids may differ
+        let tied = PositionLogprobs::of(&[1.0, 2.0, 2.0005], None, 3);
+        let mut swapped = tied.clone();
+        swapped.top.swap(0, 1);
+        assert!(!tied.difference(&swapped, 1e-3).1);
+        assert!(tied.difference(&swapped, 1e-4).1);
     }
 
     #[test]

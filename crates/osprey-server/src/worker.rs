@@ -7,8 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use osprey_engine::generate::StopScanner;
-use osprey_engine::sampler::top_k_indices;
-use osprey_engine::sampler::Sampler;
+use osprey_engine::sampler::{PositionLogprobs, Sampler};
 use osprey_engine::{Engine, Session};
 use osprey_prompt::PromptFormat;
 use rayon::prelude::*;
@@ -259,18 +258,18 @@ pub struct Worker {
     pub queued: Arc<AtomicUsize>,
 }
 
-fn log_softmax_top(logits: &[f32], chosen: u32, top: usize, format: &PromptFormat) -> TokenLogprob {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let lse = max + logits.iter().map(|x| (x - max).exp()).sum::<f32>().ln();
+/// A token's log-probability and its position's top alternatives, as the API reports them.
+fn token_logprob(p: &PositionLogprobs, chosen: u32, format: &PromptFormat) -> TokenLogprob {
     let text = |id: u32| format.decode(&[id]).unwrap_or_default();
-    let top_logprobs = top_k_indices(logits, top)
-        .into_iter()
-        .map(|i| {
-            let t = text(i);
+    let top_logprobs = p
+        .top
+        .iter()
+        .map(|&(id, logit)| {
+            let t = text(id);
             TopLogprob {
                 bytes: t.as_bytes().to_vec(),
                 token: t,
-                logprob: logits[i as usize] - lse,
+                logprob: logit - p.log_normaliser,
             }
         })
         .collect();
@@ -278,43 +277,29 @@ fn log_softmax_top(logits: &[f32], chosen: u32, top: usize, format: &PromptForma
     TokenLogprob {
         bytes: t.as_bytes().to_vec(),
         token: t,
-        logprob: logits[chosen as usize] - lse,
+        logprob: p.next.unwrap_or(f32::NEG_INFINITY) - p.log_normaliser,
         top_logprobs,
     }
 }
 
-/// Runs `prompt` in a fresh session keeping each position's logits only long enough to take
-/// the next token's log-probability (with `top` alternatives); returns the session, those
-/// log-probabilities (for tokens 1.., the first has no context) and the last position's logits.
+/// Runs `prompt` in a fresh session, each position's logits summarised where they are (on a
+/// device backend, the GPU) into the next token's log-probability with `top` alternatives;
+/// returns the session, those log-probabilities (for tokens 1.., the first has no context) and
+/// the last position's logits.
 fn score_prompt(
     engine: &Engine,
     format: &PromptFormat,
     prompt: &[u32],
     top: usize,
 ) -> anyhow::Result<(Session, Vec<TokenLogprob>, Vec<f32>)> {
-    let vocab = engine.config().vocab_size;
-    let valid_vocab = format.vocab_size.min(vocab);
+    let valid_vocab = format.vocab_size.min(engine.config().vocab_size);
     let mut session = engine.new_session();
-    let mut logprobs = Vec::with_capacity(prompt.len().saturating_sub(1));
-    let (mut last, mut done) = (Vec::new(), 0);
-    engine.prefill_scored(&mut session, prompt, &mut |rows| {
-        // rows for positions done.. (each ~1 ms: the log-sum-exp over the vocabulary), side
-        // by side
-        let first = done;
-        done += rows.len() / vocab;
-        let scored: Vec<TokenLogprob> = rows
-            .par_chunks_exact(vocab)
-            .enumerate()
-            .filter_map(|(i, row)| {
-                let next = *prompt.get(first + i + 1)?;
-                Some(log_softmax_top(&row[..valid_vocab], next, top, format))
-            })
-            .collect();
-        logprobs.extend(scored);
-        if done == prompt.len() && rows.len() >= vocab {
-            last = rows[rows.len() - vocab..].to_vec();
-        }
-    })?;
+    let (summaries, last) = engine.prefill_logprobs(&mut session, prompt, valid_vocab, top)?;
+    let logprobs = summaries
+        .par_iter()
+        .zip(prompt.get(1..).unwrap_or_default())
+        .map(|(p, &next)| token_logprob(p, next, format))
+        .collect();
     Ok((session, logprobs, last))
 }
 
@@ -402,7 +387,11 @@ impl Reply<'_> {
                 .record_ttft(job.received.elapsed().as_secs_f64());
         }
         let logprobs = match (job.gen.logprobs, logits) {
-            (Some(top), Some(l)) => vec![log_softmax_top(l, token, top, self.format)],
+            (Some(top), Some(l)) => vec![token_logprob(
+                &PositionLogprobs::of(l, Some(token), top),
+                token,
+                self.format,
+            )],
             _ => Vec::new(),
         };
         if self.ends_reply(token) {

@@ -10,6 +10,7 @@ use cudarc::driver::{sys, CudaEvent, CudaFunction, CudaSlice, LaunchConfig};
 
 use super::{launch_cfg, CudaDecoder, DevLinear, DevMatrix, LayerDev, Prologue};
 use crate::args::*;
+use osprey_engine::sampler::PositionLogprobs;
 
 /// Flash-attention tiles: shared memory Q 128x264 + 2 x (K 64x264 + V 64x264) bf16.
 const ATTN_SMEM_BYTES: usize = (128 + 4 * 64) * 264 * 2;
@@ -114,9 +115,33 @@ const PARTIAL_FLOATS: usize = MAX_K_SPLITS * 132 * 64 * 256;
 /// device and as much page-locked on the host at the real vocabulary, allocated on first use).
 pub(super) const SCORED_ROWS: usize = 16;
 
+/// sample.cu SUMMARY_THREADS: logit_summary's block.
+const SUMMARY_THREADS: u32 = 1024;
+
+/// Most alternatives a position's summary on the device holds (the API asks at most 20).
+pub const MAX_SUMMARY_TOP: usize = 64;
+
+/// sample.cu NO_NEXT: a position with no token after it.
+const NO_NEXT: u32 = u32::MAX;
+
+/// What a scored prefill keeps of each position's logits.
+pub(super) enum Scoring<'a> {
+    /// Every row, appended (`[positions, vocab]`).
+    Rows(&'a mut Vec<f32>),
+    /// Each row summarised on the device by `logit_summary` into `out` (`2 + 2 top` floats a
+    /// position, in the order of the call's tokens; `next`: the token after each position).
+    Summaries {
+        next: CudaSlice<u32>,
+        out: CudaSlice<f32>,
+        valid: usize,
+        top: usize,
+    },
+}
+
 pub(super) struct PrefillKernels {
     gemm4: [CudaFunction; 3],
     gemm4_wgmma: CudaFunction,
+    logit_summary: CudaFunction,
     gemm_reduce: CudaFunction,
     gemm8: [CudaFunction; 2],
     embed_rows: CudaFunction,
@@ -162,6 +187,7 @@ impl PrefillKernels {
         let gemm4_wgmma = with_smem("gemm", "gemm_q4_wgmma", GEMM_WGMMA_SMEM_BYTES)?;
         Ok(PrefillKernels {
             gemm4_wgmma,
+            logit_summary: func("sample", "logit_summary")?,
             gemm4: [
                 func("gemm", "gemm_q4_m2")?,
                 func("gemm", "gemm_q4_m4")?,
@@ -505,13 +531,75 @@ impl CudaDecoder {
         chunk: usize,
     ) -> Result<Vec<f32>> {
         let mut all = Vec::with_capacity(tokens.len() * self.cfg.vocab_size);
-        self.prefill_profiled(start, tokens, chunk, None, Some(&mut all))?;
+        self.prefill_profiled(
+            start,
+            tokens,
+            chunk,
+            None,
+            Some(&mut Scoring::Rows(&mut all)),
+        )?;
         Ok(all)
     }
 
-    /// The logits of the first `rows` rows of the prefill's residual stream (the chunk just
-    /// run), appended to `all`.
-    fn score_rows(&mut self, rows: usize, all: &mut Vec<f32>) -> Result<()> {
+    /// `prefill`, summarising every position's logits for prompt log-probabilities where the
+    /// lm_head writes them (`logit_summary`: the softmax's log normaliser over the ids below
+    /// `valid`, the logit of the token after the position — `tokens[i + 1]`, then `following`
+    /// — and the `top` largest), so that only the summaries come back. The last position's
+    /// logits are left as `prefill` leaves them (read them with `logits`).
+    pub fn prefill_logprobs(
+        &mut self,
+        start: usize,
+        tokens: &[u32],
+        chunk: usize,
+        following: Option<u32>,
+        valid: usize,
+        top: usize,
+    ) -> Result<Vec<PositionLogprobs>> {
+        if top > MAX_SUMMARY_TOP {
+            bail!("at most {MAX_SUMMARY_TOP} alternatives a position are summarised on the GPU, {top} asked");
+        }
+        let next: Vec<u32> = (0..tokens.len())
+            .map(|i| tokens.get(i + 1).copied().or(following).unwrap_or(NO_NEXT))
+            .collect();
+        let width = 2 + 2 * top;
+        let mut scoring = Scoring::Summaries {
+            next: self.stream.clone_htod(&next)?,
+            out: self.stream.alloc_zeros::<f32>(tokens.len() * width)?,
+            valid: valid.min(self.cfg.vocab_size),
+            top,
+        };
+        self.prefill_profiled(start, tokens, chunk, None, Some(&mut scoring))?;
+        let Scoring::Summaries { out, .. } = scoring else {
+            unreachable!("built as summaries above")
+        };
+        let out = self.stream.clone_dtoh(&out)?;
+        Ok(out
+            .chunks_exact(width)
+            .zip(&next)
+            .map(|(s, &after)| PositionLogprobs {
+                log_normaliser: s[0],
+                next: (after != NO_NEXT).then_some(s[1]),
+                top: s[2..]
+                    .chunks_exact(2)
+                    .map_while(|p| {
+                        u32::try_from(p[0].to_bits() as i32)
+                            .ok()
+                            .map(|id| (id, p[1]))
+                    })
+                    .collect(),
+            })
+            .collect())
+    }
+
+    /// The first `rows` rows of the prefill's residual stream (the chunk just run, whose first
+    /// position is the call's `first_position`) through the final norm and the lm_head, kept
+    /// as `scoring` says.
+    fn score_rows(
+        &mut self,
+        rows: usize,
+        first_position: usize,
+        scoring: &mut Scoring,
+    ) -> Result<()> {
         let (vocab, h) = (self.cfg.vocab_size, self.cfg.hidden_size);
         if self.scored.is_none() {
             let device = self.stream.alloc_zeros::<f32>(SCORED_ROWS * vocab)?;
@@ -539,11 +627,37 @@ impl CudaDecoder {
                     group,
                 )?;
             }
-            let (device, host) = self.scored.as_mut().expect("allocated above");
-            let host = &mut host.as_mut_slice()?[..n * vocab];
-            self.stream.memcpy_dtoh(&device.slice(..n * vocab), host)?;
-            self.stream.synchronize()?;
-            all.extend_from_slice(host);
+            match scoring {
+                Scoring::Rows(all) => {
+                    let (device, host) = self.scored.as_mut().expect("allocated above");
+                    let host = &mut host.as_mut_slice()?[..n * vocab];
+                    self.stream.memcpy_dtoh(&device.slice(..n * vocab), host)?;
+                    self.stream.synchronize()?;
+                    all.extend_from_slice(host);
+                }
+                Scoring::Summaries {
+                    next,
+                    out: summaries,
+                    valid,
+                    top,
+                } => {
+                    let at = first_position + first;
+                    let args = SummaryArgs {
+                        logits: out,
+                        next: self.p(next) + (at * 4) as u64,
+                        out: self.p(summaries) + (at * (2 + 2 * *top) * 4) as u64,
+                        vocab: vocab as i32,
+                        valid: *valid as i32,
+                        top: *top as i32,
+                        pad: 0,
+                    };
+                    self.launch(
+                        &self.pk.logit_summary,
+                        launch_cfg((n as u32, 1), SUMMARY_THREADS),
+                        &args,
+                    )?;
+                }
+            }
         }
         Ok(())
     }
@@ -567,7 +681,7 @@ impl CudaDecoder {
         tokens: &[u32],
         chunk: usize,
         mut events: Events,
-        mut scored: Option<&mut Vec<f32>>,
+        mut scored: Option<&mut Scoring>,
     ) -> Result<()> {
         if tokens.is_empty() {
             bail!("prefill needs at least one token");
@@ -593,8 +707,8 @@ impl CudaDecoder {
             let scratch = self.prefill.as_mut().expect("allocated above");
             self.stream.memcpy_htod(&ids, &mut scratch.tokens)?;
             self.issue_chunk(start + n * chunk, part.len(), &mut events)?;
-            if let Some(all) = scored.as_deref_mut() {
-                self.score_rows(part.len(), all)?;
+            if let Some(scoring) = scored.as_deref_mut() {
+                self.score_rows(part.len(), n * chunk, scoring)?;
             }
         }
         // logits of the last token: final norm + lm_head on its row of the residual stream
