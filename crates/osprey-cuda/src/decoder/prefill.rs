@@ -111,8 +111,9 @@ impl GdnPrefill {
 const MAX_K_SPLITS: usize = 8;
 const PARTIAL_FLOATS: usize = MAX_K_SPLITS * 132 * 64 * 256;
 
-/// Positions whose logits a scored prefill computes before copying them back (16 MB on the
-/// device and as much page-locked on the host at the real vocabulary, allocated on first use).
+/// Positions whose logits a scored prefill computes at once, by one lm_head GEMM (its weights
+/// read once for them), before summarising or copying them back (16 MB on the device and as
+/// much page-locked on the host at the real vocabulary, allocated on first use).
 pub(super) const SCORED_ROWS: usize = 16;
 
 /// sample.cu SUMMARY_THREADS: logit_summary's block.
@@ -521,9 +522,10 @@ impl CudaDecoder {
     }
 
     /// `prefill`, also returning every position's logits, `[tokens.len(), vocab]` (row i: the
-    /// logits after token i), as scoring a prompt needs them: each chunk's rows of the residual
-    /// stream go through the final norm and the lm_head GEMV that the last position takes, and
-    /// come back `SCORED_ROWS` rows at a time.
+    /// logits after token i): each chunk's rows of the residual stream go through the final
+    /// norm and the lm_head (a GEMM on bf16 input, as the prefill's other projections; the last
+    /// position's logits, left as `prefill` leaves them, take the decode step's GEMV), and come
+    /// back `SCORED_ROWS` rows at a time.
     pub fn prefill_scored(
         &mut self,
         start: usize,
@@ -610,23 +612,16 @@ impl CudaDecoder {
             };
             self.scored = Some((device, host));
         }
-        let x = self.p(&self.prefill.as_ref().expect("allocated by the prefill").x);
-        let group = self.lm_head.m.group;
+        // the final norm on every row at once (bf16, the GEMM's input), then the lm_head as one
+        // GEMM per SCORED_ROWS positions: its 286 MB read once for them, not once a position
+        let scratch = self.prefill.as_ref().expect("allocated by the prefill");
+        let (x, act) = (self.p(&scratch.x), self.p(&scratch.act));
+        self.norm_to_bf16(x, self.p(&self.final_norm), h, h, rows, act)?;
         for first in (0..rows).step_by(SCORED_ROWS) {
             let n = SCORED_ROWS.min(rows - first);
             let out = self.p(&self.scored.as_ref().expect("allocated above").0);
-            for r in 0..n {
-                let lm = self
-                    .lm_head
-                    .segment(out + (r * vocab * 4) as u64, false, &self.stream);
-                self.gemv(
-                    &[lm],
-                    x + ((first + r) * h * 4) as u64,
-                    Prologue::RmsNorm(self.p(&self.final_norm)),
-                    h,
-                    group,
-                )?;
-            }
+            let a = act + (first * h * 2) as u64;
+            self.gemm(&[&self.lm_head], a, n, EPI_STORE, out, vocab, None)?;
             match scoring {
                 Scoring::Rows(all) => {
                     let (device, host) = self.scored.as_mut().expect("allocated above");
