@@ -193,6 +193,10 @@ def checks():
          if "resume_from_state_copy" in d else "—", f"{tiny['prefill']['limit_relative_rms']:.0e}"),
         ("scored prefill: every position's logits (prompt log-probabilities), worst relative RMS",
          lambda d: f"{d['scored_prefill']['worst_relative_rms']:.1e}" if "scored_prefill" in d else "—", f"{tiny['prefill']['limit_relative_rms']:.0e}"),
+        ("scored prefill: the GPU's summaries (normaliser, next token, top 20) vs the host's of the same logits, largest difference",
+         lambda d: f"{d['scored_prefill']['device_summaries']['worst_difference']:.1e}"
+         if "device_summaries" in d.get("scored_prefill", {}) else "—",
+         f"{tiny['scored_prefill']['device_summaries']['limit']:.0e}"),
         ("GPU sampling: total variation vs the host distribution", lambda d: f"{d['gpu_sampling']['total_variation']:.3f}", f"{tiny['gpu_sampling']['limit_total_variation']}"),
         ("passed", lambda d: "yes" if d["pass"] else "NO", ""),
     ]
