@@ -551,22 +551,26 @@ type Prepared = (Job, mpsc::UnboundedReceiver<Event>, GenerationRequest);
 /// reply to its prompt (a request's usage counts each prompt once).
 type Choice = (Job, mpsc::UnboundedReceiver<Event>, bool);
 
-/// The request's `n` choices, each prepared as a job of its own (every one checked before any
-/// runs); with a `seed`, choice i samples with seed + i, so they differ and repeat alike.
+/// The request's `n` choices: one job prepared (its prompt rendered and encoded once), then a
+/// copy of it for each other choice; with a `seed`, choice i samples with seed + i, so they
+/// differ and repeat alike.
 fn choices(
     body: &Value,
     prepare: impl Fn(&Value) -> ApiResult<Prepared>,
 ) -> ApiResult<(Vec<Choice>, GenerationRequest)> {
     let (job, rx, gen) = prepare(body)?;
     let seeded = body.get("seed").is_some_and(|s| !s.is_null());
+    let others: Vec<Choice> = (1..gen.choices)
+        .map(|i| {
+            let (mut other, rx) = job.another_choice();
+            if seeded {
+                other.gen.sampling.seed = gen.sampling.seed.wrapping_add(i as u64);
+            }
+            (other, rx, false)
+        })
+        .collect();
     let mut out = vec![(job, rx, true)];
-    for i in 1..gen.choices {
-        let (mut job, rx, _) = prepare(body)?;
-        if seeded {
-            job.gen.sampling.seed = gen.sampling.seed.wrapping_add(i as u64);
-        }
-        out.push((job, rx, false));
-    }
+    out.extend(others);
     Ok((out, gen))
 }
 

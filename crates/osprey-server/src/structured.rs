@@ -278,6 +278,16 @@ pub struct Constraint {
     matcher: Matcher,
 }
 
+impl Clone for Constraint {
+    /// An independent copy of the state (for another reply from the same point: a request's
+    /// `n` choices); the grammar's compiled tables are shared.
+    fn clone(&self) -> Self {
+        Constraint {
+            matcher: self.matcher.deep_clone(),
+        }
+    }
+}
+
 impl Constraint {
     /// `logits` with every token the grammar cannot take next at -inf.
     pub fn mask(&mut self, logits: &[f32]) -> Result<Vec<f32>> {

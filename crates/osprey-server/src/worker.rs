@@ -11,7 +11,7 @@ use osprey_engine::sampler::{PositionLogprobs, Sampler};
 use osprey_engine::{Engine, Session};
 use osprey_prompt::PromptFormat;
 use rayon::prelude::*;
-use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
 use crate::api::GenerationRequest;
 use crate::metrics::Metrics;
@@ -19,6 +19,7 @@ use crate::parse::{Delta, OutputParser, ToolSchemas, CLOSE_REASONING};
 use crate::structured::Constraint;
 
 /// How a chat reply's text is split into reasoning, content and tool calls.
+#[derive(Clone)]
 pub struct ChatParsing {
     /// The prompt ends inside `<think>`.
     pub in_reasoning: bool,
@@ -56,6 +57,27 @@ pub struct Job {
     pub events: UnboundedSender<Event>,
     pub received: Instant,
     pub deadline: Instant,
+}
+
+impl Job {
+    /// The same job for another of a request's `n` choices, with a channel of its own (its
+    /// grammar state copied before any token), so the prompt is rendered and encoded once.
+    pub fn another_choice(&self) -> (Job, UnboundedReceiver<Event>) {
+        let (events, rx) = tokio::sync::mpsc::unbounded_channel();
+        let job = Job {
+            prompt: self.prompt.clone(),
+            echo: self.echo.clone(),
+            prompt_logprobs: self.prompt_logprobs,
+            branches: self.branches.clone(),
+            gen: self.gen.clone(),
+            max_tokens: self.max_tokens,
+            chat: self.chat.clone(),
+            events,
+            received: self.received,
+            deadline: self.deadline,
+        };
+        (job, rx)
+    }
 }
 
 #[derive(Clone, Debug, serde::Serialize)]

@@ -1027,6 +1027,15 @@ async fn response_format_holds_a_random_model_to_the_schema() {
             finish, "stop",
             "the end of turn comes with the closing brace: {r}"
         );
+        // n choices: each reply held by a grammar state of its own, from the schema's start
+        let mut two = body.clone();
+        two["n"] = json!(2);
+        let (st, r) = s.post("/v1/chat/completions", two).await;
+        assert_eq!(st, 200, "{r}");
+        for c in r["choices"].as_array().unwrap() {
+            let content = c["message"]["content"].as_str().unwrap();
+            check(&serde_json::from_str(content).unwrap_or_else(|e| panic!("{e}: {r}")));
+        }
 
         body["stream"] = json!(true);
         let mut content = String::new();
