@@ -352,14 +352,19 @@ impl Backend for CudaBackend {
         following: Option<u32>,
         valid: usize,
         top: usize,
-    ) -> Result<(Vec<PositionLogprobs>, Vec<f32>)> {
+    ) -> Result<(Vec<PositionLogprobs>, Option<Vec<f32>>)> {
         let mut d = self.device()?;
         d.fits(history, tokens)?;
         // the logits summarised on the device (`forward`'s scoring brings back ~1 MB a position)
         let chunk = self.prefill_chunk;
         let scored = d.score(history, tokens, chunk, |dec, from| {
             let summaries = dec.prefill_logprobs(from, tokens, chunk, following, valid, top)?;
-            Ok((summaries, dec.logits()?))
+            // the last position's logits only where generation may start from them
+            let last = match following {
+                None => Some(dec.logits()?),
+                Some(_) => None,
+            };
+            Ok((summaries, last))
         })?;
         state.position = d.book.held().len();
         Ok(scored)

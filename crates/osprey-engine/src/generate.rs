@@ -145,18 +145,14 @@ impl Reply<'_> {
         unrun: Option<u32>,
     ) -> Result<Option<Vec<f32>>> {
         self.reasoning_left = None;
-        let close = self
-            .opts
-            .reasoning_budget
-            .as_ref()
-            .map(|b| b.close.clone())
-            .unwrap_or_default();
-        for &t in &close {
+        let opts = self.opts;
+        let close = opts.reasoning_budget.as_ref().map_or(&[][..], |b| &b.close);
+        for &t in close {
             if !self.take(t) {
                 return Ok(None);
             }
         }
-        let feed: Vec<u32> = unrun.into_iter().chain(close).collect();
+        let feed: Vec<u32> = unrun.into_iter().chain(close.iter().copied()).collect();
         Ok(Some(engine.prefill(session, &feed)?.0))
     }
 }

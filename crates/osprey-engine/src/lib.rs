@@ -67,10 +67,11 @@ pub trait Backend: Send + Sync {
     }
     /// Prefills `tokens` after `history` and summarises each position's logits over the ids
     /// below `valid` for prompt log-probabilities (`following`: the token after the last
-    /// position, when known; `top` alternatives); returns the summaries and the last position's
-    /// logits. This default takes every position's logits from `forward` and summarises them on
-    /// the host, side by side; a backend whose logits live on a device summarises them there, so
-    /// that ~1 MB a position does not cross to the host.
+    /// position, when known; `top` alternatives); returns the summaries and, when no token
+    /// follows (the prompt's end, where generation starts), the last position's logits. This
+    /// default takes every position's logits from `forward` and summarises them on the host,
+    /// side by side; a backend whose logits live on a device summarises them there, so that
+    /// ~1 MB a position does not cross to the host.
     fn prefill_logprobs(
         &self,
         state: &mut SessionState,
@@ -79,7 +80,7 @@ pub trait Backend: Send + Sync {
         following: Option<u32>,
         valid: usize,
         top: usize,
-    ) -> Result<(Vec<sampler::PositionLogprobs>, Vec<f32>)> {
+    ) -> Result<(Vec<sampler::PositionLogprobs>, Option<Vec<f32>>)> {
         let rows = self.forward(state, history, tokens, LogitsFor::All)?;
         let vocab = self.config().vocab_size;
         let summaries = rows
@@ -90,7 +91,9 @@ pub trait Backend: Send + Sync {
                 sampler::PositionLogprobs::of(&row[..valid.min(vocab)], next, top)
             })
             .collect();
-        let last = rows[rows.len().saturating_sub(vocab)..].to_vec();
+        let last = following
+            .is_none()
+            .then(|| rows[rows.len().saturating_sub(vocab)..].to_vec());
         Ok((summaries, last))
     }
     /// Tokens of calls' `history` that the backend ran again so far, because it no longer held
@@ -333,7 +336,9 @@ impl Engine {
                 top,
             )?;
             all.extend(summaries);
-            last = logits;
+            if let Some(logits) = logits {
+                last = logits;
+            }
             s.tokens.extend_from_slice(chunk);
         }
         Ok((all, last))

@@ -120,7 +120,7 @@ pub(super) const SCORED_ROWS: usize = 16;
 const SUMMARY_THREADS: u32 = 1024;
 
 /// Most alternatives a position's summary on the device holds (the API asks at most 20).
-pub const MAX_SUMMARY_TOP: usize = 64;
+const MAX_SUMMARY_TOP: usize = 64;
 
 /// sample.cu NO_NEXT: a position with no token after it.
 const NO_NEXT: u32 = u32::MAX;
