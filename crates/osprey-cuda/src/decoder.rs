@@ -706,9 +706,12 @@ pub struct CudaDecoder {
     pk: prefill::PrefillKernels,
     /// Prefill activations, allocated for the chunk size of the first prefill.
     prefill: Option<prefill::PrefillScratch>,
-    /// A scored prefill's logits rows on the device and their page-locked host copy
-    /// (`prefill::SCORED_ROWS` of each; allocated on first use).
-    scored: Option<(CudaSlice<f32>, cudarc::driver::PinnedHostSlice<f32>)>,
+    /// A scored prefill's logits rows on the device (`prefill::SCORED_ROWS` of them; allocated
+    /// on first use).
+    scored: Option<CudaSlice<f32>>,
+    /// Their page-locked host copy, allocated only when rows come back (summaries stay on the
+    /// device).
+    scored_host: Option<cudarc::driver::PinnedHostSlice<f32>>,
     gdn_prefill: GdnPrefill,
     /// Where the prefill runs its warpgroup-MMA GEMM (OSPREY_PREFILL_WGMMA).
     wgmma: prefill::Wgmma,
@@ -1229,6 +1232,7 @@ impl CudaDecoder {
             pk,
             prefill: None,
             scored: None,
+            scored_host: None,
             gdn_prefill: GdnPrefill::Auto,
             wgmma: prefill::Wgmma::from_env(),
             overlap: StepOverlap::from_env(),

@@ -112,8 +112,9 @@ const MAX_K_SPLITS: usize = 8;
 const PARTIAL_FLOATS: usize = MAX_K_SPLITS * 132 * 64 * 256;
 
 /// Positions whose logits a scored prefill computes at once, by one lm_head GEMM (its weights
-/// read once for them), before summarising or copying them back (16 MB on the device and as
-/// much page-locked on the host at the real vocabulary, allocated on first use).
+/// read once for them), before summarising or copying them back (16 MB on the device at the
+/// real vocabulary, and as much page-locked on the host when rows come back; allocated on
+/// first use).
 pub(super) const SCORED_ROWS: usize = 16;
 
 /// sample.cu SUMMARY_THREADS: logit_summary's block.
@@ -604,13 +605,15 @@ impl CudaDecoder {
     ) -> Result<()> {
         let (vocab, h) = (self.cfg.vocab_size, self.cfg.hidden_size);
         if self.scored.is_none() {
-            let device = self.stream.alloc_zeros::<f32>(SCORED_ROWS * vocab)?;
+            self.scored = Some(self.stream.alloc_zeros::<f32>(SCORED_ROWS * vocab)?);
+        }
+        if matches!(scoring, Scoring::Rows(_)) && self.scored_host.is_none() {
             // SAFETY: page-locked host memory read only after the copy into it has completed
             let host = unsafe {
                 self.ctx
                     .alloc_pinned_with_flags::<f32>(SCORED_ROWS * vocab, 0)?
             };
-            self.scored = Some((device, host));
+            self.scored_host = Some(host);
         }
         // the final norm on every row at once (bf16, the GEMM's input), then the lm_head as one
         // GEMM per SCORED_ROWS positions: its 286 MB read once for them, not once a position
@@ -619,12 +622,13 @@ impl CudaDecoder {
         self.norm_to_bf16(x, self.p(&self.final_norm), h, h, rows, act)?;
         for first in (0..rows).step_by(SCORED_ROWS) {
             let n = SCORED_ROWS.min(rows - first);
-            let out = self.p(&self.scored.as_ref().expect("allocated above").0);
+            let out = self.p(self.scored.as_ref().expect("allocated above"));
             let a = act + (first * h * 2) as u64;
             self.gemm(&[&self.lm_head], a, n, EPI_STORE, out, vocab, None)?;
             match scoring {
                 Scoring::Rows(all) => {
-                    let (device, host) = self.scored.as_mut().expect("allocated above");
+                    let device = self.scored.as_ref().expect("allocated above");
+                    let host = self.scored_host.as_mut().expect("allocated above");
                     let host = &mut host.as_mut_slice()?[..n * vocab];
                     self.stream.memcpy_dtoh(&device.slice(..n * vocab), host)?;
                     self.stream.synchronize()?;
