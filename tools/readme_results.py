@@ -81,13 +81,14 @@ def decode():
     by_len = {r["tokens"]: r["tokens_per_s"] for r in sampled["results"]} if sampled else {}
     int8 = load("cuda-decode-int8kv-full.json")
     int8_by_len = {r["tokens"]: r for r in int8["results"]}
+    ceiling = read_ceiling(d)
     if sampled:
         sp = sampled["sampling"]
         head = (f"| context | decode tok/s, greedy | sampled (T {sp['temperature']:g}, top-k {sp['top_k']}, top-p {sp['top_p']:.2f}) "
-                "| greedy, `--kv-cache int8` | bytes per step, bf16 / int8 cache | achieved read rate, greedy (of ~3.7 TB/s) |")
+                f"| greedy, `--kv-cache int8` | bytes per step, bf16 / int8 cache | achieved read rate, greedy (of {ceiling}) |")
         rows = [head, "|---|---|---|---|---|---|"]
     else:
-        rows = ["| context | decode tok/s | greedy, `--kv-cache int8` | bytes per step, bf16 / int8 cache | achieved read rate (of ~3.7 TB/s) |",
+        rows = [f"| context | decode tok/s | greedy, `--kv-cache int8` | bytes per step, bf16 / int8 cache | achieved read rate (of {ceiling}) |",
                 "|---|---|---|---|---|"]
     for r in d["results"]:
         s_cell = f" {by_len[r['tokens']]:.1f} |" if r["tokens"] in by_len else (" — |" if sampled else "")
@@ -100,6 +101,31 @@ def decode():
     if sampled:
         text += "<br>" + source(sampled, "cuda-decode-sampling-full.json").strip()
     return text + "<br>" + source(int8, "cuda-decode-int8kv-full.json").strip()
+
+
+def read_ceiling(d):
+    """The read ceiling a decode JSON judged its steps against: measured on its device
+    (read_ceiling_method), or, in files from before the probe, budget.md's H200 figure."""
+    measured = "read_ceiling_method" in d
+    return f"{'' if measured else '~'}{d['read_ceiling_bytes_per_s'] / 1e12:.1f} TB/s{' measured' if measured else ''}"
+
+
+def h100():
+    """Prefill and decode on an H100, one row a length."""
+    pre = load("cuda-prefill-h100.json")
+    dec = load("cuda-decode-h100.json")
+    int8 = load("cuda-decode-int8kv-h100.json")
+    pre_by = {r["tokens"]: r["tokens_per_s"] for r in pre["results"]}
+    int8_by = {r["tokens"]: r["tokens_per_s"] for r in int8["results"]}
+    rows = [f"| tokens (prompt / context) | prefill tok/s | decode tok/s, greedy | greedy, `--kv-cache int8` | achieved read rate, greedy (of {read_ceiling(dec)}) |",
+            "|---|---|---|---|---|"]
+    for r in dec["results"]:
+        n = r["tokens"]
+        p = n0(pre_by[n]) if n in pre_by else "—"
+        i8 = f"{int8_by[n]:.1f}" if n in int8_by else "—"
+        rows.append(f"| {n:,} | {p} | {r['tokens_per_s']:.1f} | {i8} | {r['achieved_bytes_per_s'] / 1e12:.2f} TB/s ({100 * r['fraction_of_read_ceiling']:.0f}%) |")
+    return ("\n".join(rows) + source(pre, "cuda-prefill-h100.json") + "<br>" + source(dec, "cuda-decode-h100.json").strip()
+            + "<br>" + source(int8, "cuda-decode-int8kv-h100.json").strip())
 
 
 def decode_profile():
@@ -283,7 +309,7 @@ def fidelity_tiny():
                           ("MLX-LM 0.32.2 (CPU build)", "cpu-fidelity-synth-tiny-vs-mlx.json")])
 
 
-TABLES = {"prefill": prefill, "prefill-profile": prefill_profile, "decode": decode, "decode-profile": decode_profile,
+TABLES = {"prefill": prefill, "prefill-profile": prefill_profile, "decode": decode, "decode-profile": decode_profile, "h100": h100,
           "decode-phases": decode_phases,
           "checks": checks, "serve-turns": serve_turns, "compare-mlx": compare, "compare-mlx-latest": compare_latest, "fidelity-full": fidelity_full, "fidelity-tiny": fidelity_tiny}
 

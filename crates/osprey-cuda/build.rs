@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const KERNELS: [&str; 10] = [
+const KERNELS: [&str; 11] = [
     "gemv",
     "moe",
     "gdn",
@@ -17,6 +17,7 @@ const KERNELS: [&str; 10] = [
     "act",
     "gdn_prefill",
     "attention_prefill",
+    "ceiling",
 ];
 
 fn find_nvcc(workspace: &Path) -> Option<PathBuf> {

@@ -267,6 +267,17 @@ pub struct SummaryArgs {
     pub pad: i32,
 }
 
+/// ceiling.cu `ReadArgs`: the streaming-read probe.
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct ReadArgs {
+    pub src: u64,
+    pub vectors: u64,
+    pub sink: u64,
+    pub key: u32,
+    pub pad: i32,
+}
+
 /// gemm.cu `GemmArgs`: the prefill GEMM, dense or grouped by expert.
 #[repr(C)]
 #[derive(Clone, Copy, Default, Debug)]

@@ -571,6 +571,8 @@ struct Functions {
     embed: CudaFunction,
     sample: CudaFunction,
     sample_prepass: CudaFunction,
+    /// ceiling.cu: the streaming-read probe benchmarks judge a step against
+    read_stream: CudaFunction,
 }
 
 /// Time spent in one kernel family during a profiled step.
@@ -903,6 +905,7 @@ impl CudaDecoder {
             embed: func("sample", "embed")?,
             sample: func("sample", "sample_token")?,
             sample_prepass: func("sample", "sample_prepass")?,
+            read_stream: func("ceiling", "read_stream")?,
         };
         let pk = prefill::PrefillKernels::load(&func)?;
 
@@ -2283,6 +2286,45 @@ impl CudaDecoder {
 
     pub fn synchronize(&self) -> Result<()> {
         Ok(self.stream.synchronize()?)
+    }
+
+    /// The device's streaming-read rate in bytes/s (ceiling.cu `read_stream`): the best of
+    /// `rounds` timed reads of a `bytes` buffer (after one untimed), which should be well past
+    /// L2's size; the buffer is freed before returning.
+    pub fn measure_read_bandwidth(&self, bytes: usize, rounds: usize) -> Result<f64> {
+        let vectors = bytes / 16;
+        if vectors == 0 || rounds == 0 {
+            bail!("a read probe needs a buffer and at least one round");
+        }
+        let src = self
+            .stream
+            .alloc_zeros::<u8>(vectors * 16)
+            .with_context(|| format!("allocating {} MiB for the read probe", bytes >> 20))?;
+        let sink = self.stream.alloc_zeros::<u32>(1)?;
+        let args = ReadArgs {
+            src: self.p(&src),
+            vectors: vectors as u64,
+            sink: self.p(&sink),
+            key: 0xa5a5_a5a5,
+            pad: 0,
+        };
+        let cfg = launch_cfg((8 * self.sms as u32, 1), 512);
+        self.launch(&self.f.read_stream, cfg, &args)?;
+        let mut best = f64::INFINITY;
+        for _ in 0..rounds {
+            let start = self
+                .ctx
+                .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+            let end = self
+                .ctx
+                .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+            start.record(&self.stream)?;
+            self.launch(&self.f.read_stream, cfg, &args)?;
+            end.record(&self.stream)?;
+            end.synchronize()?;
+            best = best.min(start.elapsed_ms(&end)? as f64 / 1e3);
+        }
+        Ok((vectors * 16) as f64 / best)
     }
 
     /// Times `steps` graph replays with CUDA events; returns seconds.

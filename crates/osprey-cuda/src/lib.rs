@@ -55,6 +55,10 @@ pub(crate) const CUBINS: &[(&str, &[u8])] = &[
         "attention_prefill",
         include_bytes!(concat!(env!("OUT_DIR"), "/attention_prefill.cubin")),
     ),
+    (
+        "ceiling",
+        include_bytes!(concat!(env!("OUT_DIR"), "/ceiling.cubin")),
+    ),
 ];
 
 #[cfg(not(osprey_kernels))]
