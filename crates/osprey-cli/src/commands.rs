@@ -546,6 +546,7 @@ pub fn check(
     prompt_tokens: usize,
     steps: usize,
     prefill_tokens: usize,
+    long_context: usize,
     out: Option<&Path>,
 ) -> Result<()> {
     if args.backend != "cuda" {
@@ -562,11 +563,19 @@ pub fn check(
             dir: &dir,
             kv: args.kv_cache,
         };
-        crate::gpu::check(&m, prompt_tokens, steps, prefill_tokens, chunk, out)
+        crate::gpu::check(
+            &m,
+            prompt_tokens,
+            steps,
+            prefill_tokens,
+            chunk,
+            long_context,
+            out,
+        )
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (dir, out, chunk);
+        let _ = (dir, out, chunk, long_context);
         bail!("this build has no CUDA backend (rebuild with --features cuda)")
     }
 }

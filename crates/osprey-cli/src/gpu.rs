@@ -92,6 +92,7 @@ pub fn check(
     steps: usize,
     prefill_len: usize,
     chunk: usize,
+    long_context: usize,
     out: Option<&Path>,
 ) -> Result<()> {
     let weights = ModelWeights::load(m.dir)?;
@@ -163,6 +164,9 @@ pub fn check(
     drop(gpu);
     let resumed = check_resume(m, context, chunk, &long, &cpu_logits, &make_prompt)?;
     let scored = check_scoring(m, context, chunk, &long, &cpu)?;
+    let beyond = (long_context > 0)
+        .then(|| check_long_context(m, long_context, steps, &make_prompt))
+        .transpose()?;
 
     let pass = sampling.pass
         && decode.worst_rel <= MAX_RELATIVE_RMS
@@ -173,7 +177,8 @@ pub fn check(
         && after.worst_rel <= MAX_PREFILL_RELATIVE_RMS
         && after.disagree == 0
         && resumed.pass
-        && scored.pass;
+        && scored.pass
+        && beyond.as_ref().is_none_or(|b| b.pass);
     println!(
         "decode: cuda vs cpu over {steps} steps after a {prompt_len}-token prompt: worst relative RMS {:.2e} (limit {MAX_RELATIVE_RMS:.0e}), worst max |Δ| {:.3e}, greedy disagreements {}, device token record {}",
         decode.worst_rel, decode.worst_abs, decode.disagree,
@@ -186,6 +191,9 @@ pub fn check(
     println!("{}", sampling.summary);
     println!("{}", resumed.summary);
     println!("{}", scored.summary);
+    if let Some(b) = &beyond {
+        println!("{}", b.summary);
+    }
     println!(
         "prefill then decode: {steps} teacher-forced steps: worst relative RMS {:.2e}, greedy disagreements {} -> {}",
         after.worst_rel,
@@ -208,6 +216,7 @@ pub fn check(
             },
             "resume_from_state_copy": resumed.report,
             "scored_prefill": scored.report,
+            "long_context": beyond.as_ref().map(|b| &b.report),
             "gpu_sampling": sampling.report,
             "pass": pass, "per_step": decode.rows,
         });
@@ -334,6 +343,71 @@ fn compare_summaries(
         differ += usize::from(ids_differ);
     }
     (worst, differ)
+}
+
+/// The long-context check's prefill chunk: the GPU backend's default (what `serve` runs).
+const LONG_CONTEXT_CHUNK: usize = 4096;
+
+/// Decode past the lengths the CPU reference can check in minutes (its attention is quadratic in
+/// the prompt: ~13 minutes for 140K tokens of the tiny model on 16 cores): `n` prompt tokens
+/// prefilled on the GPU, then `steps` teacher-forced decode steps, each step's logits against
+/// the GPU prefill's logits of the same position (the scored prefill of those tokens after the
+/// same `n`). The two share the weights and the KV cache's contents but not their attention: the
+/// prefill's is tiled over the whole context on the tensor cores, the decode's split-KV with its
+/// blocks merging the splits (whose count grows past 128K), so a split or merge that goes wrong
+/// at long context shows as O(1). Tolerance: the prefill's against the CPU
+/// (MAX_PREFILL_RELATIVE_RMS; the decode side is the CPU's to 1e-4).
+fn check_long_context(
+    m: &GpuModel,
+    n: usize,
+    steps: usize,
+    make_prompt: &dyn Fn(usize) -> Vec<u32>,
+) -> Result<PartCheck> {
+    let weights = ModelWeights::load(m.dir)?;
+    let vocab = weights.config.vocab_size;
+    let valid = vocab.min(TOKENIZER_VOCAB);
+    let mut gpu = CudaDecoder::new(&weights, n + steps + 8, valid, m.kv)?;
+    drop(weights);
+    let tokens = make_prompt(n + steps);
+    let (prompt, forced) = tokens.split_at(n);
+    gpu.reset()?;
+    gpu.prefill(0, prompt, LONG_CONTEXT_CHUNK)?;
+    let started = std::time::Instant::now();
+    let by_prefill = gpu.prefill_scored(n, forced, LONG_CONTEXT_CHUNK)?;
+    let prefill_s = started.elapsed().as_secs_f64();
+    gpu.reset()?;
+    gpu.prefill(0, prompt, LONG_CONTEXT_CHUNK)?;
+    let (mut worst_rel, mut worst_abs, mut disagree) = (0f32, 0f32, 0usize);
+    let mut rows = Vec::with_capacity(steps);
+    for (i, (&t, reference)) in forced
+        .iter()
+        .zip(by_prefill.chunks_exact(vocab))
+        .enumerate()
+    {
+        gpu.set_token(t)?;
+        gpu.step()?;
+        let logits = gpu.logits()?;
+        let choice = argmax(&logits[..valid]);
+        let c = Compared::new(&reference[..valid], &logits[..valid]);
+        disagree += usize::from(c.disagrees(choice));
+        worst_rel = worst_rel.max(c.rel);
+        worst_abs = worst_abs.max(c.max_abs);
+        rows.push(
+            json!({"step": i, "position": n + i, "relative_rms": c.rel, "max_abs": c.max_abs,
+                         "prefill_token": c.cpu_choice, "decode_token": choice, "top2_gap": c.gap}),
+        );
+    }
+    let pass = worst_rel <= MAX_PREFILL_RELATIVE_RMS && disagree == 0;
+    Ok(PartCheck {
+        pass,
+        summary: format!(
+            "long context: {steps} decode steps after a {n}-token prompt against the GPU prefill's logits of the same positions: worst relative RMS {worst_rel:.2e} (limit {MAX_PREFILL_RELATIVE_RMS:.0e}), worst max |Δ| {worst_abs:.3e}, greedy disagreements {disagree} ({} the GPU prefill's scored rows took {prefill_s:.2} s)",
+            if pass { "pass;" } else { "FAIL;" }
+        ),
+        report: json!({"prompt_tokens": n, "chunk": LONG_CONTEXT_CHUNK, "steps": steps, "reference": "the GPU's scored prefill of the same tokens",
+                       "limit_relative_rms": MAX_PREFILL_RELATIVE_RMS, "worst_relative_rms": worst_rel, "worst_max_abs": worst_abs,
+                       "greedy_disagreements": disagree, "pass": pass, "per_step": rows}),
+    })
 }
 
 /// Every position's logits (`Engine::score`, what prompt log-probabilities are computed from)

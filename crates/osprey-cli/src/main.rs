@@ -261,6 +261,11 @@ enum Command {
         /// 128 here, and unchunked).
         #[arg(long, default_value_t = 300)]
         prefill_tokens: usize,
+        /// Also check decode after a prompt this long (0: not), against the GPU's own prefill
+        /// of the same positions: lengths past what the CPU reference can run in minutes, such
+        /// as the model's 262,144.
+        #[arg(long, default_value_t = 0)]
+        long_context: usize,
         /// Also write the per-step comparison as JSON.
         #[arg(long)]
         out: Option<PathBuf>,
@@ -363,8 +368,16 @@ fn main() -> ExitCode {
             prompt_tokens,
             steps,
             prefill_tokens,
+            long_context,
             out,
-        } => commands::check(&model, prompt_tokens, steps, prefill_tokens, out.as_deref()),
+        } => commands::check(
+            &model,
+            prompt_tokens,
+            steps,
+            prefill_tokens,
+            long_context,
+            out.as_deref(),
+        ),
         Command::Numerics { model, tokens, out } => {
             commands::numerics(&model, tokens, out.as_deref())
         }
