@@ -348,6 +348,14 @@ fn compare_summaries(
 /// The long-context check's prefill chunk: the GPU backend's default (what `serve` runs).
 const LONG_CONTEXT_CHUNK: usize = 4096;
 
+/// The long-context check's limit on its worst step. Most steps differ by ~3e-3 (the prefill's
+/// bf16 activations); a few reach 1-3e-2 where a router near-tie goes to another expert under
+/// the prefill's rounding than under the decode's (the same steps, to three digits, with the
+/// bf16 and the int8 cache: not the attention). Measured worst: 3.2e-2 at one of 64 steps after
+/// 140K tiny-model tokens, 1.8e-2 at full width after 262K. A wrong split or merge moves every
+/// step (the median's limit) by O(1).
+const LONG_CONTEXT_WORST_RELATIVE_RMS: f32 = 1e-1;
+
 /// Decode past the lengths the CPU reference can check in minutes (its attention is quadratic in
 /// the prompt: ~13 minutes for 140K tokens of the tiny model on 16 cores): `n` prompt tokens
 /// prefilled on the GPU, then `steps` teacher-forced decode steps, each step's logits against
@@ -355,8 +363,9 @@ const LONG_CONTEXT_CHUNK: usize = 4096;
 /// same `n`). The two share the weights and the KV cache's contents but not their attention: the
 /// prefill's is tiled over the whole context on the tensor cores, the decode's split-KV with its
 /// blocks merging the splits (whose count grows past 128K), so a split or merge that goes wrong
-/// at long context shows as O(1). Tolerance: the prefill's against the CPU
-/// (MAX_PREFILL_RELATIVE_RMS; the decode side is the CPU's to 1e-4).
+/// at long context shows as O(1) at every step. Tolerance: the median step within the prefill's
+/// against the CPU (MAX_PREFILL_RELATIVE_RMS; the decode side is the CPU's to 1e-4), and every
+/// step within LONG_CONTEXT_WORST_RELATIVE_RMS.
 fn check_long_context(
     m: &GpuModel,
     n: usize,
@@ -397,15 +406,25 @@ fn check_long_context(
                          "prefill_token": c.cpu_choice, "decode_token": choice, "top2_gap": c.gap}),
         );
     }
-    let pass = worst_rel <= MAX_PREFILL_RELATIVE_RMS && disagree == 0;
+    let mut by_size: Vec<f32> = rows
+        .iter()
+        .filter_map(|r| r["relative_rms"].as_f64())
+        .map(|r| r as f32)
+        .collect();
+    by_size.sort_by(f32::total_cmp);
+    let median_rel = by_size.get(by_size.len() / 2).copied().unwrap_or(0.0);
+    let pass = median_rel <= MAX_PREFILL_RELATIVE_RMS
+        && worst_rel <= LONG_CONTEXT_WORST_RELATIVE_RMS
+        && disagree == 0;
     Ok(PartCheck {
         pass,
         summary: format!(
-            "long context: {steps} decode steps after a {n}-token prompt against the GPU prefill's logits of the same positions: worst relative RMS {worst_rel:.2e} (limit {MAX_PREFILL_RELATIVE_RMS:.0e}), worst max |Δ| {worst_abs:.3e}, greedy disagreements {disagree} ({} the GPU prefill's scored rows took {prefill_s:.2} s)",
+            "long context: {steps} decode steps after a {n}-token prompt against the GPU prefill's logits of the same positions: relative RMS median {median_rel:.2e} (limit {MAX_PREFILL_RELATIVE_RMS:.0e}), worst {worst_rel:.2e} (limit {LONG_CONTEXT_WORST_RELATIVE_RMS:.0e}), worst max |Δ| {worst_abs:.3e}, greedy disagreements {disagree} ({} the GPU prefill's scored rows took {prefill_s:.2} s)",
             if pass { "pass;" } else { "FAIL;" }
         ),
         report: json!({"prompt_tokens": n, "chunk": LONG_CONTEXT_CHUNK, "steps": steps, "reference": "the GPU's scored prefill of the same tokens",
-                       "limit_relative_rms": MAX_PREFILL_RELATIVE_RMS, "worst_relative_rms": worst_rel, "worst_max_abs": worst_abs,
+                       "limit_median_relative_rms": MAX_PREFILL_RELATIVE_RMS, "limit_worst_relative_rms": LONG_CONTEXT_WORST_RELATIVE_RMS,
+                       "median_relative_rms": median_rel, "worst_relative_rms": worst_rel, "worst_max_abs": worst_abs,
                        "greedy_disagreements": disagree, "pass": pass, "per_step": rows}),
     })
 }
