@@ -387,7 +387,7 @@ fn check_long_context(
     gpu.reset()?;
     gpu.prefill(0, prompt, LONG_CONTEXT_CHUNK)?;
     let (mut worst_rel, mut worst_abs, mut disagree) = (0f32, 0f32, 0usize);
-    let mut rows = Vec::with_capacity(steps);
+    let (mut rows, mut by_size) = (Vec::with_capacity(steps), Vec::with_capacity(steps));
     for (i, (&t, reference)) in forced
         .iter()
         .zip(by_prefill.chunks_exact(vocab))
@@ -401,16 +401,12 @@ fn check_long_context(
         disagree += usize::from(c.disagrees(choice));
         worst_rel = worst_rel.max(c.rel);
         worst_abs = worst_abs.max(c.max_abs);
+        by_size.push(c.rel);
         rows.push(
             json!({"step": i, "position": n + i, "relative_rms": c.rel, "max_abs": c.max_abs,
                          "prefill_token": c.cpu_choice, "decode_token": choice, "top2_gap": c.gap}),
         );
     }
-    let mut by_size: Vec<f32> = rows
-        .iter()
-        .filter_map(|r| r["relative_rms"].as_f64())
-        .map(|r| r as f32)
-        .collect();
     by_size.sort_by(f32::total_cmp);
     let median_rel = by_size.get(by_size.len() / 2).copied().unwrap_or(0.0);
     let pass = median_rel <= MAX_PREFILL_RELATIVE_RMS
