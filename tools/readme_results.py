@@ -115,17 +115,37 @@ def h100():
     pre = load("cuda-prefill-h100.json")
     dec = load("cuda-decode-h100.json")
     int8 = load("cuda-decode-int8kv-h100.json")
+    long, long_int8 = load("cuda-decode-long-h100.json"), load("cuda-decode-long-int8kv-h100.json")
     pre_by = {r["tokens"]: r["tokens_per_s"] for r in pre["results"]}
-    int8_by = {r["tokens"]: r["tokens_per_s"] for r in int8["results"]}
+    int8_by = {r["tokens"]: r["tokens_per_s"] for r in int8["results"] + long_int8["results"]}
+    have = {r["tokens"] for r in dec["results"]}
     rows = [f"| tokens (prompt / context) | prefill tok/s | decode tok/s, greedy | greedy, `--kv-cache int8` | achieved read rate, greedy (of {read_ceiling(dec)}) |",
             "|---|---|---|---|---|"]
-    for r in dec["results"]:
+    for r in dec["results"] + [r for r in long["results"] if r["tokens"] not in have]:
         n = r["tokens"]
         p = n0(pre_by[n]) if n in pre_by else "—"
         i8 = f"{int8_by[n]:.1f}" if n in int8_by else "—"
         rows.append(f"| {n:,} | {p} | {r['tokens_per_s']:.1f} | {i8} | {r['achieved_bytes_per_s'] / 1e12:.2f} TB/s ({100 * r['fraction_of_read_ceiling']:.0f}%) |")
-    return ("\n".join(rows) + source(pre, "cuda-prefill-h100.json") + "<br>" + source(dec, "cuda-decode-h100.json").strip()
-            + "<br>" + source(int8, "cuda-decode-int8kv-h100.json").strip())
+    sources = [(dec, "cuda-decode-h100.json"), (int8, "cuda-decode-int8kv-h100.json"), (long, "cuda-decode-long-h100.json"),
+               (long_int8, "cuda-decode-long-int8kv-h100.json")]
+    return "\n".join(rows) + source(pre, "cuda-prefill-h100.json") + "".join("<br>" + source(d, n).strip() for d, n in sources)
+
+
+def long_context():
+    """osprey check --long-context: decode past 128K against the GPU prefill."""
+    files = [("tiny", "bf16", "cuda-check-tiny-long-140k.json"), ("tiny", "bf16", "cuda-check-tiny-long-262k.json"),
+             ("full width, 4 layers", "bf16", "cuda-check-fullwidth-4l-long-262k.json"),
+             ("full width, 4 layers", "int8", "cuda-check-fullwidth-4l-int8kv-long-262k.json")]
+    rows = ["| model | KV cache | prompt tokens | decode steps | relative RMS, median (limit) | worst (limit) | greedy disagreements | passed |",
+            "|---|---|---|---|---|---|---|---|"]
+    subs = []
+    for model, kv, name in files:
+        d = load(name)
+        c = d["long_context"]
+        rows.append(f"| {model} | {kv} | {c['prompt_tokens']:,} | {c['steps']} | {c['median_relative_rms']:.1e} ({c['limit_median_relative_rms']:.0e}) "
+                    f"| {c['worst_relative_rms']:.1e} ({c['limit_worst_relative_rms']:.0e}) | {c['greedy_disagreements']} | {'yes' if c['pass'] else 'no'} |")
+        subs.append(source(d, name).strip())
+    return "\n".join(rows) + "\n\n" + "<br>".join(subs)
 
 
 def decode_profile():
@@ -310,6 +330,7 @@ def fidelity_tiny():
 
 
 TABLES = {"prefill": prefill, "prefill-profile": prefill_profile, "decode": decode, "decode-profile": decode_profile, "h100": h100,
+          "long-context": long_context,
           "decode-phases": decode_phases,
           "checks": checks, "serve-turns": serve_turns, "compare-mlx": compare, "compare-mlx-latest": compare_latest, "fidelity-full": fidelity_full, "fidelity-tiny": fidelity_tiny}
 

@@ -357,8 +357,9 @@ const LONG_CONTEXT_CHUNK: usize = 4096;
 const LONG_CONTEXT_WORST_RELATIVE_RMS: f32 = 1e-1;
 
 /// Decode past the lengths the CPU reference can check in minutes (its attention is quadratic in
-/// the prompt: ~13 minutes for 140K tokens of the tiny model on 16 cores): `n` prompt tokens
-/// prefilled on the GPU, then `steps` teacher-forced decode steps, each step's logits against
+/// the prompt: by its growth from 8K to 16K, ~13 minutes for 140K tokens of the tiny model on 16
+/// cores): `n` prompt tokens prefilled on the GPU, then `steps` teacher-forced decode steps,
+/// each step's logits against
 /// the GPU prefill's logits of the same position (the scored prefill of those tokens after the
 /// same `n`). The two share the weights and the KV cache's contents but not their attention: the
 /// prefill's is tiled over the whole context on the tensor cores, the decode's split-KV with its
