@@ -128,7 +128,7 @@ fn cuda_backend(
 ) -> Result<Box<dyn osprey_engine::Backend>> {
     let max_context = args
         .max_context
-        .unwrap_or(weights.config.max_position_embeddings.min(131_072));
+        .unwrap_or(weights.config.max_position_embeddings);
     let valid = weights.config.vocab_size.min(248_077);
     let chunk = args
         .prefill_chunk
@@ -517,7 +517,7 @@ pub fn serve(args: &ModelArgs, s: &ServeArgs) -> Result<()> {
     let name = names.remove(0);
     let max_context = args
         .max_context
-        .unwrap_or(engine.config().max_position_embeddings.min(131_072));
+        .unwrap_or(engine.config().max_position_embeddings);
     if max_context < 2 {
         bail!("--max-context must be at least 2");
     }

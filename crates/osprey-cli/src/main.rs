@@ -41,8 +41,9 @@ pub struct ModelArgs {
     /// CPU, 4096 on the GPU.
     #[arg(long)]
     pub prefill_chunk: Option<usize>,
-    /// Longest prompt + reply in tokens (default: the model's max_position_embeddings; on the GPU
-    /// at most 131072 unless set). Sizes the GPU's KV cache.
+    /// Longest prompt + reply in tokens (default: the model's max_position_embeddings, 262144
+    /// for Qwen3.6). Sizes the GPU's KV cache (20 KB a position at full size in bf16, 5.4 GB at
+    /// 262144; half with --kv-cache int8).
     #[arg(long)]
     pub max_context: Option<usize>,
     /// How attention layers keep keys and values: bf16, or int8 (a byte per value and a scale
