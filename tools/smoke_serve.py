@@ -33,7 +33,7 @@ def main():
             "tool_choice": {"messages": user, "tools": tools, "max_tokens": 4,
                             "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
                             "chat_template_kwargs": {"enable_thinking": False}},
-            "logprobs (host path)": {"messages": user, "max_tokens": 32, "logprobs": True, "top_logprobs": 2},
+            "logprobs": {"messages": user, "max_tokens": 32, "logprobs": True, "top_logprobs": 2},
         }
         failed = False
         for name, body in cases.items():

@@ -600,22 +600,46 @@ fn check_sampling(
     // is reported but not required to match: decode is not bitwise deterministic (the MoE adds
     // its nine partial rows into the residual with float atomics, in arrival order), so a draw
     // that falls at a boundary can part the streams (seen once in ~40 full-width checks)
-    let stream =
-        |gpu: &mut CudaDecoder, sampler: Option<&Sampler>| -> Result<(Vec<u32>, Vec<u32>)> {
-            reprefill(gpu)?;
-            gpu.set_sampling(sampler)?;
-            let mut got = Vec::new();
-            gpu.run_steps(1, 24, &mut |t| {
-                got.push(t);
-                true
-            })?;
-            gpu.set_sampling(None)?;
-            Ok((got, gpu.history(24)?))
-        };
-    let (greedy_stream, greedy_record) = stream(gpu, None)?;
-    let (sampled_a, sampled_record) = stream(gpu, Some(&sampler))?;
-    let (sampled_b, _) = stream(gpu, Some(&sampler))?;
+    let stream = |gpu: &mut CudaDecoder,
+                  sampler: Option<&Sampler>|
+     -> Result<(Vec<u32>, Vec<u32>, Vec<PositionLogprobs>)> {
+        reprefill(gpu)?;
+        gpu.set_sampling(sampler)?;
+        let (mut got, mut summaries) = (Vec::new(), Vec::new());
+        gpu.run_steps(1, 24, Some(SUMMARY_TOP), &mut |t, summary| {
+            got.push(t);
+            summaries.extend(summary);
+            true
+        })?;
+        gpu.set_sampling(None)?;
+        Ok((got, gpu.history(24)?, summaries))
+    };
+    let (greedy_stream, greedy_record, greedy_summaries) = stream(gpu, None)?;
+    let (sampled_a, sampled_record, sampled_summaries) = stream(gpu, Some(&sampler))?;
+    let (sampled_b, _, _) = stream(gpu, Some(&sampler))?;
     gpu.set_sampling(None)?;
+    // 4. each streamed token's log-probabilities, summarised on the device as the steps ran,
+    // against the host's summary of the same step's logits (the steps run again one at a time
+    // with the same tokens, each step's logits read back)
+    let mut stepped_summaries =
+        |stream: &[u32], device: &[PositionLogprobs]| -> Result<(f32, usize)> {
+            reprefill(gpu)?;
+            let (mut worst, mut differ, mut input) = (0f32, 0usize, 1u32);
+            for (&t, d) in stream.iter().zip(device) {
+                gpu.set_token(input)?;
+                gpu.step()?;
+                let host = PositionLogprobs::of(&gpu.logits()?[..valid], Some(t), SUMMARY_TOP);
+                let (gap, ids_differ) = host.difference(d, MAX_SUMMARY_DIFFERENCE);
+                worst = worst.max(gap);
+                differ += usize::from(ids_differ);
+                input = t;
+            }
+            Ok((worst, differ + stream.len().abs_diff(device.len())))
+        };
+    let (greedy_gap, greedy_differ) = stepped_summaries(&greedy_stream, &greedy_summaries)?;
+    let (sampled_gap, sampled_differ) = stepped_summaries(&sampled_a, &sampled_summaries)?;
+    let step_summaries_gap = greedy_gap.max(sampled_gap);
+    let step_summaries_differ = greedy_differ + sampled_differ;
     // each way the stream can go wrong, named in the summary when it does
     let stream_faults: Vec<&str> = [
         (
@@ -634,6 +658,10 @@ fn check_sampling(
             sampled_a.iter().all(|&t| (t as usize) < valid),
             "sampled tokens inside the vocabulary",
         ),
+        (
+            step_summaries_gap <= MAX_SUMMARY_DIFFERENCE && step_summaries_differ == 0,
+            "the steps' log-probabilities vs the host's of the same logits",
+        ),
     ]
     .iter()
     .filter(|(ok, _)| !ok)
@@ -647,9 +675,10 @@ fn check_sampling(
         exact.len(),
         if gpu_choice == host_choice { "matches the host" } else { "DIFFERS" },
         if stream_ok {
+            let logprobs = format!("each token's log-probabilities (top {SUMMARY_TOP}) within {step_summaries_gap:.1e} of the host's");
             match parted_at {
-                None => "consistent, seeded draws repeatable".to_string(),
-                Some(at) => format!("consistent, seeded draws repeatable (a seeded stream's repeat parted at step {at})"),
+                None => format!("consistent, seeded draws repeatable, {logprobs}"),
+                Some(at) => format!("consistent, seeded draws repeatable (a seeded stream's repeat parted at step {at}), {logprobs}"),
             }
         } else {
             format!(
@@ -660,7 +689,10 @@ fn check_sampling(
     );
     let report = json!({"draws": SAMPLE_DRAWS, "candidates": exact.len(), "total_variation": tv, "limit_total_variation": MAX_SAMPLE_TV,
         "draws_outside_support": outside, "greedy_with_penalties_matches_host": gpu_choice == host_choice,
-        "token_stream_consistent": stream_ok, "seeded_stream_repeat_parted_at": parted_at, "pass": pass});
+        "token_stream_consistent": stream_ok, "seeded_stream_repeat_parted_at": parted_at,
+        "stream_logprobs": {"top": SUMMARY_TOP, "largest_difference_vs_host": step_summaries_gap, "limit": MAX_SUMMARY_DIFFERENCE,
+                            "top_ids_differing": step_summaries_differ},
+        "pass": pass});
     Ok(PartCheck {
         pass,
         summary,

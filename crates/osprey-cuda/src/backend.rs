@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, bail, Result};
-use osprey_engine::sampler::{PositionLogprobs, Sampler};
-use osprey_engine::{Backend, KvCache, LogitsFor, SessionState};
+use osprey_engine::sampler::PositionLogprobs;
+use osprey_engine::{Backend, DeviceRun, KvCache, LogitsFor, OnToken, SessionState};
 use osprey_model::config::ModelConfig;
 use osprey_model::ModelWeights;
 
@@ -257,25 +257,28 @@ impl Backend for CudaBackend {
         &self,
         state: &mut SessionState,
         history: &[u32],
-        first: u32,
-        sampler: &Sampler,
-        max_steps: usize,
-        on_token: &mut dyn FnMut(u32) -> bool,
+        run: &DeviceRun,
+        on_token: &mut OnToken,
     ) -> Result<Option<Vec<u32>>> {
-        if !CudaDecoder::can_sample(sampler.params()) {
+        // the summaries read the step's logits after the sampler, which applies its penalties
+        // to them in place: with penalties the host path gives the model's log-probabilities
+        let penalised = run.sampler.params().penalises();
+        if !CudaDecoder::can_sample(run.sampler.params()) || (run.logprobs.is_some() && penalised) {
             return Ok(None);
         }
+        let first = run.first;
         let mut d = self.device()?;
         // each step runs one token: the steps that fit the allocated context
         d.fits(history, &[first])?;
-        let max_steps = max_steps.min(d.decoder.max_context - history.len());
+        let max_steps = run.max_steps.min(d.decoder.max_context - history.len());
         d.catch_up(history, &[], 0, self.prefill_chunk)?;
         let mut chosen = Vec::new();
-        let ran = d.decoder.set_sampling(Some(sampler)).and_then(|_| {
-            d.decoder.run_steps(first, max_steps, &mut |t| {
-                chosen.push(t);
-                on_token(t)
-            })
+        let ran = d.decoder.set_sampling(Some(run.sampler)).and_then(|_| {
+            d.decoder
+                .run_steps(first, max_steps, run.logprobs, &mut |t, summary| {
+                    chosen.push(t);
+                    on_token(t, summary)
+                })
         });
         let off = d.decoder.set_sampling(None);
         let steps = match ran.and_then(|n| off.map(|_| n)) {

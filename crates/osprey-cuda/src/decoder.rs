@@ -19,7 +19,7 @@ use cudarc::driver::{
     DevicePtr, DeviceRepr, LaunchConfig, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
-use osprey_engine::sampler::{Sampler, SamplingParams};
+use osprey_engine::sampler::{PositionLogprobs, Sampler, SamplingParams};
 use osprey_engine::KvCache;
 use osprey_model::config::ModelConfig;
 use osprey_model::tensor::{FloatBuf, Linear, Matrix, MatrixData};
@@ -714,6 +714,9 @@ pub struct CudaDecoder {
     /// Their page-locked host copy, allocated only when rows come back (summaries stay on the
     /// device).
     scored_host: Option<cudarc::driver::PinnedHostSlice<f32>>,
+    /// Decode steps' logit summaries (`run_steps` with log-probabilities): two slots on the
+    /// device and their page-locked host copies, allocated on first use.
+    step_summaries: Option<(CudaSlice<f32>, [cudarc::driver::PinnedHostSlice<f32>; 2])>,
     gdn_prefill: GdnPrefill,
     /// Where the prefill runs its warpgroup-MMA GEMM (OSPREY_PREFILL_WGMMA).
     wgmma: prefill::Wgmma,
@@ -1236,6 +1239,7 @@ impl CudaDecoder {
             prefill: None,
             scored: None,
             scored_host: None,
+            step_summaries: None,
             gdn_prefill: GdnPrefill::Auto,
             wgmma: prefill::Wgmma::from_env(),
             overlap: StepOverlap::from_env(),
@@ -2213,36 +2217,85 @@ impl CudaDecoder {
     /// Runs decode steps from the current position with the token chosen on the GPU, the first
     /// step fed `first`. Each chosen token is copied into page-locked memory while the next
     /// step already runs and handed to `on_token` one step late, so no step waits for the host;
-    /// stops when `on_token` returns false or after `max_steps` steps. Returns the number of
-    /// steps run: the state then holds `first` and the first `steps - 1` chosen tokens.
+    /// stops when `on_token` returns false or after `max_steps` steps. With `logprobs` (the
+    /// alternatives asked for), each step's logits are also summarised on the device
+    /// (`logit_summary`: the normaliser, the chosen token's logit, the top alternatives, over
+    /// the valid ids) and the summary comes back with its token, ~0.5 KB instead of the ~1 MB
+    /// of logits. Returns the number of steps run: the state then holds `first` and the first
+    /// `steps - 1` chosen tokens.
     pub fn run_steps(
         &mut self,
         first: u32,
         max_steps: usize,
-        on_token: &mut dyn FnMut(u32) -> bool,
+        logprobs: Option<usize>,
+        on_token: &mut dyn FnMut(u32, Option<PositionLogprobs>) -> bool,
     ) -> Result<usize> {
+        if let Some(top) = logprobs.filter(|&t| t > prefill::MAX_SUMMARY_TOP) {
+            bail!(
+                "at most {} alternatives a token are summarised on the GPU, {top} asked",
+                prefill::MAX_SUMMARY_TOP
+            );
+        }
+        let width = prefill::summary_width(prefill::MAX_SUMMARY_TOP);
+        if logprobs.is_some() && self.step_summaries.is_none() {
+            let device = self.stream.alloc_zeros::<f32>(2 * width)?;
+            // SAFETY: page-locked host memory read only after the copy into it has completed
+            let host = unsafe {
+                [
+                    self.ctx.alloc_pinned_with_flags::<f32>(width, 0)?,
+                    self.ctx.alloc_pinned_with_flags::<f32>(width, 0)?,
+                ]
+            };
+            self.step_summaries = Some((device, host));
+        }
         self.set_token(first)?;
         let flags = Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
         let done = [self.ctx.new_event(flags)?, self.ctx.new_event(flags)?];
+        let hand_over = |dec: &mut Self, slot: usize| -> Result<(u32, Option<PositionLogprobs>)> {
+            done[slot].synchronize()?;
+            let t = dec.token_slots[slot].as_slice()?[0] as u32;
+            let summary = match (logprobs, dec.step_summaries.as_ref()) {
+                (Some(top), Some((_, host))) => Some(prefill::position_logprobs(
+                    &host[slot].as_slice()?[..prefill::summary_width(top)],
+                    Some(t),
+                )),
+                _ => None,
+            };
+            Ok((t, summary))
+        };
         for n in 0..max_steps {
             self.step()?;
             let slot = n % 2;
             self.stream
                 .memcpy_dtoh(&self.s.token, &mut self.token_slots[slot])?;
+            if let Some(top) = logprobs {
+                let (device, _) = self.step_summaries.as_ref().expect("allocated above");
+                let out = self.p(device) + (slot * width * 4) as u64;
+                self.summarise_logits(
+                    1,
+                    self.p(&self.s.logits),
+                    self.p(&self.s.token),
+                    out,
+                    self.valid_vocab,
+                    top,
+                )?;
+                let (device, host) = self.step_summaries.as_mut().expect("allocated above");
+                self.stream.memcpy_dtoh(
+                    &device.slice(slot * width..(slot + 1) * width),
+                    &mut host[slot],
+                )?;
+            }
             done[slot].record(&self.stream)?;
             if n > 0 {
-                let prev = 1 - slot;
-                done[prev].synchronize()?;
-                let t = self.token_slots[prev].as_slice()?[0] as u32;
-                if !on_token(t) {
+                let (t, summary) = hand_over(self, 1 - slot)?;
+                if !on_token(t, summary) {
                     return Ok(n + 1);
                 }
             }
         }
         if max_steps > 0 {
-            let last = (max_steps - 1) % 2;
-            done[last].synchronize()?;
-            on_token(self.token_slots[last].as_slice()?[0] as u32);
+            let (t, summary) = hand_over(self, (max_steps - 1) % 2)?;
+            on_token(t, summary);
         }
         Ok(max_steps)
     }

@@ -205,7 +205,13 @@ pub fn generate(
         if next == Next::Continue {
             let remaining = opts.max_tokens - reply.chosen;
             let mut chosen = Vec::new();
-            let ran = engine.decode_on_device(session, token, &sampler, remaining, &mut |t| {
+            let run = crate::DeviceRun {
+                first: token,
+                sampler: &sampler,
+                max_steps: remaining,
+                logprobs: None,
+            };
+            let ran = engine.decode_on_device(session, &run, &mut |t, _| {
                 chosen.push(t);
                 next = reply.accept(t);
                 next == Next::Continue
@@ -375,6 +381,13 @@ mod tests {
         (seq.last().copied().unwrap_or(0) * 7 + seq.len() as u32) % 50
     }
 
+    /// Its logits after `seq`: the next token far ahead of the rest.
+    fn logits_after(seq: &[u32]) -> Vec<f32> {
+        let mut logits = vec![0.0; 64];
+        logits[next_after(seq) as usize] = 10.0;
+        logits
+    }
+
     impl Backend for Counting {
         fn name(&self) -> &'static str {
             "counting"
@@ -397,23 +410,19 @@ mod tests {
         ) -> Result<Vec<f32>> {
             state.position += tokens.len();
             let seq: Vec<u32> = history.iter().chain(tokens).copied().collect();
-            let mut logits = vec![0.0; 64];
-            logits[next_after(&seq) as usize] = 10.0;
-            Ok(logits)
+            Ok(logits_after(&seq))
         }
         fn decode_on_device(
             &self,
             state: &mut SessionState,
             history: &[u32],
-            first: u32,
-            _sampler: &Sampler,
-            max_steps: usize,
-            on_token: &mut dyn FnMut(u32) -> bool,
+            run: &crate::DeviceRun,
+            on_token: &mut crate::OnToken,
         ) -> Result<Option<Vec<u32>>> {
             if !self.device {
                 return Ok(None);
             }
-            let ran = crate::decode_by_steps(history, first, max_steps, &next_after, on_token);
+            let ran = crate::decode_by_steps(history, run, &next_after, &logits_after, on_token);
             state.position += ran.len();
             Ok(Some(ran))
         }

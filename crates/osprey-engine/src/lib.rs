@@ -41,19 +41,19 @@ pub trait Backend: Send + Sync {
         tokens: &[u32],
         want: LogitsFor,
     ) -> Result<Vec<f32>>;
-    /// Decodes with the tokens chosen on the device (`sampler`'s settings and counts), starting
-    /// by running `first` after `history`; each chosen token goes to `on_token` until it returns
-    /// false or `max_steps` tokens were chosen. Returns the tokens the state now holds beyond
+    /// Decodes with the tokens chosen on the device, as `run` asks, starting by running
+    /// `run.first` after `history`; each chosen token goes to `on_token` (with its position's
+    /// log-probabilities when `run.logprobs` asks for them) until it returns false or
+    /// `run.max_steps` tokens were chosen. Returns the tokens the state now holds beyond
     /// `history` (`first`, then the chosen tokens that were run), or None when this backend
-    /// does not choose tokens itself (the caller samples from logits).
+    /// does not choose tokens itself, or not with what `run` asks (the caller samples from
+    /// logits).
     fn decode_on_device(
         &self,
         _state: &mut SessionState,
         _history: &[u32],
-        _first: u32,
-        _sampler: &sampler::Sampler,
-        _max_steps: usize,
-        _on_token: &mut dyn FnMut(u32) -> bool,
+        _run: &DeviceRun,
+        _on_token: &mut OnToken,
     ) -> Result<Option<Vec<u32>>> {
         Ok(None)
     }
@@ -104,36 +104,56 @@ pub trait Backend: Send + Sync {
     }
 }
 
+/// What `Backend::decode_on_device` is asked to run.
+pub struct DeviceRun<'a> {
+    /// The token the first step runs (the caller chose it).
+    pub first: u32,
+    /// The choice's settings and the counts its penalties read.
+    pub sampler: &'a sampler::Sampler,
+    /// At most this many tokens are chosen.
+    pub max_steps: usize,
+    /// With each chosen token, its position's log-probabilities (the model's, before the
+    /// sampler's adjustments) with this many alternatives.
+    pub logprobs: Option<usize>,
+}
+
+/// Takes each token a device-side decode chose, with its position's log-probabilities when they
+/// were asked for; false stops the decode.
+pub type OnToken<'a> = dyn FnMut(u32, Option<sampler::PositionLogprobs>) -> bool + 'a;
+
 /// The contract of `Backend::decode_on_device` for a backend whose next token is a function of
-/// the sequence so far (`choose`), as the test doubles of the engine and server implement it (the
-/// CUDA backend keeps it with steps on the device): step n runs its input (`first`, then each
-/// chosen token) and chooses the next, which is handed to `on_token` once step n + 1 has started,
-/// so a token the caller stops at has already run unless it was the last of `max_steps`. Returns
-/// the tokens that ran.
+/// the sequence so far (`choose`, with the logits it chose from: `logits`), as the test doubles
+/// of the engine and server implement it (the CUDA backend keeps it with steps on the device):
+/// step n runs its input (`run.first`, then each chosen token) and chooses the next, which is
+/// handed to `on_token` once step n + 1 has started, so a token the caller stops at has already
+/// run unless it was the last of `run.max_steps`. Returns the tokens that ran.
 pub fn decode_by_steps(
     history: &[u32],
-    first: u32,
-    max_steps: usize,
+    run: &DeviceRun,
     choose: &dyn Fn(&[u32]) -> u32,
-    on_token: &mut dyn FnMut(u32) -> bool,
+    logits: &dyn Fn(&[u32]) -> Vec<f32>,
+    on_token: &mut OnToken,
 ) -> Vec<u32> {
     let mut seq = history.to_vec();
     let mut ran = Vec::new();
-    let (mut input, mut pending) = (first, None);
-    for _ in 0..max_steps {
+    let (mut input, mut pending) = (run.first, None);
+    for _ in 0..run.max_steps {
         seq.push(input);
         ran.push(input);
         let chosen = choose(&seq);
-        if let Some(prev) = pending.take() {
-            if !on_token(prev) {
+        let summary = run
+            .logprobs
+            .map(|top| sampler::PositionLogprobs::of(&logits(&seq), Some(chosen), top));
+        if let Some((prev, prev_summary)) = pending.take() {
+            if !on_token(prev, prev_summary) {
                 return ran;
             }
         }
-        pending = Some(chosen);
+        pending = Some((chosen, summary));
         input = chosen;
     }
-    if let Some(prev) = pending {
-        on_token(prev);
+    if let Some((prev, prev_summary)) = pending {
+        on_token(prev, prev_summary);
     }
     ran
 }
@@ -285,19 +305,12 @@ impl Engine {
     pub fn decode_on_device(
         &self,
         s: &mut Session,
-        first: u32,
-        sampler: &sampler::Sampler,
-        max_steps: usize,
-        on_token: &mut dyn FnMut(u32) -> bool,
+        run: &DeviceRun,
+        on_token: &mut OnToken,
     ) -> Result<Option<usize>> {
-        let ran = self.backend.decode_on_device(
-            &mut s.state,
-            &s.tokens,
-            first,
-            sampler,
-            max_steps,
-            on_token,
-        )?;
+        let ran = self
+            .backend
+            .decode_on_device(&mut s.state, &s.tokens, run, on_token)?;
         Ok(ran.map(|tokens| {
             s.tokens.extend_from_slice(&tokens);
             tokens.len()

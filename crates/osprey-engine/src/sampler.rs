@@ -40,6 +40,13 @@ impl Default for SamplingParams {
 }
 
 impl SamplingParams {
+    /// Whether the penalties change any logit (presence, frequency or repetition).
+    pub fn penalises(&self) -> bool {
+        self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || self.repetition_penalty != 1.0
+    }
+
     /// Rejects values outside their meaningful ranges, naming the field.
     pub fn validate(&self) -> Result<()> {
         let p = self;

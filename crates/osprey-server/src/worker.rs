@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use osprey_engine::generate::StopScanner;
 use osprey_engine::sampler::{PositionLogprobs, Sampler};
-use osprey_engine::{Engine, Session};
+use osprey_engine::{DeviceRun, Engine, Session};
 use osprey_prompt::PromptFormat;
 use rayon::prelude::*;
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
@@ -384,9 +384,9 @@ impl Reply<'_> {
         self.parser.as_ref().is_some_and(OutputParser::in_reasoning)
     }
 
-    /// Takes one chosen token (with its logits when log-probabilities are wanted) and streams
-    /// what it adds.
-    fn accept(&mut self, token: u32, logits: Option<&[f32]>) -> anyhow::Result<Next> {
+    /// Takes one chosen token (with its position's log-probabilities when they are wanted) and
+    /// streams what it adds.
+    fn accept(&mut self, token: u32, summary: Option<PositionLogprobs>) -> anyhow::Result<Next> {
         let job = self.job;
         if job.events.is_closed() {
             self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
@@ -408,14 +408,10 @@ impl Reply<'_> {
             self.metrics
                 .record_ttft(job.received.elapsed().as_secs_f64());
         }
-        let logprobs = match (job.gen.logprobs, logits) {
-            (Some(top), Some(l)) => vec![token_logprob(
-                &PositionLogprobs::of(l, Some(token), top),
-                token,
-                self.format,
-            )],
-            _ => Vec::new(),
-        };
+        let logprobs: Vec<TokenLogprob> = summary
+            .map(|p| token_logprob(&p, token, self.format))
+            .into_iter()
+            .collect();
         if self.ends_reply(token) {
             self.finish = "stop";
             if !logprobs.is_empty() {
@@ -615,13 +611,14 @@ impl Worker {
 
         // Each turn of this loop samples one token on the host from `logits`; then a backend
         // that chooses tokens itself (the GPU) runs on until the reply ends or needs the host
-        // (forced text to inject), else the host decodes token by token. Log-probabilities need
-        // the logits of every token, and a grammar (response_format, a forced tool call) masks
-        // them: both keep the whole reply on the host path, as does a logit_bias (added to the
+        // (forced text to inject), else the host decodes token by token. Log-probabilities come
+        // with the device's tokens when the backend makes them there (the GPU summarises each
+        // step's logits; it declines with penalties, which change its logits in place, and the
+        // host path takes the reply). A grammar (response_format, a forced tool call) masks the
+        // logits: it keeps the whole reply on the host path, as does a logit_bias (added to the
         // logits the host samples from; log-probabilities stay the model's). So do the first
         // `min_tokens`, whose choices leave out the tokens that would end the reply.
-        let device_ok =
-            job.gen.logprobs.is_none() && constraint.is_none() && job.gen.logit_bias.is_empty();
+        let device_ok = constraint.is_none() && job.gen.logit_bias.is_empty();
         let mut biased = Vec::new();
         while reply.generated < job.max_tokens {
             let logits_now = &logits[..valid_vocab];
@@ -656,7 +653,11 @@ impl Worker {
                 None => sampler.sample(choose_from),
             };
             sampler.observe(token);
-            let mut next = reply.accept(token, Some(logits_now))?;
+            let summary = job
+                .gen
+                .logprobs
+                .map(|top| PositionLogprobs::of(logits_now, Some(token), top));
+            let mut next = reply.accept(token, summary)?;
             if let (Some(c), Next::Continue) = (held, &next) {
                 c.advance(token)?;
             }
@@ -667,26 +668,26 @@ impl Worker {
                 let remaining = job.max_tokens - reply.generated;
                 let mut chosen = Vec::new();
                 let mut failed = None;
-                let ran = engine.decode_on_device(
-                    &mut session,
-                    token,
-                    &sampler,
-                    remaining,
-                    &mut |t| {
-                        chosen.push(t);
-                        match reply.accept(t, None) {
-                            Ok(Next::Continue) => true,
-                            Ok(other) => {
-                                next = other;
-                                false
-                            }
-                            Err(e) => {
-                                failed = Some(e);
-                                false
-                            }
+                let run = DeviceRun {
+                    first: token,
+                    sampler: &sampler,
+                    max_steps: remaining,
+                    logprobs: job.gen.logprobs,
+                };
+                let ran = engine.decode_on_device(&mut session, &run, &mut |t, summary| {
+                    chosen.push(t);
+                    match reply.accept(t, summary) {
+                        Ok(Next::Continue) => true,
+                        Ok(other) => {
+                            next = other;
+                            false
                         }
-                    },
-                )?;
+                        Err(e) => {
+                            failed = Some(e);
+                            false
+                        }
+                    }
+                })?;
                 if let Some(e) = failed {
                     return Err(e);
                 }

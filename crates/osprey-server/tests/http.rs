@@ -82,6 +82,9 @@ struct Calls {
     /// The next forward call panics (a defect in the engine).
     panic_once: bool,
     recomputed: usize,
+    /// Tokens handed over by `decode_on_device`, and how many came with log-probabilities.
+    device_tokens: usize,
+    device_summaries: usize,
 }
 
 impl Scripted {
@@ -93,6 +96,13 @@ impl Scripted {
             .find(|&k| seq.ends_with(&self.script[..k]))
             .unwrap_or(0);
         self.script[done.min(self.script.len() - 1)]
+    }
+
+    /// Its logits after `seq`: the scripted next token far ahead of the rest.
+    fn logits_after(&self, seq: &[u32]) -> Vec<f32> {
+        let mut logits = vec![0.0; self.config.vocab_size];
+        logits[self.next_after(seq) as usize] = 100.0;
+        logits
     }
 }
 
@@ -128,25 +138,20 @@ impl Backend for Scripted {
             }
         }
         let seq: Vec<u32> = history.iter().chain(tokens).copied().collect();
-        let next = self.next_after(&seq);
-        let mut logits = vec![0.0; self.config.vocab_size];
-        logits[next as usize] = 100.0;
         Ok(if want == LogitsFor::None {
             Vec::new()
         } else {
-            logits
+            self.logits_after(&seq)
         })
     }
 
-    /// The CUDA backend's contract (`osprey_engine::decode_by_steps`).
+    /// The CUDA backend's contract (`osprey_engine::decode_by_steps`), log-probabilities too.
     fn decode_on_device(
         &self,
         state: &mut SessionState,
         history: &[u32],
-        first: u32,
-        _sampler: &osprey_engine::sampler::Sampler,
-        max_steps: usize,
-        on_token: &mut dyn FnMut(u32) -> bool,
+        run: &osprey_engine::DeviceRun,
+        on_token: &mut osprey_engine::OnToken,
     ) -> anyhow::Result<Option<Vec<u32>>> {
         if !self.device {
             return Ok(None);
@@ -160,7 +165,19 @@ impl Backend for Scripted {
             std::thread::sleep(self.delay);
             self.next_after(seq)
         };
-        let ran = osprey_engine::decode_by_steps(history, first, max_steps, &choose, on_token);
+        let ran = osprey_engine::decode_by_steps(
+            history,
+            run,
+            &choose,
+            &|seq| self.logits_after(seq),
+            &mut |t, summary| {
+                if let Ok(mut c) = self.calls.lock() {
+                    c.device_tokens += 1;
+                    c.device_summaries += usize::from(summary.is_some());
+                }
+                on_token(t, summary)
+            },
+        );
         state.position += ran.len();
         Ok(Some(ran))
     }
@@ -836,7 +853,7 @@ fn reply_content(r: &Value) -> Value {
 #[tokio::test]
 async fn device_decoding_gives_the_host_path_replies() {
     let host = Server::scripted_on(CALL_REPLY, Duration::ZERO, config(), false).await;
-    let device = Server::scripted_on(CALL_REPLY, Duration::ZERO, config(), true).await;
+    let (device, calls) = Server::scripted_calls(CALL_REPLY, Duration::ZERO, config(), true).await;
     let tools: Value = serde_json::from_str(WEATHER).unwrap();
     let bodies = [
         // a tool call, ended by the end-of-turn id
@@ -847,8 +864,8 @@ async fn device_decoding_gives_the_host_path_replies() {
         json!({"messages": user("weather?"), "stop": ["Paris"], "max_tokens": 100}),
         // forced text injected when the reasoning ends (tool_choice)
         json!({"messages": user("weather?"), "tools": tools, "tool_choice": "required", "max_tokens": 60}),
-        // log-probabilities keep the host path on both
-        json!({"messages": user("weather?"), "max_tokens": 8, "logprobs": true, "top_logprobs": 1}),
+        // log-probabilities: made with each token on the device (the backend's summaries)
+        json!({"messages": user("weather?"), "max_tokens": 8, "logprobs": true, "top_logprobs": 2}),
     ];
     for body in bodies {
         // (one seed for both: a request without one samples differently each time)
@@ -858,6 +875,13 @@ async fn device_decoding_gives_the_host_path_replies() {
         assert_eq!((st_h, st_d), (200, 200), "{r_h} {r_d}");
         assert_eq!(reply_content(&r_h), reply_content(&r_d), "request {body}");
     }
+    // the log-probabilities request's tokens after its first came from the device, each with
+    // its summary (the first is chosen on the host from the prompt's logits)
+    let (tokens, summaries) = calls
+        .lock()
+        .map(|c| (c.device_tokens, c.device_summaries))
+        .unwrap();
+    assert_eq!(summaries, 7, "device tokens {tokens}");
     // a second turn after a device-run reply reuses its cached state and still agrees
     let first = json!({"messages": user("weather?"), "max_tokens": 100, "chat_template_kwargs": {"enable_thinking": false}});
     let (_, r) = device.post("/v1/chat/completions", first.clone()).await;

@@ -121,7 +121,28 @@ pub(super) const SCORED_ROWS: usize = 16;
 const SUMMARY_THREADS: u32 = 1024;
 
 /// Most alternatives a position's summary on the device holds (the API asks at most 20).
-const MAX_SUMMARY_TOP: usize = 64;
+pub(super) const MAX_SUMMARY_TOP: usize = 64;
+
+/// Floats of one position's summary with `top` alternatives (sample.cu SummaryArgs.out).
+pub(super) fn summary_width(top: usize) -> usize {
+    2 + 2 * top
+}
+
+/// One position's summary as `logit_summary` wrote it (`next`: the token whose logit it holds).
+pub(super) fn position_logprobs(s: &[f32], next: Option<u32>) -> PositionLogprobs {
+    PositionLogprobs {
+        log_normaliser: s[0],
+        next: next.map(|_| s[1]),
+        top: s[2..]
+            .chunks_exact(2)
+            .map_while(|p| {
+                u32::try_from(p[0].to_bits() as i32)
+                    .ok()
+                    .map(|id| (id, p[1]))
+            })
+            .collect(),
+    }
+}
 
 /// sample.cu NO_NEXT: a position with no token after it.
 const NO_NEXT: u32 = u32::MAX;
@@ -564,7 +585,7 @@ impl CudaDecoder {
         let next: Vec<u32> = (0..tokens.len())
             .map(|i| tokens.get(i + 1).copied().or(following).unwrap_or(NO_NEXT))
             .collect();
-        let width = 2 + 2 * top;
+        let width = summary_width(top);
         let mut scoring = Scoring::Summaries {
             next: self.stream.clone_htod(&next)?,
             out: self.stream.alloc_zeros::<f32>(tokens.len() * width)?,
@@ -579,18 +600,7 @@ impl CudaDecoder {
         Ok(out
             .chunks_exact(width)
             .zip(&next)
-            .map(|(s, &after)| PositionLogprobs {
-                log_normaliser: s[0],
-                next: (after != NO_NEXT).then_some(s[1]),
-                top: s[2..]
-                    .chunks_exact(2)
-                    .map_while(|p| {
-                        u32::try_from(p[0].to_bits() as i32)
-                            .ok()
-                            .map(|id| (id, p[1]))
-                    })
-                    .collect(),
-            })
+            .map(|(s, &after)| position_logprobs(s, (after != NO_NEXT).then_some(after)))
             .collect())
     }
 
@@ -641,24 +651,46 @@ impl CudaDecoder {
                     top,
                 } => {
                     let at = first_position + first;
-                    let args = SummaryArgs {
-                        logits: out,
-                        next: self.p(next) + (at * 4) as u64,
-                        out: self.p(summaries) + (at * (2 + 2 * *top) * 4) as u64,
-                        vocab: vocab as i32,
-                        valid: *valid as i32,
-                        top: *top as i32,
-                        pad: 0,
-                    };
-                    self.launch(
-                        &self.pk.logit_summary,
-                        launch_cfg((n as u32, 1), SUMMARY_THREADS),
-                        &args,
+                    self.summarise_logits(
+                        n,
+                        out,
+                        self.p(next) + (at * 4) as u64,
+                        self.p(summaries) + (at * summary_width(*top) * 4) as u64,
+                        *valid,
+                        *top,
                     )?;
                 }
             }
         }
         Ok(())
+    }
+
+    /// `logit_summary` over `rows` rows of logits at `logits` (`[rows, vocab]`): each row's
+    /// summary over the ids below `valid`, with the logit of the id at `next` (one a row; an id
+    /// of NO_NEXT: none) and the `top` largest, into `out` (`summary_width(top)` floats a row).
+    pub(super) fn summarise_logits(
+        &self,
+        rows: usize,
+        logits: u64,
+        next: u64,
+        out: u64,
+        valid: usize,
+        top: usize,
+    ) -> Result<()> {
+        let args = SummaryArgs {
+            logits,
+            next,
+            out,
+            vocab: self.cfg.vocab_size as i32,
+            valid: valid as i32,
+            top: top as i32,
+            pad: 0,
+        };
+        self.launch(
+            &self.pk.logit_summary,
+            launch_cfg((rows as u32, 1), SUMMARY_THREADS),
+            &args,
+        )
     }
 
     /// `prefill` with each launch bracketed by events (time per kernel family).
