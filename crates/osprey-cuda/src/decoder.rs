@@ -2365,19 +2365,24 @@ impl CudaDecoder {
         self.launch(&self.f.read_stream, cfg, &args)?;
         let mut best = f64::INFINITY;
         for _ in 0..rounds {
-            let start = self
-                .ctx
-                .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
-            let end = self
-                .ctx
-                .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
-            start.record(&self.stream)?;
-            self.launch(&self.f.read_stream, cfg, &args)?;
-            end.record(&self.stream)?;
-            end.synchronize()?;
-            best = best.min(start.elapsed_ms(&end)? as f64 / 1e3);
+            best = best.min(self.seconds_of(|d| d.launch(&d.f.read_stream, cfg, &args))?);
         }
         Ok((vectors * 16) as f64 / best)
+    }
+
+    /// Seconds the work `issue` puts on the stream takes, by events around it (synchronises).
+    fn seconds_of(&self, issue: impl FnOnce(&Self) -> Result<()>) -> Result<f64> {
+        let start = self
+            .ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+        let end = self
+            .ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+        start.record(&self.stream)?;
+        issue(self)?;
+        end.record(&self.stream)?;
+        end.synchronize()?;
+        Ok(start.elapsed_ms(&end)? as f64 / 1e3)
     }
 
     /// Times `steps` graph replays with CUDA events; returns seconds.
@@ -2390,19 +2395,12 @@ impl CudaDecoder {
     fn time_replays(&self, graph: &CudaGraph, steps: usize) -> Result<f64> {
         graph.launch()?;
         self.synchronize()?;
-        let start = self
-            .ctx
-            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
-        let end = self
-            .ctx
-            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
-        start.record(&self.stream)?;
-        for _ in 0..steps {
-            graph.launch()?;
-        }
-        end.record(&self.stream)?;
-        end.synchronize()?;
-        Ok(start.elapsed_ms(&end)? as f64 / 1e3)
+        self.seconds_of(|_| {
+            for _ in 0..steps {
+                graph.launch()?;
+            }
+            Ok(())
+        })
     }
 
     /// One step launched kernel by kernel with events around each: time per kernel family.
