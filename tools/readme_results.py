@@ -244,6 +244,10 @@ def checks():
          if "device_summaries" in d.get("scored_prefill", {}) else "—",
          f"{tiny['scored_prefill']['device_summaries']['limit']:.0e}"),
         ("GPU sampling: total variation vs the host distribution", lambda d: f"{d['gpu_sampling']['total_variation']:.3f}", f"{tiny['gpu_sampling']['limit_total_variation']}"),
+        ("decode steps' log-probabilities summarised on the GPU (top 20) vs the host's of the same logits, largest difference",
+         lambda d: f"{d['gpu_sampling']['stream_logprobs']['largest_difference_vs_host']:.1e}"
+         if "stream_logprobs" in d["gpu_sampling"] else "—",
+         f"{tiny['gpu_sampling']['stream_logprobs']['limit']:.0e}"),
         ("passed", lambda d: "yes" if d["pass"] else "NO", ""),
     ]
     int8 = load("cuda-check-fullwidth-4l-int8kv.json")
