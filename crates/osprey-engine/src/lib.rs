@@ -376,3 +376,66 @@ impl Engine {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sampler::{PositionLogprobs, Sampler, SamplingParams};
+
+    fn next_after(seq: &[u32]) -> u32 {
+        (seq.iter().sum::<u32>() * 3 + 1) % 16
+    }
+
+    fn logits_after(seq: &[u32]) -> Vec<f32> {
+        (0..16u32)
+            .map(|i| {
+                if i == next_after(seq) {
+                    5.0
+                } else {
+                    i as f32 * 0.1
+                }
+            })
+            .collect()
+    }
+
+    /// Each token comes one step late with the summary of the logits it was chosen from, and a
+    /// stop leaves the tokens that ran: `first` and every chosen token but the last handed over.
+    #[test]
+    fn decode_by_steps_hands_each_token_with_its_summary() {
+        let sampler = Sampler::new(SamplingParams::default(), 16, &[]);
+        let history = [3, 1];
+        let run = DeviceRun {
+            first: 7,
+            sampler: &sampler,
+            max_steps: 5,
+            logprobs: Some(2),
+        };
+        let mut got = Vec::new();
+        let ran = decode_by_steps(&history, &run, &next_after, &logits_after, &mut |t, s| {
+            got.push((t, s));
+            got.len() < 3
+        });
+        let mut seq = history.to_vec();
+        seq.push(7);
+        for (t, s) in &got {
+            assert_eq!(*t, next_after(&seq));
+            let expected = PositionLogprobs::of(&logits_after(&seq), Some(*t), 2);
+            assert_eq!(s.as_ref(), Some(&expected));
+            seq.push(*t);
+        }
+        assert_eq!(got.len(), 3);
+        // stopped at the third token, which step 4 had already run
+        assert_eq!(ran, seq[history.len()..].to_vec());
+
+        let plain = DeviceRun {
+            logprobs: None,
+            ..run
+        };
+        let mut summaries = 0;
+        decode_by_steps(&history, &plain, &next_after, &logits_after, &mut |_, s| {
+            summaries += usize::from(s.is_some());
+            true
+        });
+        assert_eq!(summaries, 0);
+    }
+}
