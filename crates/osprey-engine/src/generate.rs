@@ -43,6 +43,48 @@ pub struct ReasoningBudget {
     pub close: Vec<u32>,
 }
 
+/// A reply's reasoning budget as it is spent, by whichever loop generates the reply: the tokens
+/// chosen inside the reasoning block count against it, and it runs out once (the budget is of
+/// the reply's reasoning, not of each block the reply may open).
+#[derive(Clone, Copy, Debug)]
+pub struct ReasoningCountdown {
+    left: Option<usize>,
+}
+
+impl ReasoningCountdown {
+    /// `budget`: the reasoning tokens allowed (None: no limit).
+    pub fn new(budget: Option<usize>) -> Self {
+        ReasoningCountdown { left: budget }
+    }
+
+    /// Before the first token: whether the block the prompt leaves open must be closed at once
+    /// (a budget of 0). Outside the block a budget of 0 stays, and closes any block the reply
+    /// opens right after its opening token.
+    pub fn close_at_start(&mut self, in_reasoning: bool) -> bool {
+        let close = in_reasoning && self.left == Some(0);
+        if close {
+            self.left = None;
+        }
+        close
+    }
+
+    /// After a chosen token that leaves the reply inside the block (`in_reasoning`) or not:
+    /// whether the budget has just run out, so that the block's closing goes in now.
+    pub fn spend(&mut self, in_reasoning: bool) -> bool {
+        match self.left.as_mut() {
+            Some(left) if in_reasoning => {
+                *left = left.saturating_sub(1);
+                let out = *left == 0;
+                if out {
+                    self.left = None;
+                }
+                out
+            }
+            _ => false,
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FinishReason {
     /// A stop id or stop string.
@@ -83,8 +125,7 @@ struct Reply<'a> {
     chosen: usize,
     /// Whether the last token left the reply inside the reasoning block.
     in_reasoning: bool,
-    /// Reasoning tokens left before the block is closed for the model (None: no budget, or spent).
-    reasoning_left: Option<usize>,
+    reasoning: ReasoningCountdown,
     finish: FinishReason,
 }
 
@@ -96,16 +137,10 @@ impl Reply<'_> {
         if !self.take(next) || self.chosen >= self.opts.max_tokens {
             return Next::Finished;
         }
-        match self.reasoning_left.as_mut() {
-            Some(left) if self.in_reasoning => {
-                *left = left.saturating_sub(1);
-                if *left == 0 {
-                    Next::CloseReasoning
-                } else {
-                    Next::Continue
-                }
-            }
-            _ => Next::Continue,
+        if self.reasoning.spend(self.in_reasoning) {
+            Next::CloseReasoning
+        } else {
+            Next::Continue
         }
     }
 
@@ -144,7 +179,6 @@ impl Reply<'_> {
         session: &mut Session,
         unrun: Option<u32>,
     ) -> Result<Option<Vec<f32>>> {
-        self.reasoning_left = None;
         let opts = self.opts;
         let close = opts.reasoning_budget.as_ref().map_or(&[][..], |b| &b.close);
         for &t in close {
@@ -186,13 +220,13 @@ pub fn generate(
         tokens: Vec::new(),
         chosen: 0,
         in_reasoning,
-        reasoning_left: opts.reasoning_budget.as_ref().map(|b| b.tokens),
+        reasoning: ReasoningCountdown::new(opts.reasoning_budget.as_ref().map(|b| b.tokens)),
         finish: FinishReason::Length,
     };
     let started = Instant::now();
     // the logits the host chooses the next token from; None once the reply is over
     let mut logits = (opts.max_tokens > 0).then_some(logits);
-    if logits.is_some() && in_reasoning && reply.reasoning_left == Some(0) {
+    if logits.is_some() && reply.reasoning.close_at_start(in_reasoning) {
         logits = reply.close_reasoning(engine, session, None)?;
     }
     while let Some(from) = logits.take() {
@@ -426,6 +460,30 @@ mod tests {
             state.position += ran.len();
             Ok(Some(ran))
         }
+    }
+
+    #[test]
+    fn reasoning_countdown_runs_out_once() {
+        // two tokens inside the block, one outside between them: out at the second inside
+        let mut c = ReasoningCountdown::new(Some(2));
+        assert!(!c.close_at_start(true));
+        assert!(!c.spend(true));
+        assert!(!c.spend(false));
+        assert!(c.spend(true));
+        // spent: a block the reply opens later runs free
+        assert!(!c.spend(true) && !c.spend(true));
+        // a zero budget closes the prompt's open block at once, and only once
+        let mut zero = ReasoningCountdown::new(Some(0));
+        assert!(zero.close_at_start(true));
+        assert!(!zero.spend(true));
+        // outside the block a zero budget closes the first block the reply opens
+        let mut later = ReasoningCountdown::new(Some(0));
+        assert!(!later.close_at_start(false));
+        assert!(!later.spend(false));
+        assert!(later.spend(true));
+        // no budget never closes
+        let mut free = ReasoningCountdown::new(None);
+        assert!(!free.close_at_start(true) && !free.spend(true));
     }
 
     struct Names;

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use osprey_engine::generate::StopScanner;
+use osprey_engine::generate::{ReasoningCountdown, StopScanner};
 use osprey_engine::sampler::{PositionLogprobs, Sampler};
 use osprey_engine::{DeviceRun, Engine, Session};
 use osprey_prompt::PromptFormat;
@@ -347,8 +347,8 @@ struct Reply<'a> {
     stops: StopScanner,
     parser: Option<OutputParser>,
     force: Option<String>,
-    /// Reasoning tokens left before the block is closed for the model (None: no budget).
-    thinking_left: Option<usize>,
+    /// The reasoning budget as it is spent (`thinking_token_budget`).
+    thinking: ReasoningCountdown,
     generated: usize,
     /// Of `generated`, the tokens chosen inside the reasoning block.
     reasoning: usize,
@@ -434,16 +434,7 @@ impl Reply<'_> {
             None => vec![Delta::Content(piece)],
         };
         let mut inject = Vec::new();
-        let budget_spent = match (self.parser.as_ref(), self.thinking_left.as_mut()) {
-            (Some(p), Some(left)) if p.in_reasoning() => {
-                *left = left.saturating_sub(1);
-                *left == 0
-            }
-            _ => false,
-        };
-        if budget_spent {
-            // once: the budget is of the reply's reasoning, not of each block it may open
-            self.thinking_left = None;
+        if self.thinking.spend(self.in_reasoning()) {
             inject = self.format.encode(CLOSE_REASONING)?;
             if let Some(p) = self.parser.as_mut() {
                 deltas.extend(p.push(CLOSE_REASONING));
@@ -578,7 +569,7 @@ impl Worker {
                 .as_ref()
                 .map(|c| OutputParser::new(c.in_reasoning, c.tools.clone(), c.call_id_prefix)),
             force: job.chat.as_ref().and_then(|c| c.force.clone()),
-            thinking_left: job.chat.as_ref().and_then(|c| c.thinking_budget),
+            thinking: ReasoningCountdown::new(job.chat.as_ref().and_then(|c| c.thinking_budget)),
             generated: 0,
             reasoning: 0,
             finish: "length",
@@ -595,9 +586,8 @@ impl Worker {
             Ok(l)
         };
         // a zero reasoning budget: the block closed before the model writes in it
-        if let (Some(p), Some(0)) = (reply.parser.as_mut(), reply.thinking_left) {
-            reply.thinking_left = None;
-            if p.in_reasoning() {
+        if let Some(p) = reply.parser.as_mut() {
+            if reply.thinking.close_at_start(p.in_reasoning()) {
                 logits = put_in(p, CLOSE_REASONING)?;
             }
         }
