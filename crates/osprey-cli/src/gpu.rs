@@ -334,15 +334,29 @@ fn compare_summaries(
         return (f32::INFINITY, 0);
     }
     let vocab = rows.len() / tokens.len().max(1);
-    let mut worst = 0f32;
-    let mut differ = 0;
-    for (i, (d, row)) in device.iter().zip(rows.chunks_exact(vocab)).enumerate() {
-        let host = PositionLogprobs::of(&row[..valid], tokens.get(i + 1).copied(), SUMMARY_TOP);
-        let (gap, ids_differ) = host.difference(d, MAX_SUMMARY_DIFFERENCE);
-        worst = worst.max(gap);
-        differ += usize::from(ids_differ);
-    }
-    (worst, differ)
+    let host: Vec<PositionLogprobs> = rows
+        .chunks_exact(vocab)
+        .enumerate()
+        .map(|(i, row)| {
+            PositionLogprobs::of(&row[..valid], tokens.get(i + 1).copied(), SUMMARY_TOP)
+        })
+        .collect();
+    summary_gaps(host.iter().zip(device), MAX_SUMMARY_DIFFERENCE)
+}
+
+/// Over pairs of one position's summaries made two ways: the largest difference
+/// (`PositionLogprobs::difference`, `tie` for near-ties) and how many pairs' top ids differ
+/// other than at a near-tie.
+fn summary_gaps<'a>(
+    pairs: impl IntoIterator<Item = (&'a PositionLogprobs, &'a PositionLogprobs)>,
+    tie: f32,
+) -> (f32, usize) {
+    pairs
+        .into_iter()
+        .fold((0f32, 0usize), |(worst, differ), (a, b)| {
+            let (gap, ids_differ) = a.difference(b, tie);
+            (worst.max(gap), differ + usize::from(ids_differ))
+        })
 }
 
 /// The long-context check's prefill chunk: the GPU backend's default (what `serve` runs).
@@ -628,41 +642,45 @@ fn check_sampling(
     // summaries (two slots, handed over a step late) against those of the same steps run one a
     // call, which are other runs of the step (decode is not bitwise deterministic: ~5e-4 apart
     // measured), within STREAMED_SUMMARY_DIFFERENCE (a summary of the wrong step is off by units)
-    let mut one_a_call =
-        |sampler: Option<&Sampler>| -> Result<(f32, usize, Vec<PositionLogprobs>)> {
-            reprefill(gpu)?;
-            gpu.set_sampling(sampler)?;
-            let (mut worst, mut differ, mut input) = (0f32, 0usize, 1u32);
-            let mut summaries = Vec::new();
-            for _ in 0..24 {
-                let mut got = None;
-                gpu.run_steps(input, 1, Some(SUMMARY_TOP), &mut |t, summary| {
-                    got = Some((t, summary));
-                    true
-                })?;
-                let Some((t, Some(device))) = got else {
-                    bail!("a decode step asked for log-probabilities handed back none");
-                };
-                let host = PositionLogprobs::of(&gpu.logits()?[..valid], Some(t), SUMMARY_TOP);
-                let (gap, ids_differ) = host.difference(&device, MAX_SUMMARY_DIFFERENCE);
-                worst = worst.max(gap);
-                differ += usize::from(ids_differ);
-                summaries.push(device);
-                input = t;
-            }
-            gpu.set_sampling(None)?;
-            Ok((worst, differ, summaries))
-        };
-    let (greedy_gap, greedy_differ, greedy_stepped) = one_a_call(None)?;
-    let (sampled_gap, sampled_differ, _) = one_a_call(Some(&sampler))?;
-    let step_summaries_gap = greedy_gap.max(sampled_gap);
-    let step_summaries_differ = greedy_differ + sampled_differ;
-    let (mut streamed_gap, mut streamed_differ) = (0f32, 0usize);
-    for (a, b) in greedy_stepped.iter().zip(&greedy_summaries) {
-        let (gap, ids_differ) = a.difference(b, STREAMED_SUMMARY_DIFFERENCE);
-        streamed_gap = streamed_gap.max(gap);
-        streamed_differ += usize::from(ids_differ);
-    }
+    // (each step's summary from the device, and the host's of the same logits)
+    type Pairs = (Vec<PositionLogprobs>, Vec<PositionLogprobs>);
+    let mut one_a_call = |sampler: Option<&Sampler>| -> Result<Pairs> {
+        reprefill(gpu)?;
+        gpu.set_sampling(sampler)?;
+        let (mut device, mut host, mut input) = (Vec::new(), Vec::new(), 1u32);
+        for _ in 0..24 {
+            let mut got = None;
+            gpu.run_steps(input, 1, Some(SUMMARY_TOP), &mut |t, summary| {
+                got = Some((t, summary));
+                true
+            })?;
+            let Some((t, Some(summary))) = got else {
+                bail!("a decode step asked for log-probabilities handed back none");
+            };
+            host.push(PositionLogprobs::of(
+                &gpu.logits()?[..valid],
+                Some(t),
+                SUMMARY_TOP,
+            ));
+            device.push(summary);
+            input = t;
+        }
+        gpu.set_sampling(None)?;
+        Ok((device, host))
+    };
+    let (greedy_stepped, greedy_host) = one_a_call(None)?;
+    let (sampled_stepped, sampled_host) = one_a_call(Some(&sampler))?;
+    let (step_summaries_gap, step_summaries_differ) = summary_gaps(
+        greedy_host
+            .iter()
+            .zip(&greedy_stepped)
+            .chain(sampled_host.iter().zip(&sampled_stepped)),
+        MAX_SUMMARY_DIFFERENCE,
+    );
+    let (streamed_gap, mut streamed_differ) = summary_gaps(
+        greedy_stepped.iter().zip(&greedy_summaries),
+        STREAMED_SUMMARY_DIFFERENCE,
+    );
     streamed_differ += greedy_summaries.len().abs_diff(24) + sampled_summaries.len().abs_diff(24);
     // each way the stream can go wrong, named in the summary when it does
     let stream_faults: Vec<&str> = [

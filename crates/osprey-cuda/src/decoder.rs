@@ -2230,11 +2230,8 @@ impl CudaDecoder {
         logprobs: Option<usize>,
         on_token: &mut dyn FnMut(u32, Option<PositionLogprobs>) -> bool,
     ) -> Result<usize> {
-        if let Some(top) = logprobs.filter(|&t| t > prefill::MAX_SUMMARY_TOP) {
-            bail!(
-                "at most {} alternatives a token are summarised on the GPU, {top} asked",
-                prefill::MAX_SUMMARY_TOP
-            );
+        if let Some(top) = logprobs {
+            prefill::check_summary_top(top)?;
         }
         let width = prefill::summary_width(prefill::MAX_SUMMARY_TOP);
         if logprobs.is_some() && self.step_summaries.is_none() {

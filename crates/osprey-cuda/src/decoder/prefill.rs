@@ -123,6 +123,14 @@ const SUMMARY_THREADS: u32 = 1024;
 /// Most alternatives a position's summary on the device holds (the API asks at most 20).
 pub(super) const MAX_SUMMARY_TOP: usize = 64;
 
+/// An error unless `top` alternatives fit a summary on the device.
+pub(super) fn check_summary_top(top: usize) -> Result<()> {
+    if top > MAX_SUMMARY_TOP {
+        bail!("at most {MAX_SUMMARY_TOP} alternatives a position are summarised on the GPU, {top} asked");
+    }
+    Ok(())
+}
+
 /// Floats of one position's summary with `top` alternatives (sample.cu SummaryArgs.out).
 pub(super) fn summary_width(top: usize) -> usize {
     2 + 2 * top
@@ -579,9 +587,7 @@ impl CudaDecoder {
         valid: usize,
         top: usize,
     ) -> Result<Vec<PositionLogprobs>> {
-        if top > MAX_SUMMARY_TOP {
-            bail!("at most {MAX_SUMMARY_TOP} alternatives a position are summarised on the GPU, {top} asked");
-        }
+        check_summary_top(top)?;
         let next: Vec<u32> = (0..tokens.len())
             .map(|i| tokens.get(i + 1).copied().or(following).unwrap_or(NO_NEXT))
             .collect();
