@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Writes README.md's result tables from the committed JSON under bench/results/.
+"""Writes the result tables of README.md and docs/gpu.md from the committed JSON under bench/results/.
 
-Each table sits between `<!-- results:NAME -->` and `<!-- /results:NAME -->`; the text around
-them is hand-written. Run after committing new benchmark JSON:
+Each table sits between `<!-- results:NAME -->` and `<!-- /results:NAME -->`, in one of the two
+files; the text around them is hand-written. Run after committing new benchmark JSON:
 
     python3 tools/readme_results.py            # rewrite the tables
-    python3 tools/readme_results.py --check    # fail if README.md is out of date (CI runs this)
+    python3 tools/readme_results.py --check    # fail if a table is out of date (CI runs this)
 
 --check also fails if docs/cuda-decode-tried.md names a result file that bench/results/ lacks.
 
@@ -339,13 +339,21 @@ TABLES = {"prefill": prefill, "prefill-profile": prefill_profile, "decode": deco
           "checks": checks, "serve-turns": serve_turns, "compare-mlx": compare, "compare-mlx-latest": compare_latest, "fidelity-full": fidelity_full, "fidelity-tiny": fidelity_tiny}
 
 
-def render(text):
+DOCUMENTS = ["README.md", os.path.join("docs", "gpu.md")]
+
+
+def render(texts):
+    """`texts` (document name -> text) with every table rewritten; each table's block must stand
+    in exactly one document."""
+    texts = dict(texts)
     for name, make in TABLES.items():
         pattern = re.compile(rf"(<!-- results:{name} -->\n).*?(\n<!-- /results:{name} -->)", re.S)
-        if not pattern.search(text):
-            raise SystemExit(f"README.md has no <!-- results:{name} --> block")
-        text = pattern.sub(lambda m: m.group(1) + make() + m.group(2), text)
-    return text
+        holders = [doc for doc, text in texts.items() if pattern.search(text)]
+        if len(holders) != 1:
+            raise SystemExit(f"<!-- results:{name} --> stands in {holders or 'none'} of {', '.join(texts)}: it must stand in one")
+        doc = holders[0]
+        texts[doc] = pattern.sub(lambda m: m.group(1) + make() + m.group(2), texts[doc])
+    return texts
 
 
 def tried_index_missing():
@@ -368,21 +376,25 @@ def tried_index_missing():
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--check", action="store_true", help="fail if README.md is not what the JSON gives")
+    ap.add_argument("--check", action="store_true", help="fail if a table is not what the JSON gives")
     a = ap.parse_args()
-    path = os.path.join(ROOT, "README.md")
-    with open(path) as f:
-        text = f.read()
-    new = render(text)
+    texts = {}
+    for doc in DOCUMENTS:
+        with open(os.path.join(ROOT, doc)) as f:
+            texts[doc] = f.read()
+    new = render(texts)
     if a.check:
-        if new != text:
-            sys.exit("README.md's result tables are out of date: run python3 tools/readme_results.py")
+        stale = [doc for doc in DOCUMENTS if new[doc] != texts[doc]]
+        if stale:
+            sys.exit(f"the result tables of {', '.join(stale)} are out of date: run python3 tools/readme_results.py")
         missing = tried_index_missing()
         if missing:
             sys.exit(f"docs/cuda-decode-tried.md names results that bench/results/ lacks: {', '.join(missing)}")
         return
-    with open(path, "w") as f:
-        f.write(new)
+    for doc in DOCUMENTS:
+        if new[doc] != texts[doc]:
+            with open(os.path.join(ROOT, doc), "w") as f:
+                f.write(new[doc])
 
 
 if __name__ == "__main__":
