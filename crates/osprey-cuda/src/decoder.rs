@@ -948,12 +948,16 @@ impl CudaDecoder {
                     }
                 }
                 Mixer::Attention(a) => {
-                    let cache = KvCacheDev::new(
-                        &stream,
-                        kv,
-                        max_context * c.num_key_value_heads,
-                        c.head_dim,
-                    )?;
+                    let rows = max_context * c.num_key_value_heads;
+                    let cache = KvCacheDev::new(&stream, kv, rows, c.head_dim).with_context(|| {
+                        format!(
+                            "allocating layer {i}'s KV cache for {max_context} positions: lower --max-context{}",
+                            match kv {
+                                KvCache::Bf16 => " or halve it with --kv-cache int8",
+                                KvCache::Int8 => "",
+                            }
+                        )
+                    })?;
                     kv_bytes += cache.bytes();
                     LayerDev::Attention {
                         q: up.linear(&a.q_proj, "q_proj")?,
