@@ -16,35 +16,33 @@ import json
 import sys
 import time
 
-import requests
-
-from serving import arguments, binary_commit, gpu_name, serving
+from serving import arguments, binary_commit, gpu_name, post_json, serving
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 256, "temperature": 0, "ignore_eos": True}
 ECHO = {"prompt": list(range(1000, 2024)), "max_tokens": 0, "echo": True}
 CHAT_FORMS = {"plain": {}, "top5": {"logprobs": True, "top_logprobs": 5}, "top20": {"logprobs": True, "top_logprobs": 20}}
 
 
-def post(base, path, body):
+def timed_post(base, path, body):
+    """The answer and the seconds it took."""
     start = time.perf_counter()
-    r = requests.post(base + path, json=body, timeout=600)
-    r.raise_for_status()
-    return time.perf_counter() - start, r.json()
+    out = post_json(base, path, body)
+    return time.perf_counter() - start, out
 
 
 def one_round(base, into, repeats):
     """`repeats` of each request against the server at `base`, each form's figures appended to `into`."""
-    post(base, "/v1/chat/completions", CHAT)
-    post(base, "/v1/completions", {**ECHO, "logprobs": 5})
+    timed_post(base, "/v1/chat/completions", CHAT)
+    timed_post(base, "/v1/completions", {**ECHO, "logprobs": 5})
     for _ in range(repeats):
         for name, extra in CHAT_FORMS.items():
-            seconds, out = post(base, "/v1/chat/completions", {**CHAT, **extra})
+            seconds, out = timed_post(base, "/v1/chat/completions", {**CHAT, **extra})
             n = out["usage"]["completion_tokens"]
             if extra and len(out["choices"][0]["logprobs"]["content"]) != n:
                 sys.exit(f"{name}: {n} tokens but not as many log-probabilities")
             into.setdefault(f"chat_{name}_tokens_per_s", []).append(n / seconds)
         for top in (5, 20):
-            seconds, out = post(base, "/v1/completions", {**ECHO, "logprobs": top})
+            seconds, out = timed_post(base, "/v1/completions", {**ECHO, "logprobs": top})
             if len(out["choices"][0]["logprobs"]["token_logprobs"]) != len(ECHO["prompt"]):
                 sys.exit(f"echo top {top}: not every prompt token scored")
             into.setdefault(f"echo1024_top{top}_seconds", []).append(seconds)

@@ -27,9 +27,7 @@ import json
 import sys
 import time
 
-import requests
-
-from serving import arguments, binary_commit, gpu_name, serving
+from serving import arguments, binary_commit, gpu_name, post_json, serving
 
 LOGPROB_LIMIT = 0.1
 AGREE_AT_LEAST = 16
@@ -45,21 +43,15 @@ REQUESTS = {
 LONG_ECHO = {"prompt": [(i * 7919) % 200000 for i in range(1024)], "max_tokens": 0, "echo": True, "logprobs": 5}
 
 
-def post(base, path, body):
-    r = requests.post(base + path, json=body, timeout=600)
-    r.raise_for_status()
-    return r.json()
-
-
 def answers(osprey, model, backend, port, timed):
     """Every request's answer from one server; on `timed`, the long prompt's scoring times too."""
     with serving(osprey, model, backend, port, "--max-context", "4096") as base:
-        out = {name: post(base, path, body) for name, (path, body) in REQUESTS.items()}
+        out = {name: post_json(base, path, body) for name, (path, body) in REQUESTS.items()}
         if timed:
             seconds = []
             for _ in range(3):
                 start = time.perf_counter()
-                r = post(base, "/v1/completions", LONG_ECHO)
+                r = post_json(base, "/v1/completions", LONG_ECHO)
                 seconds.append(time.perf_counter() - start)
                 if len(r["choices"][0]["logprobs"]["token_logprobs"]) != len(LONG_ECHO["prompt"]):
                     sys.exit("the long prompt's echo did not score every position")
@@ -86,15 +78,15 @@ def compare(g, c):
     top_equal = sum(1 for a, b in zip(cg[:agree], cc[:agree]) if a[2] == b[2])
     if agree < AGREE_AT_LEAST or chat_worst > LOGPROB_LIMIT or top_equal < 0.9 * agree:
         failed.append(f"chat logprobs: same tokens for {agree} steps, worst difference {chat_worst:.3g}, top 5 equal at {top_equal}")
-    ignore = g["ignore_eos"]
-    if ignore["usage"]["completion_tokens"] != 48 or ignore["choices"][0]["finish_reason"] != "length":
+    ignore, ignore_tokens = g["ignore_eos"], REQUESTS["ignore_eos"][1]["max_tokens"]
+    if ignore["usage"]["completion_tokens"] != ignore_tokens or ignore["choices"][0]["finish_reason"] != "length":
         failed.append(f"ignore_eos: {ignore['usage']['completion_tokens']} tokens, finish {ignore['choices'][0]['finish_reason']}")
-    least = g["min_tokens"]["usage"]["completion_tokens"]
-    if least < 8:
-        failed.append(f"min_tokens 8: {least} tokens")
+    least, at_least = g["min_tokens"]["usage"]["completion_tokens"], REQUESTS["min_tokens"][1]["min_tokens"]
+    if least < at_least:
+        failed.append(f"min_tokens {at_least}: {least} tokens")
     n2 = g["greedy_n2"]
     both_full = all(ch["finish_reason"] == "length" for ch in n2["choices"])
-    if len(n2["choices"]) != 2 or (both_full and n2["usage"]["completion_tokens"] != 2 * 24):
+    if len(n2["choices"]) != 2 or (both_full and n2["usage"]["completion_tokens"] != 2 * REQUESTS["greedy_n2"][1]["max_tokens"]):
         failed.append(f"n 2: {len(n2['choices'])} choices, usage {n2['usage']}")
     texts = [ch["message"] for ch in n2["choices"]]
     summary = {

@@ -42,6 +42,13 @@ def serving(osprey, model, backend, port, *args):
         server.wait(timeout=60)
 
 
+def post_json(base, path, body):
+    """POSTs `body` as JSON to `base` + `path` and returns the answer's JSON; an HTTP error raises."""
+    r = requests.post(base + path, json=body, timeout=600)
+    r.raise_for_status()
+    return r.json()
+
+
 def gpu_name():
     try:
         return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
