@@ -314,7 +314,7 @@ const SCORED_POSITIONS: usize = SCORED_CHUNK + 1;
 /// Alternatives a position's summary holds in the check: the API's most (`top_logprobs` 20).
 const SUMMARY_TOP: usize = 20;
 
-/// How far the device's summaries of a position's logits (`logit_summary`) may be from the
+/// How far the device's summaries of a position's logits (sample.cu's) may be from the
 /// host's summaries of the same logits: the device sums the 248K exponentials in f32 by a tree
 /// with a fast exp, the host in f64 (~1e-6 of the normaliser apart); a wrong row, offset or
 /// token is off by whole units.

@@ -371,53 +371,51 @@ extern "C" __global__ void __launch_bounds__(PREPASS_THREADS) sample_prepass(Sam
     for (int r = min(ncand, stride) + tid; r < stride; r += PREPASS_THREADS) { out_v[r] = -INFINITY; out_i[r] = 0x7fffffff; }
 }
 
-// Prompt log-probabilities (echo, lm-evaluation-harness's loglikelihood): each scored position's
-// logits summarised where the lm_head wrote them, so that a few floats cross to the host instead
-// of the whole row (~1 MB at the real vocabulary).
-//   logit_summary — one block of 1024 threads a row: the log of the softmax's normaliser over the
-//                   ids below `valid` (the maximum, then the sum of exp(x - max), as the host's
-//                   PositionLogprobs::of), the logit of the token that follows the position, and
-//                   the `top` largest finite logits (logit desc, id asc: top_k_indices' order),
-//                   by `top` arg-max passes, each over the logits after the one found last.
-//                   The row is read 2 + top times (from L2 after the first).
-#define SUMMARY_THREADS 1024
+// Log-probabilities where the logits are (prompt scoring for echo and lm-evaluation-harness's
+// loglikelihood; each decode step's token when a reply asks for logprobs): a row's logits
+// summarised on the device, so that a few floats cross to the host instead of the whole row
+// (~1 MB at the real vocabulary). The summary: the log of the softmax's normaliser over the ids
+// below `valid` (as the host's PositionLogprobs::of: the maximum, then the sum of exp(x - max)),
+// the logit of a given token, and the `top` largest finite logits (logit desc, id asc:
+// top_k_indices' order). Two launches a batch of rows:
+//   logit_partials — grid (SUMMARY_PARTS, rows), 256 threads: block b takes its slice of the
+//                    row (~1,940 ids) into shared memory, its maximum, its sum of exp(x - that
+//                    maximum) and its `top` largest by `top` arg-max passes over the slice.
+//   logit_merge    — a block a row: the slices' maxima and sums into the normaliser, and the
+//                    top `top` of the SUMMARY_PARTS · top candidates by arg-max passes.
+// Measured (H100, 256-token greedy replies over HTTP, full-size model): with one 1024-thread
+// block a row walking the whole row `top` times, top_logprobs 5 cost 0.21 ms a token and 20 cost
+// 0.67 (cuda-serve-logprobs-speed-h100.json, commit 0014cae).
+#define SUMMARY_THREADS 256
+#define SUMMARY_PARTS 128
+#define SUMMARY_MAX_SLICE 2048
+#define SUMMARY_MAX_TOP 20  // the APIs ask at most 20 (prefill.rs MAX_SUMMARY_TOP)
 #define NO_NEXT 0xffffffffu
 #define NO_ID 0x7fffffff
 
 struct SummaryArgs {
     const float* logits;  // [rows, vocab]
-    const unsigned* next; // [rows]: the token after each position, NO_NEXT where none
+    const unsigned* next; // [rows]: the token whose logit each summary holds, NO_NEXT where none
     float* out;           // [rows, 2 + 2 top]: log normaliser, next's logit (NaN: none), then
                           // (id as int bits, -1 past the finite logits; logit) pairs
+    float* partials;      // [rows, SUMMARY_PARTS, 2 + 2 top]: each slice's maximum, sum and top
     int vocab, valid, top, _pad;
 };
 
-extern "C" __global__ void __launch_bounds__(SUMMARY_THREADS) logit_summary(SummaryArgs a) {
-    __shared__ float scratch[32];
-    __shared__ float best_v[32];
-    __shared__ int best_i[32];
+// The `top` largest finite values among n (value, id) pairs in shared memory, best first, by
+// arg-max passes, each over the pairs after the one found last; written as (id bits, value)
+// pairs to out (NO_ID as -1 and -inf past the finite ones). Every thread of the block calls it.
+__device__ __forceinline__ void top_by_passes(const float* v, const int* id, int n, int top, float* out, float* best_v,
+                                              int* best_i) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const float* row = a.logits + (size_t)blockIdx.x * a.vocab;
-    float* out = a.out + (size_t)blockIdx.x * (2 + 2 * a.top);
-    float m = -INFINITY;
-    for (int i = tid; i < a.valid; i += SUMMARY_THREADS) m = fmaxf(m, row[i]);
-    m = block_max(m, scratch);
-    float s = 0.f;
-    for (int i = tid; i < a.valid; i += SUMMARY_THREADS) s += __expf(row[i] - m);
-    s = block_sum(s, scratch);
-    if (tid == 0) {
-        out[0] = m + __logf(s);
-        const unsigned next = a.next[blockIdx.x];
-        out[1] = next == NO_NEXT ? __int_as_float(0x7fc00000) : next < (unsigned)a.valid ? row[next] : -INFINITY;
-    }
-    // (last_v, last_i): the logit found last; every pass looks only after it in the order
     float last_v = INFINITY;
     int last_i = -1;
-    for (int r = 0; r < a.top; ++r) {
+    for (int r = 0; r < top; ++r) {
         float bv = -INFINITY;
         int bi = NO_ID;
-        for (int i = tid; i < a.valid; i += SUMMARY_THREADS) {
-            const float x = row[i];
+        for (int j = tid; j < n; j += SUMMARY_THREADS) {
+            const float x = v[j];
+            const int i = id[j];
             if (isfinite(x) && before(last_v, last_i, x, i) && before(x, i, bv, bi)) {
                 bv = x;
                 bi = i;
@@ -434,10 +432,74 @@ extern "C" __global__ void __launch_bounds__(SUMMARY_THREADS) logit_summary(Summ
         bi = lane < SUMMARY_THREADS / 32 ? best_i[lane] : NO_ID;
         warp_best(bv, bi);
         if (tid == 0) {
-            out[2 + 2 * r] = __int_as_float(bi == NO_ID ? -1 : bi);
-            out[3 + 2 * r] = bv;
+            out[2 * r] = __int_as_float(bi == NO_ID ? -1 : bi);
+            out[2 * r + 1] = bi == NO_ID ? -INFINITY : bv;
         }
         last_v = bv;
         last_i = bi;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(SUMMARY_THREADS) logit_partials(SummaryArgs a) {
+    __shared__ float sv[SUMMARY_MAX_SLICE];
+    __shared__ int si[SUMMARY_MAX_SLICE];
+    __shared__ float scratch[32], best_v[32];
+    __shared__ int best_i[32];
+    const int tid = threadIdx.x, row = blockIdx.y;
+    const int slice = (a.valid + SUMMARY_PARTS - 1) / SUMMARY_PARTS;
+    const int lo = blockIdx.x * slice, n = max(0, min(a.valid, lo + slice) - lo);
+    const float* x = a.logits + (size_t)row * a.vocab + lo;
+    float* out = a.partials + ((size_t)row * SUMMARY_PARTS + blockIdx.x) * (2 + 2 * a.top);
+    float m = -INFINITY;
+    for (int j = tid; j < n; j += SUMMARY_THREADS) {
+        const float v = x[j];
+        sv[j] = v;
+        si[j] = lo + j;
+        m = fmaxf(m, v);
+    }
+    m = block_max(m, scratch);
+    float s = 0.f;
+    if (m > -INFINITY)
+        for (int j = tid; j < n; j += SUMMARY_THREADS) s += __expf(sv[j] - m);
+    s = block_sum(s, scratch);
+    if (tid == 0) {
+        out[0] = m;
+        out[1] = s;
+    }
+    top_by_passes(sv, si, n, a.top, out + 2, best_v, best_i);
+}
+
+extern "C" __global__ void __launch_bounds__(SUMMARY_THREADS) logit_merge(SummaryArgs a) {
+    __shared__ float cv[SUMMARY_PARTS * SUMMARY_MAX_TOP];
+    __shared__ int ci[SUMMARY_PARTS * SUMMARY_MAX_TOP];
+    __shared__ float scratch[32], best_v[32];
+    __shared__ int best_i[32];
+    const int tid = threadIdx.x, row = blockIdx.x, width = 2 + 2 * a.top;
+    const float* part = a.partials + (size_t)row * SUMMARY_PARTS * width;
+    const float* x = a.logits + (size_t)row * a.vocab;
+    float* out = a.out + (size_t)row * width;
+    float m = -INFINITY;
+    for (int b = tid; b < SUMMARY_PARTS; b += SUMMARY_THREADS) m = fmaxf(m, part[b * width]);
+    m = block_max(m, scratch);
+    float s = 0.f;
+    for (int b = tid; b < SUMMARY_PARTS; b += SUMMARY_THREADS) {
+        const float mb = part[b * width];
+        if (mb > -INFINITY) s += part[b * width + 1] * __expf(mb - m);
+    }
+    s = block_sum(s, scratch);
+    if (tid == 0) {
+        out[0] = m + __logf(s);
+        const unsigned next = a.next[row];
+        out[1] = next == NO_NEXT ? __int_as_float(0x7fc00000) : next < (unsigned)a.valid ? x[next] : -INFINITY;
+    }
+    // the candidates: every slice's top
+    const int n = SUMMARY_PARTS * a.top;
+    for (int j = tid; j < n; j += SUMMARY_THREADS) {
+        const float* p = part + (j / a.top) * width + 2 + 2 * (j % a.top);
+        const int id = __float_as_int(p[0]);
+        ci[j] = id < 0 ? NO_ID : id;
+        cv[j] = p[1];
+    }
+    __syncthreads();
+    top_by_passes(cv, ci, n, a.top, out + 2, best_v, best_i);
 }

@@ -254,13 +254,14 @@ pub struct SampleArgs {
 }
 
 /// sample.cu `SummaryArgs`: a scored prefill's rows of logits summarised for prompt
-/// log-probabilities (`logit_summary`).
+/// log-probabilities (`logit_partials` + `logit_merge`).
 #[repr(C)]
 #[derive(Clone, Copy, Default, Debug)]
 pub struct SummaryArgs {
     pub logits: u64,
     pub next: u64,
     pub out: u64,
+    pub partials: u64,
     pub vocab: i32,
     pub valid: i32,
     pub top: i32,

@@ -717,6 +717,8 @@ pub struct CudaDecoder {
     /// Decode steps' logit summaries (`run_steps` with log-probabilities): two slots on the
     /// device and their page-locked host copies, allocated on first use.
     step_summaries: Option<(CudaSlice<f32>, [cudarc::driver::PinnedHostSlice<f32>; 2])>,
+    /// logit_partials' slices of the rows being summarised (`prefill::summarise_logits`).
+    summary_partials: CudaSlice<f32>,
     gdn_prefill: GdnPrefill,
     /// Where the prefill runs its warpgroup-MMA GEMM (OSPREY_PREFILL_WGMMA).
     wgmma: prefill::Wgmma,
@@ -1087,6 +1089,7 @@ impl CudaDecoder {
         // SAFETY: filled by a device copy before it is read
         let logits_host = unsafe { ctx.alloc_pinned_with_flags::<f32>(c.vocab_size, 0)? };
         // SAFETY: as above
+        let summary_partials = stream.alloc_zeros(prefill::summary_partials_len())?;
         let token_slots = unsafe {
             [
                 ctx.alloc_pinned_with_flags::<i32>(1, 0)?,
@@ -1244,6 +1247,7 @@ impl CudaDecoder {
             scored: None,
             scored_host: None,
             step_summaries: None,
+            summary_partials,
             gdn_prefill: GdnPrefill::Auto,
             wgmma: prefill::Wgmma::from_env(),
             overlap: StepOverlap::from_env(),
@@ -2223,9 +2227,9 @@ impl CudaDecoder {
     /// step already runs and handed to `on_token` one step late, so no step waits for the host;
     /// stops when `on_token` returns false or after `max_steps` steps. With `logprobs` (the
     /// alternatives asked for), each step's logits are also summarised on the device
-    /// (`logit_summary`: the normaliser, the chosen token's logit, the top alternatives, over
-    /// the valid ids) and the summary comes back with its token, ~0.5 KB instead of the ~1 MB
-    /// of logits. Returns the number of steps run: the state then holds `first` and the first
+    /// (`summarise_logits`: the normaliser, the chosen token's logit, the top alternatives,
+    /// over the valid ids) and the summary comes back with its token, ~0.2 KB instead of the
+    /// ~1 MB of logits. Returns the number of steps run: the state then holds `first` and the first
     /// `steps - 1` chosen tokens.
     pub fn run_steps(
         &mut self,

@@ -117,11 +117,22 @@ const PARTIAL_FLOATS: usize = MAX_K_SPLITS * 132 * 64 * 256;
 /// first use).
 pub(super) const SCORED_ROWS: usize = 16;
 
-/// sample.cu SUMMARY_THREADS: logit_summary's block.
-const SUMMARY_THREADS: u32 = 1024;
+/// sample.cu SUMMARY_THREADS: logit_partials' and logit_merge's block.
+const SUMMARY_THREADS: u32 = 256;
 
-/// Most alternatives a position's summary on the device holds (the API asks at most 20).
-pub(super) const MAX_SUMMARY_TOP: usize = 64;
+/// sample.cu SUMMARY_PARTS and SUMMARY_MAX_SLICE: the slices logit_partials splits a row into,
+/// and the most ids one holds.
+const SUMMARY_PARTS: usize = 128;
+const SUMMARY_MAX_SLICE: usize = 2048;
+
+/// Most alternatives a position's summary on the device holds (sample.cu SUMMARY_MAX_TOP: the
+/// APIs ask at most 20).
+pub(super) const MAX_SUMMARY_TOP: usize = 20;
+
+/// The slices' partial summaries of the rows summarised at once (at most SCORED_ROWS).
+pub(super) fn summary_partials_len() -> usize {
+    SCORED_ROWS * SUMMARY_PARTS * summary_width(MAX_SUMMARY_TOP)
+}
 
 /// An error unless `top` alternatives fit a summary on the device.
 pub(super) fn check_summary_top(top: usize) -> Result<()> {
@@ -136,7 +147,8 @@ pub(super) fn summary_width(top: usize) -> usize {
     2 + 2 * top
 }
 
-/// One position's summary as `logit_summary` wrote it (`next`: the token whose logit it holds).
+/// One position's summary as `summarise_logits` wrote it (`next`: the token whose logit it
+/// holds).
 pub(super) fn position_logprobs(s: &[f32], next: Option<u32>) -> PositionLogprobs {
     PositionLogprobs {
         log_normaliser: s[0],
@@ -159,7 +171,7 @@ const NO_NEXT: u32 = u32::MAX;
 pub(super) enum Scoring<'a> {
     /// Every row, appended (`[positions, vocab]`).
     Rows(&'a mut Vec<f32>),
-    /// Each row summarised on the device by `logit_summary` into `out` (`2 + 2 top` floats a
+    /// Each row summarised on the device by `summarise_logits` into `out` (`2 + 2 top` floats a
     /// position, in the order of the call's tokens; `next`: the token after each position).
     Summaries {
         next: CudaSlice<u32>,
@@ -172,7 +184,8 @@ pub(super) enum Scoring<'a> {
 pub(super) struct PrefillKernels {
     gemm4: [CudaFunction; 3],
     gemm4_wgmma: CudaFunction,
-    logit_summary: CudaFunction,
+    logit_partials: CudaFunction,
+    logit_merge: CudaFunction,
     gemm_reduce: CudaFunction,
     gemm8: [CudaFunction; 2],
     embed_rows: CudaFunction,
@@ -218,7 +231,8 @@ impl PrefillKernels {
         let gemm4_wgmma = with_smem("gemm", "gemm_q4_wgmma", GEMM_WGMMA_SMEM_BYTES)?;
         Ok(PrefillKernels {
             gemm4_wgmma,
-            logit_summary: func("sample", "logit_summary")?,
+            logit_partials: func("sample", "logit_partials")?,
+            logit_merge: func("sample", "logit_merge")?,
             gemm4: [
                 func("gemm", "gemm_q4_m2")?,
                 func("gemm", "gemm_q4_m4")?,
@@ -574,7 +588,7 @@ impl CudaDecoder {
     }
 
     /// `prefill`, summarising every position's logits for prompt log-probabilities where the
-    /// lm_head writes them (`logit_summary`: the softmax's log normaliser over the ids below
+    /// lm_head writes them (`summarise_logits`: the softmax's log normaliser over the ids below
     /// `valid`, the logit of the token after the position — `tokens[i + 1]`, then `following`
     /// — and the `top` largest), so that only the summaries come back. The last position's
     /// logits are left as `prefill` leaves them (read them with `logits`).
@@ -671,9 +685,11 @@ impl CudaDecoder {
         Ok(())
     }
 
-    /// `logit_summary` over `rows` rows of logits at `logits` (`[rows, vocab]`): each row's
-    /// summary over the ids below `valid`, with the logit of the id at `next` (one a row; an id
-    /// of NO_NEXT: none) and the `top` largest, into `out` (`summary_width(top)` floats a row).
+    /// The summaries of `rows` rows of logits at `logits` (`[rows, vocab]`, rows at most
+    /// SCORED_ROWS): each row's over the ids below `valid`, with the logit of the id at `next`
+    /// (one a row; an id of NO_NEXT: none) and the `top` largest, into `out`
+    /// (`summary_width(top)` floats a row), by `logit_partials` (each row in SUMMARY_PARTS
+    /// slices) and `logit_merge`.
     pub(super) fn summarise_logits(
         &self,
         rows: usize,
@@ -683,17 +699,30 @@ impl CudaDecoder {
         valid: usize,
         top: usize,
     ) -> Result<()> {
+        if rows > SCORED_ROWS || top > MAX_SUMMARY_TOP || valid > SUMMARY_PARTS * SUMMARY_MAX_SLICE
+        {
+            bail!(
+                "logit summaries take at most {SCORED_ROWS} rows, {MAX_SUMMARY_TOP} alternatives and {} ids ({rows}, {top}, {valid} asked)",
+                SUMMARY_PARTS * SUMMARY_MAX_SLICE
+            );
+        }
         let args = SummaryArgs {
             logits,
             next,
             out,
+            partials: self.p(&self.summary_partials),
             vocab: self.cfg.vocab_size as i32,
             valid: valid as i32,
             top: top as i32,
             pad: 0,
         };
         self.launch(
-            &self.pk.logit_summary,
+            &self.pk.logit_partials,
+            launch_cfg((SUMMARY_PARTS as u32, rows as u32), SUMMARY_THREADS),
+            &args,
+        )?;
+        self.launch(
+            &self.pk.logit_merge,
             launch_cfg((rows as u32, 1), SUMMARY_THREADS),
             &args,
         )
