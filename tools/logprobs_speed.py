@@ -69,6 +69,7 @@ def main():
         "kind": "serve-logprobs-speed",
         "backend": a.backend,
         "device": gpu_name(),
+        "commit": results[a.osprey]["commit"],
         "date": datetime.date.today().isoformat(),
         "command": "python3 tools/logprobs_speed.py " + " ".join(sys.argv[1:]),
         "results": list(results.values()),
