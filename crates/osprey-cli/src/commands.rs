@@ -20,7 +20,7 @@ use tracing::info;
 
 use crate::{GenerateArgs, ModelArgs, SamplingArgs, ServeArgs};
 
-pub fn synth(preset: &str, layers: Option<usize>, seed: u64, out: &Path) -> Result<()> {
+pub fn synth(preset: &str, layers: Option<usize>, seed: u64, mtp: bool, out: &Path) -> Result<()> {
     let preset: Preset = preset.parse()?;
     let started = std::time::Instant::now();
     let bytes = write_checkpoint(
@@ -30,6 +30,7 @@ pub fn synth(preset: &str, layers: Option<usize>, seed: u64, out: &Path) -> Resu
             layers,
             seed,
             show_progress: true,
+            mtp,
         },
     )?;
     info!(
@@ -86,6 +87,7 @@ fn default_model_dir() -> Result<PathBuf> {
                 layers: None,
                 seed: 0,
                 show_progress: false,
+                mtp: false,
             },
         )?;
         std::fs::rename(&tmp, &dir)

@@ -154,6 +154,10 @@ enum Command {
         layers: Option<usize>,
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Also write the multi-token-prediction head (mtp.*), which the original bf16 release
+        /// has and MLX conversions drop; `generate --speculative mtp` drafts with it.
+        #[arg(long)]
+        mtp: bool,
         #[arg(long)]
         out: PathBuf,
     },
@@ -319,8 +323,9 @@ fn main() -> ExitCode {
             preset,
             layers,
             seed,
+            mtp,
             out,
-        } => commands::synth(&preset, layers, seed, &out),
+        } => commands::synth(&preset, layers, seed, mtp, &out),
         Command::Quantize {
             model,
             out,

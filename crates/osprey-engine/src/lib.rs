@@ -8,6 +8,7 @@ pub mod generate;
 pub mod kv_cache;
 pub mod sampler;
 pub mod session;
+pub mod speculative;
 
 use std::time::Instant;
 

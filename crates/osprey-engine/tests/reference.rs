@@ -252,6 +252,7 @@ fn synthetic_model_is_well_conditioned_under_bf16() {
         layers: Some(8),
         seed: 2,
         show_progress: false,
+        mtp: false,
     };
     write_checkpoint(dir.path(), &opts).unwrap();
     let mut m = CpuModel::new(ModelWeights::load(dir.path()).unwrap());

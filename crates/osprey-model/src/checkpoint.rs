@@ -35,11 +35,9 @@ pub struct Checkpoint {
     pub tensors: BTreeMap<String, TensorEntry>,
 }
 
-/// Tensors of other modalities or heads that text inference does not use.
+/// Tensors of other modalities that text inference does not use.
 fn ignored(canonical: &str) -> bool {
-    canonical.starts_with("mtp.")
-        || canonical.starts_with("vision_tower")
-        || canonical.starts_with("model.visual")
+    canonical.starts_with("vision_tower") || canonical.starts_with("model.visual")
 }
 
 impl Checkpoint {
@@ -199,6 +197,7 @@ mod tests {
             layers: Some(4),
             seed: 4,
             show_progress: false,
+            mtp: false,
         };
         write_checkpoint(single.path(), &opts).unwrap();
         write_checkpoint(sharded.path(), &opts).unwrap();
@@ -231,6 +230,7 @@ mod tests {
             layers: Some(1),
             seed: 4,
             show_progress: false,
+            mtp: false,
         };
         write_checkpoint(dir.path(), &opts).unwrap();
         shard(dir.path());

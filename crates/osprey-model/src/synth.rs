@@ -76,6 +76,9 @@ pub struct SynthOptions {
     pub layers: Option<usize>,
     pub seed: u64,
     pub show_progress: bool,
+    /// Also write the multi-token-prediction head (`mtp.*`, model-spec §7), quantised as the
+    /// layers are.
+    pub mtp: bool,
 }
 
 /// The config.json a synthetic checkpoint gets: the real one, resized for the preset, with the
@@ -127,12 +130,11 @@ pub fn synthetic_config(opts: &SynthOptions) -> Result<Value> {
     q.insert("group_size".into(), json!(64));
     q.insert("bits".into(), json!(4));
     q.insert("mode".into(), json!("affine"));
-    for i in 0..layers {
+    let layer_paths = (0..layers).map(|i| format!("language_model.model.layers.{i}"));
+    let mtp_path = opts.mtp.then(|| "language_model.mtp.layers.0".to_string());
+    for path in layer_paths.chain(mtp_path) {
         for m in ["mlp.gate", "mlp.shared_expert_gate"] {
-            q.insert(
-                format!("language_model.model.layers.{i}.{m}"),
-                json!({"group_size": 64, "bits": 8}),
-            );
+            q.insert(format!("{path}.{m}"), json!({"group_size": 64, "bits": 8}));
         }
     }
     root["quantization"] = Value::Object(q.clone());
@@ -260,7 +262,7 @@ impl Planner {
     }
 }
 
-fn plan(cfg: &ModelConfig, seed: u64) -> Vec<Planned> {
+fn plan(cfg: &ModelConfig, seed: u64, mtp: bool) -> Vec<Planned> {
     let mut p = Planner {
         seed,
         out: Vec::new(),
@@ -290,6 +292,29 @@ fn plan(cfg: &ModelConfig, seed: u64) -> Vec<Planned> {
         DType::Bf16,
         Gen::OnePlus { amp: 0.1 },
     );
+    for (l, kind) in cfg.layers.iter().enumerate() {
+        plan_layer(&mut p, cfg, &format!("{lm}.model.layers.{l}"), *kind);
+    }
+    if mtp {
+        let m = format!("{lm}.mtp");
+        p.linear(&format!("{m}.fc"), &[], h, 2 * h, 4, inv(2 * h));
+        for norm in ["pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"] {
+            p.vector(
+                format!("{m}.{norm}.weight"),
+                h,
+                DType::Bf16,
+                Gen::OnePlus { amp: 0.1 },
+            );
+        }
+        plan_layer(&mut p, cfg, &format!("{m}.layers.0"), LayerKind::Attention);
+    }
+    p.out
+}
+
+/// The tensors of one decoder layer stored under `pre`.
+fn plan_layer(p: &mut Planner, cfg: &ModelConfig, pre: &str, kind: LayerKind) {
+    let h = cfg.hidden_size;
+    let inv = |fan_in: usize| 1.0 / (fan_in as f32).sqrt();
     let (kd, vd) = (cfg.linear_key_dim(), cfg.linear_value_dim());
     let (hv, dv) = (cfg.linear_num_value_heads, cfg.linear_value_head_dim);
     let (hq, hkv, d) = (
@@ -302,109 +327,105 @@ fn plan(cfg: &ModelConfig, seed: u64) -> Vec<Planned> {
         cfg.moe_intermediate_size,
         cfg.shared_expert_intermediate_size,
     );
-    for (l, kind) in cfg.layers.iter().enumerate() {
-        let pre = format!("{lm}.model.layers.{l}");
-        p.vector(
-            format!("{pre}.input_layernorm.weight"),
-            h,
-            DType::Bf16,
-            Gen::OnePlus { amp: 0.1 },
-        );
-        p.vector(
-            format!("{pre}.post_attention_layernorm.weight"),
-            h,
-            DType::Bf16,
-            Gen::OnePlus { amp: 0.1 },
-        );
-        match kind {
-            LayerKind::GatedDeltaNet => {
-                let a = format!("{pre}.linear_attn");
-                p.linear(&format!("{a}.in_proj_qkv"), &[], 2 * kd + vd, h, 4, inv(h));
-                p.linear(&format!("{a}.in_proj_z"), &[], vd, h, 4, inv(h));
-                p.linear(&format!("{a}.in_proj_b"), &[], hv, h, 4, inv(h));
-                p.linear(&format!("{a}.in_proj_a"), &[], hv, h, 4, inv(h));
-                p.push(
-                    format!("{a}.conv1d.weight"),
-                    vec![2 * kd + vd, cfg.conv_kernel, 1],
-                    DType::Bf16,
-                    Gen::Uniform { amp: 0.9 },
-                );
-                p.vector(format!("{a}.A_log"), hv, DType::F32, Gen::ALog);
-                p.vector(format!("{a}.dt_bias"), hv, DType::Bf16, Gen::DtBias);
-                p.vector(
-                    format!("{a}.norm.weight"),
-                    dv,
-                    DType::Bf16,
-                    Gen::OnePlus { amp: 0.1 },
-                );
-                p.linear(
-                    &format!("{a}.out_proj"),
-                    &[],
-                    h,
-                    vd,
-                    4,
-                    OUTPUT_GAIN * inv(vd),
-                );
-            }
-            LayerKind::Attention => {
-                let a = format!("{pre}.self_attn");
-                p.linear(&format!("{a}.q_proj"), &[], 2 * hq * d, h, 4, inv(h));
-                p.linear(&format!("{a}.k_proj"), &[], hkv * d, h, 4, inv(h));
-                p.linear(&format!("{a}.v_proj"), &[], hkv * d, h, 4, inv(h));
-                p.linear(
-                    &format!("{a}.o_proj"),
-                    &[],
-                    h,
-                    hq * d,
-                    4,
-                    OUTPUT_GAIN * inv(hq * d),
-                );
-                p.vector(
-                    format!("{a}.q_norm.weight"),
-                    d,
-                    DType::Bf16,
-                    Gen::OnePlus { amp: 0.1 },
-                );
-                p.vector(
-                    format!("{a}.k_norm.weight"),
-                    d,
-                    DType::Bf16,
-                    Gen::OnePlus { amp: 0.1 },
-                );
-            }
+    p.vector(
+        format!("{pre}.input_layernorm.weight"),
+        h,
+        DType::Bf16,
+        Gen::OnePlus { amp: 0.1 },
+    );
+    p.vector(
+        format!("{pre}.post_attention_layernorm.weight"),
+        h,
+        DType::Bf16,
+        Gen::OnePlus { amp: 0.1 },
+    );
+    match kind {
+        LayerKind::GatedDeltaNet => {
+            let a = format!("{pre}.linear_attn");
+            p.linear(&format!("{a}.in_proj_qkv"), &[], 2 * kd + vd, h, 4, inv(h));
+            p.linear(&format!("{a}.in_proj_z"), &[], vd, h, 4, inv(h));
+            p.linear(&format!("{a}.in_proj_b"), &[], hv, h, 4, inv(h));
+            p.linear(&format!("{a}.in_proj_a"), &[], hv, h, 4, inv(h));
+            p.push(
+                format!("{a}.conv1d.weight"),
+                vec![2 * kd + vd, cfg.conv_kernel, 1],
+                DType::Bf16,
+                Gen::Uniform { amp: 0.9 },
+            );
+            p.vector(format!("{a}.A_log"), hv, DType::F32, Gen::ALog);
+            p.vector(format!("{a}.dt_bias"), hv, DType::Bf16, Gen::DtBias);
+            p.vector(
+                format!("{a}.norm.weight"),
+                dv,
+                DType::Bf16,
+                Gen::OnePlus { amp: 0.1 },
+            );
+            p.linear(
+                &format!("{a}.out_proj"),
+                &[],
+                h,
+                vd,
+                4,
+                OUTPUT_GAIN * inv(vd),
+            );
         }
-        let m = format!("{pre}.mlp");
-        p.linear(&format!("{m}.gate"), &[], e, h, 8, ROUTER_STD * inv(h));
-        p.linear(&format!("{m}.shared_expert_gate"), &[], 1, h, 8, inv(h));
-        p.linear(
-            &format!("{m}.shared_expert.gate_proj"),
-            &[],
-            is,
-            h,
-            4,
-            inv(h),
-        );
-        p.linear(&format!("{m}.shared_expert.up_proj"), &[], is, h, 4, inv(h));
-        p.linear(
-            &format!("{m}.shared_expert.down_proj"),
-            &[],
-            h,
-            is,
-            4,
-            OUTPUT_GAIN * inv(is),
-        );
-        p.linear(&format!("{m}.switch_mlp.gate_proj"), &[e], i, h, 4, inv(h));
-        p.linear(&format!("{m}.switch_mlp.up_proj"), &[e], i, h, 4, inv(h));
-        p.linear(
-            &format!("{m}.switch_mlp.down_proj"),
-            &[e],
-            h,
-            i,
-            4,
-            OUTPUT_GAIN * inv(i),
-        );
+        LayerKind::Attention => {
+            let a = format!("{pre}.self_attn");
+            p.linear(&format!("{a}.q_proj"), &[], 2 * hq * d, h, 4, inv(h));
+            p.linear(&format!("{a}.k_proj"), &[], hkv * d, h, 4, inv(h));
+            p.linear(&format!("{a}.v_proj"), &[], hkv * d, h, 4, inv(h));
+            p.linear(
+                &format!("{a}.o_proj"),
+                &[],
+                h,
+                hq * d,
+                4,
+                OUTPUT_GAIN * inv(hq * d),
+            );
+            p.vector(
+                format!("{a}.q_norm.weight"),
+                d,
+                DType::Bf16,
+                Gen::OnePlus { amp: 0.1 },
+            );
+            p.vector(
+                format!("{a}.k_norm.weight"),
+                d,
+                DType::Bf16,
+                Gen::OnePlus { amp: 0.1 },
+            );
+        }
     }
-    p.out
+    let m = format!("{pre}.mlp");
+    p.linear(&format!("{m}.gate"), &[], e, h, 8, ROUTER_STD * inv(h));
+    p.linear(&format!("{m}.shared_expert_gate"), &[], 1, h, 8, inv(h));
+    p.linear(
+        &format!("{m}.shared_expert.gate_proj"),
+        &[],
+        is,
+        h,
+        4,
+        inv(h),
+    );
+    p.linear(&format!("{m}.shared_expert.up_proj"), &[], is, h, 4, inv(h));
+    p.linear(
+        &format!("{m}.shared_expert.down_proj"),
+        &[],
+        h,
+        is,
+        4,
+        OUTPUT_GAIN * inv(is),
+    );
+    p.linear(&format!("{m}.switch_mlp.gate_proj"), &[e], i, h, 4, inv(h));
+    p.linear(&format!("{m}.switch_mlp.up_proj"), &[e], i, h, 4, inv(h));
+    p.linear(
+        &format!("{m}.switch_mlp.down_proj"),
+        &[e],
+        h,
+        i,
+        4,
+        OUTPUT_GAIN * inv(i),
+    );
 }
 
 fn chunk_rng(seed: u64, chunk: usize) -> ChaCha8Rng {
@@ -492,7 +513,7 @@ fn write_tensor(
 pub fn write_checkpoint(out: &Path, opts: &SynthOptions) -> Result<u64> {
     let config_json = synthetic_config(opts)?;
     let cfg = ModelConfig::from_json_str(&config_json.to_string())?;
-    let planned = plan(&cfg, opts.seed);
+    let planned = plan(&cfg, opts.seed, opts.mtp);
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
 
     let total: u64 = planned.iter().map(|t| t.bytes() as u64).sum();
@@ -536,6 +557,7 @@ mod tests {
             layers: Some(layers),
             seed,
             show_progress: false,
+            mtp: false,
         };
         let n = write_checkpoint(dir.path(), &opts).unwrap();
         (dir, n)
@@ -560,6 +582,35 @@ mod tests {
             crate::tensor::MatrixData::Quantized { bits, .. } => assert_eq!(*bits, 8),
             _ => panic!("expected quantised router"),
         }
+    }
+
+    #[test]
+    fn the_mtp_head_is_written_and_loaded_when_asked() {
+        let dir = tempfile::tempdir().unwrap();
+        let opts = |mtp| SynthOptions {
+            preset: Preset::Tiny,
+            layers: Some(1),
+            seed: 3,
+            show_progress: false,
+            mtp,
+        };
+        write_checkpoint(dir.path(), &opts(true)).unwrap();
+        let w = ModelWeights::load(dir.path()).unwrap();
+        let m = w.mtp.as_ref().expect("an MTP head");
+        let h = w.config.hidden_size;
+        assert_eq!((m.fc.matrix.rows, m.fc.matrix.cols), (h, 2 * h));
+        assert!(matches!(m.layer.mixer, crate::weights::Mixer::Attention(_)));
+        match &m.layer.moe.router.matrix.data {
+            crate::tensor::MatrixData::Quantized { bits, .. } => assert_eq!(*bits, 8),
+            _ => panic!("expected the MTP router quantised at 8 bits"),
+        }
+        assert!(w
+            .footprint()
+            .iter()
+            .any(|(part, b)| *part == "mtp head" && *b > 0));
+        let plain = tempfile::tempdir().unwrap();
+        write_checkpoint(plain.path(), &opts(false)).unwrap();
+        assert!(ModelWeights::load(plain.path()).unwrap().mtp.is_none());
     }
 
     #[test]

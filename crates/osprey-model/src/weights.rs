@@ -28,6 +28,22 @@ pub struct ModelWeights {
     pub final_norm: Vec<f32>,
     pub lm_head: Linear,
     pub layers: Vec<Layer>,
+    /// The multi-token-prediction head (model-spec §7), when the checkpoint keeps it: the
+    /// original bf16 release does, MLX conversions drop it.
+    pub mtp: Option<MtpHead>,
+}
+
+/// One draft layer that predicts the token after next from the final-normed hidden state at a
+/// position and the embedding of the token that follows it; shares `embed_tokens` and `lm_head`.
+pub struct MtpHead {
+    /// `[hidden, 2·hidden]` over `[norm(embedding), norm(hidden)]`.
+    pub fc: Linear,
+    pub norm_embedding: Vec<f32>,
+    pub norm_hidden: Vec<f32>,
+    /// A full-attention layer with its MoE, with its own KV cache.
+    pub layer: Layer,
+    /// Final norm before the shared lm_head.
+    pub norm: Vec<f32>,
 }
 
 pub struct Layer {
@@ -127,8 +143,9 @@ impl ModelWeights {
             l.linear("lm_head", &[], config.vocab_size, h)
         };
         let layers: Vec<Option<Layer>> = (0..config.num_layers())
-            .map(|i| l.layer(i, shift))
+            .map(|i| l.layer(&format!("model.layers.{i}"), config.layers[i], shift))
             .collect();
+        let mtp = l.has_mtp().then(|| l.mtp(shift));
 
         if !l.problems.is_empty() {
             bail!(
@@ -150,6 +167,7 @@ impl ModelWeights {
                 .into_iter()
                 .collect::<Option<Vec<_>>>()
                 .ok_or_else(missing)?,
+            mtp: mtp.map(|m| m.ok_or_else(missing)).transpose()?,
             config,
         })
     }
@@ -167,7 +185,6 @@ impl ModelWeights {
                 },
             ),
         ];
-        let (mut gdn, mut attn, mut routed, mut shared, mut router, mut small) = (0, 0, 0, 0, 0, 0);
         let once = |ls: &[&Linear]| -> usize {
             // stacked views share one matrix: count each matrix once
             let mut seen: Vec<*const Matrix> = Vec::new();
@@ -181,19 +198,21 @@ impl ModelWeights {
                 .map(|l| l.matrix.storage_bytes())
                 .sum()
         };
-        for layer in &self.layers {
-            small += 4 * (layer.input_norm.len() + layer.post_attention_norm.len());
+        // [gdn, attention, routed, shared, routers, small] bytes of one layer
+        let layer_parts = |layer: &Layer| -> [usize; 6] {
+            let mut b = [0; 6];
+            b[5] = 4 * (layer.input_norm.len() + layer.post_attention_norm.len());
             match &layer.mixer {
                 Mixer::GatedDeltaNet(g) => {
-                    gdn += match &g.projections {
+                    b[0] = match &g.projections {
                         GdnProjections::Split { qkv, z, b, a } => once(&[qkv, z, b, a]),
                         GdnProjections::Fused { qkvz, ba } => once(&[qkvz, ba]),
                     } + g.out_proj.matrix.storage_bytes();
-                    small += 4 * (g.conv.len() + g.dt_bias.len() + g.a_log.len() + g.norm.len());
+                    b[5] += 4 * (g.conv.len() + g.dt_bias.len() + g.a_log.len() + g.norm.len());
                 }
                 Mixer::Attention(a) => {
-                    attn += once(&[&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj]);
-                    small += 4 * (a.q_norm.len() + a.k_norm.len());
+                    b[1] = once(&[&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj]);
+                    b[5] += 4 * (a.q_norm.len() + a.k_norm.len());
                 }
             }
             let experts: Vec<&Linear> = layer
@@ -202,14 +221,22 @@ impl ModelWeights {
                 .iter()
                 .flat_map(|e| [&e.gate, &e.up, &e.down])
                 .collect();
-            routed += once(&experts);
-            shared += once(&[
+            b[2] = once(&experts);
+            b[3] = once(&[
                 &layer.moe.shared.gate,
                 &layer.moe.shared.up,
                 &layer.moe.shared.down,
             ]);
-            router += once(&[&layer.moe.router, &layer.moe.shared_gate]);
+            b[4] = once(&[&layer.moe.router, &layer.moe.shared_gate]);
+            b
+        };
+        let mut sums = [0; 6];
+        for layer in &self.layers {
+            for (sum, b) in sums.iter_mut().zip(layer_parts(layer)) {
+                *sum += b;
+            }
         }
+        let [gdn, attn, routed, shared, router, small] = sums;
         parts.extend([
             ("gated deltanet projections", gdn),
             ("attention projections", attn),
@@ -221,6 +248,11 @@ impl ModelWeights {
                 small + 4 * self.final_norm.len(),
             ),
         ]);
+        if let Some(m) = &self.mtp {
+            let norms = 4 * (m.norm_embedding.len() + m.norm_hidden.len() + m.norm.len());
+            let layer: usize = layer_parts(&m.layer).iter().sum();
+            parts.push(("mtp head", m.fc.matrix.storage_bytes() + layer + norms));
+        }
         parts
     }
 }
@@ -408,23 +440,45 @@ impl Loader<'_> {
         }))
     }
 
-    fn layer(&mut self, i: usize, shift: bool) -> Option<Layer> {
-        let c = self.cfg;
-        let h = c.hidden_size;
-        let p = format!("model.layers.{i}");
+    /// A decoder layer stored under `p` (`model.layers.N`, or `mtp.layers.0` for the draft layer).
+    fn layer(&mut self, p: &str, kind: LayerKind, shift: bool) -> Option<Layer> {
+        let h = self.cfg.hidden_size;
         let input_norm = self.norm(&format!("{p}.input_layernorm.weight"), h, shift);
         let post_attention_norm =
             self.norm(&format!("{p}.post_attention_layernorm.weight"), h, shift);
-        let mixer = match c.layers[i] {
-            LayerKind::GatedDeltaNet => self.gdn(&p).map(Mixer::GatedDeltaNet),
-            LayerKind::Attention => self.attention(&p, shift).map(Mixer::Attention),
+        let mixer = match kind {
+            LayerKind::GatedDeltaNet => self.gdn(p).map(Mixer::GatedDeltaNet),
+            LayerKind::Attention => self.attention(p, shift).map(Mixer::Attention),
         };
-        let moe = self.moe(&p);
+        let moe = self.moe(p);
         Some(Layer {
             input_norm: input_norm?,
             post_attention_norm: post_attention_norm?,
             mixer: mixer?,
             moe: moe?,
+        })
+    }
+
+    /// Whether the checkpoint keeps an MTP head (its `fc`, dense or quantised); once it has
+    /// one, every other MTP tensor must be there too.
+    fn has_mtp(&self) -> bool {
+        self.ck.get("mtp.fc.weight").is_some()
+    }
+
+    fn mtp(&mut self, shift: bool) -> Option<MtpHead> {
+        let h = self.cfg.hidden_size;
+        let whole = |m: Option<Arc<Matrix>>| m.map(|m| Linear::rows_of(&m, 0, m.rows));
+        let fc = whole(self.linear("mtp.fc", &[], h, 2 * h));
+        let norm_embedding = self.norm("mtp.pre_fc_norm_embedding.weight", h, shift);
+        let norm_hidden = self.norm("mtp.pre_fc_norm_hidden.weight", h, shift);
+        let layer = self.layer("mtp.layers.0", LayerKind::Attention, shift);
+        let norm = self.norm("mtp.norm.weight", h, shift);
+        Some(MtpHead {
+            fc: fc?,
+            norm_embedding: norm_embedding?,
+            norm_hidden: norm_hidden?,
+            layer: layer?,
+            norm: norm?,
         })
     }
 

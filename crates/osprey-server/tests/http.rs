@@ -30,6 +30,7 @@ fn tiny_dir() -> &'static Path {
                     layers: None,
                     seed: 1,
                     show_progress: false,
+                    mtp: false,
                 },
             )
             .unwrap();

@@ -34,6 +34,14 @@ pub enum LogitsFor {
     All,
 }
 
+/// The MTP layer's own KV cache: one (hidden state, next token) pair a position.
+#[derive(Clone, Debug, Default)]
+pub struct MtpCache {
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    pub position: usize,
+}
+
 pub struct CpuModel {
     pub weights: ModelWeights,
     rope: Rope,
@@ -80,31 +88,52 @@ impl CpuModel {
         tokens: &[u32],
         gdn_form: GdnForm,
         want: LogitsFor,
+        trace: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<Vec<f32>> {
+        let h = self.config().hidden_size;
+        let x = self.residual(state, tokens, gdn_form, trace)?;
+        let rows: &[f32] = match want {
+            LogitsFor::None => return Ok(Vec::new()),
+            LogitsFor::Last => &x[x.len() - h..],
+            LogitsFor::All => &x,
+        };
+        Ok(self.logits(&self.norm(rows, &self.weights.final_norm)))
+    }
+
+    /// Runs `tokens` as [`forward`](Self::forward) does and returns every position's
+    /// final-normed hidden state `[T, hidden]` (the lm_head's input, and the MTP head's) with
+    /// every position's logits `[T, vocab]`.
+    pub fn forward_hidden(
+        &self,
+        state: &mut SessionState,
+        tokens: &[u32],
+        gdn_form: GdnForm,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let x = self.residual(state, tokens, gdn_form, None)?;
+        let normed = self.norm(&x, &self.weights.final_norm);
+        Ok((self.logits(&normed), normed))
+    }
+
+    /// `lm_head` over final-normed rows.
+    fn logits(&self, normed: &[f32]) -> Vec<f32> {
+        let n = normed.len() / self.config().hidden_size;
+        self.mm(&self.weights.lm_head, normed, n)
+    }
+
+    /// The residual stream `[T, hidden]` after the last layer.
+    fn residual(
+        &self,
+        state: &mut SessionState,
+        tokens: &[u32],
+        gdn_form: GdnForm,
         mut trace: Option<&mut Vec<Vec<f32>>>,
     ) -> Result<Vec<f32>> {
-        let c = self.config();
-        let (t, h) = (tokens.len(), c.hidden_size);
-        if t == 0 {
-            bail!("forward called with no tokens");
-        }
-        if let Some(bad) = tokens.iter().find(|&&id| id as usize >= c.vocab_size) {
-            bail!(
-                "token id {bad} is outside the vocabulary (size {})",
-                c.vocab_size
-            );
-        }
-        let w = &self.weights;
-
-        // x0 = embed_tokens[ids]
-        let mut x = Vec::with_capacity(t * h);
-        for &id in tokens {
-            x.extend(row(&w.embed_tokens, id as usize));
-        }
-        self.round(&mut x);
+        let t = tokens.len();
+        let mut x = self.embed(tokens)?;
         if let Some(tr) = trace.as_deref_mut() {
             tr.push(x.clone());
         }
-
+        let w = &self.weights;
         for (layer, cache) in w.layers.iter().zip(state.layers.iter_mut()) {
             let u = self.norm(&x, &layer.input_norm);
             let mixed = match (&layer.mixer, cache) {
@@ -126,15 +155,68 @@ impl CpuModel {
             }
         }
         state.position += t;
+        Ok(x)
+    }
 
-        let rows: &[f32] = match want {
-            LogitsFor::None => return Ok(Vec::new()),
-            LogitsFor::Last => &x[(t - 1) * h..],
-            LogitsFor::All => &x,
+    /// x0 = embed_tokens[ids], `[T, hidden]`.
+    fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let c = self.config();
+        if tokens.is_empty() {
+            bail!("forward called with no tokens");
+        }
+        if let Some(bad) = tokens.iter().find(|&&id| id as usize >= c.vocab_size) {
+            bail!(
+                "token id {bad} is outside the vocabulary (size {})",
+                c.vocab_size
+            );
+        }
+        let mut x = Vec::with_capacity(tokens.len() * c.hidden_size);
+        for &id in tokens {
+            x.extend(row(&self.weights.embed_tokens, id as usize));
+        }
+        self.round(&mut x);
+        Ok(x)
+    }
+
+    /// The MTP head (model-spec §7) over pairs: row i takes the main model's final-normed hidden
+    /// state at position p + i (`hidden`, `[T, hidden]`) and the token that followed it
+    /// (`next[i]`), at the draft layer's position p (`cache.position`, advanced by T); returns
+    /// logits `[T, vocab]` for the token after `next[i]`.
+    pub fn mtp_forward(
+        &self,
+        cache: &mut MtpCache,
+        hidden: &[f32],
+        next: &[u32],
+    ) -> Result<Vec<f32>> {
+        let Some(m) = &self.weights.mtp else {
+            bail!("the checkpoint has no MTP head (mtp.*)");
         };
-        let n = rows.len() / h;
-        let normed = self.norm(rows, &w.final_norm);
-        Ok(self.mm(&w.lm_head, &normed, n))
+        let (t, h) = (next.len(), self.config().hidden_size);
+        if hidden.len() != t * h {
+            bail!("MTP input: {} hidden rows for {t} tokens", hidden.len() / h);
+        }
+        let e = self.norm(&self.embed(next)?, &m.norm_embedding);
+        let hh = self.norm(hidden, &m.norm_hidden);
+        let mut both = Vec::with_capacity(2 * t * h);
+        for i in 0..t {
+            both.extend_from_slice(&e[i * h..(i + 1) * h]);
+            both.extend_from_slice(&hh[i * h..(i + 1) * h]);
+        }
+        let mut x = self.mm(&m.fc, &both, t);
+        let Mixer::Attention(a) = &m.layer.mixer else {
+            bail!("the MTP layer must be an attention layer");
+        };
+        let u = self.norm(&x, &m.layer.input_norm);
+        add(
+            &mut x,
+            &self.attention(a, &u, t, cache.position, &mut cache.k, &mut cache.v),
+        );
+        self.round(&mut x);
+        let u = self.norm(&x, &m.layer.post_attention_norm);
+        add(&mut x, &self.moe(&m.layer.moe, &u, t));
+        self.round(&mut x);
+        cache.position += t;
+        Ok(self.logits(&self.norm(&x, &m.norm)))
     }
 
     fn round(&self, x: &mut [f32]) {

@@ -1,0 +1,303 @@
+//! Greedy decoding with drafts from the checkpoint's MTP head (model-spec §7), on the CPU: the
+//! reference for verifying more than one token a step.
+//!
+//! Each step runs the main model over two tokens at once, the token chosen last and the MTP
+//! head's guess of the one after it. The first row's logits choose the true next token; when it
+//! equals the guess, the second row's logits are valid too and choose one more, so the step
+//! yields two tokens. When it does not, the second row was computed on a wrong token: the
+//! attention caches could drop it, but the Gated DeltaNet state has already absorbed it and cannot
+//! be rewound, so the state is restored from a copy taken before the step and the accepted token
+//! is run again. The output is the plain greedy sequence: the rows are computed with the
+//! recurrent form of the delta rule, which is what one-token steps use, so each row's logits
+//! are the ones a one-token step would give.
+//!
+//! The MTP head runs once a step over the (hidden state, next token) pairs the step accepted, in
+//! order, so its own KV cache never holds a rejected position.
+
+use anyhow::{bail, Result};
+
+use crate::cpu::forward::{CpuModel, GdnForm, LogitsFor, MtpCache};
+use crate::sampler::argmax;
+use crate::session::SessionState;
+
+/// What a speculative run produced.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SpeculativeRun {
+    /// The generated tokens, as plain greedy decoding would give them.
+    pub tokens: Vec<u32>,
+    /// Steps that verified a draft token.
+    pub steps: usize,
+    /// Drafts the main model agreed with.
+    pub accepted: usize,
+}
+
+impl SpeculativeRun {
+    /// The share of drafts the main model agreed with.
+    pub fn acceptance(&self) -> f64 {
+        if self.steps == 0 {
+            0.0
+        } else {
+            self.accepted as f64 / self.steps as f64
+        }
+    }
+}
+
+/// Greedy choice over the ids below `valid` of row `i` of `rows`.
+fn choose(rows: &[f32], vocab: usize, i: usize, valid: usize) -> u32 {
+    argmax(&rows[i * vocab..i * vocab + valid]) as u32
+}
+
+/// Proposes the token after next from the main model's final-normed hidden states.
+pub trait Drafter {
+    /// Takes the pairs the main model has accepted since the last call, in order: row i of
+    /// `hidden` (`[n, hidden]`) is a position's hidden state and `followers[i]` the token chosen
+    /// after it; returns a guess of the token after the last follower.
+    fn draft(&mut self, hidden: &[f32], followers: &[u32]) -> Result<u32>;
+}
+
+/// Drafts with the checkpoint's MTP head, keeping its KV cache.
+pub struct MtpDrafter<'a> {
+    model: &'a CpuModel,
+    cache: MtpCache,
+    valid: usize,
+}
+
+impl<'a> MtpDrafter<'a> {
+    pub fn new(model: &'a CpuModel, valid: usize) -> Self {
+        MtpDrafter {
+            model,
+            cache: MtpCache::default(),
+            valid: valid.min(model.config().vocab_size),
+        }
+    }
+}
+
+impl Drafter for MtpDrafter<'_> {
+    fn draft(&mut self, hidden: &[f32], followers: &[u32]) -> Result<u32> {
+        let rows = self.model.mtp_forward(&mut self.cache, hidden, followers)?;
+        let vocab = self.model.config().vocab_size;
+        Ok(choose(&rows, vocab, followers.len() - 1, self.valid))
+    }
+}
+
+/// Generates up to `max_tokens` greedy tokens after `prompt` from a fresh state with drafts
+/// from the checkpoint's MTP head, ending after a token for which `stop` holds; `valid` bounds
+/// the ids chosen (the tokenizer's vocabulary).
+pub fn mtp_greedy(
+    model: &CpuModel,
+    prompt: &[u32],
+    max_tokens: usize,
+    valid: usize,
+    stop: &dyn Fn(u32) -> bool,
+) -> Result<SpeculativeRun> {
+    if model.weights.mtp.is_none() {
+        bail!("the checkpoint has no MTP head (mtp.*): MLX conversions drop it; the original bf16 checkpoint, or `osprey synth --mtp`, has one");
+    }
+    let mut drafter = MtpDrafter::new(model, valid);
+    speculative_greedy(model, &mut drafter, prompt, max_tokens, valid, stop)
+}
+
+/// [`mtp_greedy`] with any drafter.
+pub fn speculative_greedy(
+    model: &CpuModel,
+    drafter: &mut dyn Drafter,
+    prompt: &[u32],
+    max_tokens: usize,
+    valid: usize,
+    stop: &dyn Fn(u32) -> bool,
+) -> Result<SpeculativeRun> {
+    let c = model.config();
+    let (vocab, h) = (c.vocab_size, c.hidden_size);
+    let valid = valid.min(vocab);
+    if prompt.is_empty() {
+        bail!("speculative decoding needs a prompt of at least one token");
+    }
+    let mut run = SpeculativeRun {
+        tokens: Vec::new(),
+        steps: 0,
+        accepted: 0,
+    };
+    if max_tokens == 0 {
+        return Ok(run);
+    }
+    let mut state = SessionState::new(c);
+    let (logits, hidden) = model.forward_hidden(&mut state, prompt, GdnForm::Auto)?;
+    let mut next = choose(&logits, vocab, prompt.len() - 1, valid);
+    run.tokens.push(next);
+    // the prompt's pairs: the hidden state at t with the token at t + 1
+    let followers: Vec<u32> = prompt[1..].iter().copied().chain([next]).collect();
+    let mut draft = drafter.draft(&hidden, &followers)?;
+
+    while run.tokens.len() < max_tokens && !stop(next) {
+        let before = state.clone();
+        let (rows, hidden) =
+            model.forward_hidden(&mut state, &[next, draft], GdnForm::Recurrent)?;
+        run.steps += 1;
+        let first = choose(&rows, vocab, 0, valid);
+        run.tokens.push(first);
+        if first == draft {
+            run.accepted += 1;
+        }
+        let more = run.tokens.len() < max_tokens && !stop(first);
+        if first == draft && more {
+            let second = choose(&rows, vocab, 1, valid);
+            run.tokens.push(second);
+            draft = drafter.draft(&hidden, &[first, second])?;
+            next = second;
+        } else {
+            // the state ran the draft too: back to before the step, then the accepted token
+            state = before;
+            model.forward(&mut state, &[next], GdnForm::Recurrent, LogitsFor::None)?;
+            if more {
+                draft = drafter.draft(&hidden[..h], &[first])?;
+            }
+            next = first;
+        }
+    }
+    Ok(run)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use osprey_model::synth::{write_checkpoint, Preset, SynthOptions};
+    use osprey_model::ModelWeights;
+
+    fn tiny_with_mtp(layers: usize) -> (tempfile::TempDir, CpuModel) {
+        let dir = tempfile::tempdir().unwrap();
+        write_checkpoint(
+            dir.path(),
+            &SynthOptions {
+                preset: Preset::Tiny,
+                layers: Some(layers),
+                seed: 5,
+                show_progress: false,
+                mtp: true,
+            },
+        )
+        .unwrap();
+        let model = CpuModel::new(ModelWeights::load(dir.path()).unwrap());
+        (dir, model)
+    }
+
+    /// One token a step, as the engine's greedy decoding runs.
+    fn plain_greedy(model: &CpuModel, prompt: &[u32], n: usize, valid: usize) -> Vec<u32> {
+        let vocab = model.config().vocab_size;
+        let mut state = SessionState::new(model.config());
+        let mut logits = model
+            .forward(&mut state, prompt, GdnForm::Auto, LogitsFor::Last)
+            .unwrap();
+        let mut out = Vec::new();
+        while out.len() < n {
+            let t = choose(&logits, vocab, 0, valid);
+            out.push(t);
+            logits = model
+                .forward(&mut state, &[t], GdnForm::Auto, LogitsFor::Last)
+                .unwrap();
+        }
+        out
+    }
+
+    #[test]
+    fn drafts_leave_the_greedy_sequence_unchanged() {
+        let (_dir, model) = tiny_with_mtp(4);
+        let prompt = [11u32, 4012, 77, 9001, 3, 150_000, 42];
+        let valid = model.config().vocab_size;
+        let want = plain_greedy(&model, &prompt, 24, valid);
+        let got = mtp_greedy(&model, &prompt, 24, valid, &|_| false).unwrap();
+        assert_eq!(got.tokens, want);
+        assert!(got.steps > 0 && got.accepted <= got.steps);
+    }
+
+    /// Drafts the known greedy answer: every draft is right.
+    struct Oracle {
+        want: Vec<u32>,
+        /// the prompt's pairs, seen before the first generated token's
+        prompt_pairs: usize,
+        seen: usize,
+    }
+
+    impl Drafter for Oracle {
+        fn draft(&mut self, _hidden: &[f32], followers: &[u32]) -> Result<u32> {
+            self.seen += followers.len();
+            Ok(self
+                .want
+                .get(self.seen - self.prompt_pairs)
+                .copied()
+                .unwrap_or(0))
+        }
+    }
+
+    #[test]
+    fn drafts_that_are_always_right_yield_two_tokens_a_step() {
+        let (_dir, model) = tiny_with_mtp(4);
+        let prompt = [5u32, 6, 7];
+        let valid = model.config().vocab_size;
+        let want = plain_greedy(&model, &prompt, 9, valid);
+        let mut oracle = Oracle {
+            want: want.clone(),
+            prompt_pairs: prompt.len() - 1,
+            seen: 0,
+        };
+        let run = speculative_greedy(&model, &mut oracle, &prompt, 9, valid, &|_| false).unwrap();
+        assert_eq!(run.tokens, want);
+        assert_eq!((run.steps, run.accepted), (4, 4));
+    }
+
+    /// Drafts a token the model does not choose: every draft is wrong.
+    struct Contrarian;
+
+    impl Drafter for Contrarian {
+        fn draft(&mut self, _hidden: &[f32], _followers: &[u32]) -> Result<u32> {
+            Ok(0)
+        }
+    }
+
+    #[test]
+    fn drafts_that_are_always_wrong_still_give_the_greedy_sequence() {
+        let (_dir, model) = tiny_with_mtp(4);
+        let prompt = [5u32, 6, 7];
+        let valid = model.config().vocab_size;
+        let want = plain_greedy(&model, &prompt, 8, valid);
+        assert!(!want.contains(&0), "the contrarian's draft must be wrong");
+        let run =
+            speculative_greedy(&model, &mut Contrarian, &prompt, 8, valid, &|_| false).unwrap();
+        assert_eq!(run.tokens, want);
+        assert_eq!((run.steps, run.accepted), (7, 0));
+    }
+
+    #[test]
+    fn stops_after_a_stop_token_and_at_max_tokens() {
+        let (_dir, model) = tiny_with_mtp(2);
+        let prompt = [100u32, 200, 300];
+        let valid = model.config().vocab_size;
+        let want = plain_greedy(&model, &prompt, 12, valid);
+        for n in [1, 2, 5, 12] {
+            let run = mtp_greedy(&model, &prompt, n, valid, &|_| false).unwrap();
+            assert_eq!(run.tokens, want[..n]);
+        }
+        let at = want[3];
+        let end = want.iter().position(|&t| t == at).unwrap();
+        let run = mtp_greedy(&model, &prompt, 12, valid, &|t| t == at).unwrap();
+        assert_eq!(run.tokens, want[..=end]);
+    }
+
+    #[test]
+    fn a_checkpoint_without_the_head_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        write_checkpoint(
+            dir.path(),
+            &SynthOptions {
+                preset: Preset::Tiny,
+                layers: Some(1),
+                seed: 1,
+                show_progress: false,
+                mtp: false,
+            },
+        )
+        .unwrap();
+        let model = CpuModel::new(ModelWeights::load(dir.path()).unwrap());
+        let err = mtp_greedy(&model, &[1, 2], 4, 1000, &|_| false).unwrap_err();
+        assert!(err.to_string().contains("no MTP head"), "{err}");
+    }
+}
