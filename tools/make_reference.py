@@ -13,6 +13,9 @@ eager experts, no FLA / causal-conv1d kernels):
      so transformers runs exactly the weights the quantised checkpoint holds;
   4. record logits: the model in float32 (prefill of T tokens; prefill then token-by-token decode
      with the cache) and the same model cast to bfloat16 (prefill).
+The released HF layout's fixture also carries an MTP head (model-spec §7: `mtp.*`, which
+transformers does not run): its layer is transformers' own full-attention decoder layer, driven
+as vLLM's Qwen3_5MultiTokenPredictor drives it, and its logits over the prompt's pairs are recorded.
 A bf16 copy in the original Hugging Face layout (save_pretrained: fused experts, zero-centred norms,
 conv1d [C,1,K]) is also written, with float32 logits of those bf16-rounded weights, and a tiny
 qwen3_next model in its own HF layout.
@@ -31,6 +34,7 @@ import torch
 import transformers
 from transformers import (Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3NextConfig,
                           Qwen3NextForCausalLM)
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen35
 
 OUTPUT_GAIN = 0.25
 LOGIT_STD = 3.0
@@ -248,7 +252,7 @@ def make_mlx_fixture(out_dir, name, cfg, seed, bits, group, overrides, ids, deco
     return model, {"f32_prefill": f32_prefill, "f32_decode": f32_decode, "bf16_prefill": bf_prefill}
 
 
-def make_hf_fixture(out_dir, name, model, ids, decode_from, original_layout):
+def make_hf_fixture(out_dir, name, model, ids, decode_from, original_layout, mtp=None):
     """The same weights rounded to bf16 in a Hugging Face layout: either the released checkpoint's
     (`model.language_model.*`, fused `experts.gate_up_proj`, nested multimodal config), or whatever
     transformers' save_pretrained writes (per-expert tensors for qwen3_next)."""
@@ -261,6 +265,8 @@ def make_hf_fixture(out_dir, name, model, ids, decode_from, original_layout):
         for k, v in saved.state_dict().items():
             key = "model.language_model." + k[len("model."):] if k.startswith("model.") else k
             tensors[key] = v.detach().to(torch.bfloat16).contiguous()
+        for k, v in (mtp.state_dict().items() if mtp is not None else []):
+            tensors["mtp." + k] = v.detach().to(torch.bfloat16).contiguous()
         write_safetensors(os.path.join(d, "model.safetensors"), tensors, {"format": "pt"})
         text = saved.config.to_dict()
         text["model_type"] = "qwen3_5_moe_text"
@@ -271,7 +277,56 @@ def make_hf_fixture(out_dir, name, model, ids, decode_from, original_layout):
     else:
         saved.save_pretrained(d)
     f32_prefill, f32_decode = logits_sets(model, ids, decode_from)
-    return {"f32_prefill": f32_prefill, "f32_decode": f32_decode}
+    r = {"f32_prefill": f32_prefill, "f32_decode": f32_decode}
+    if mtp is not None:
+        r["mtp"] = mtp_logits(model, mtp, ids)
+    return r
+
+
+class MtpHead(torch.nn.Module):
+    """model-spec §7: fc over [norm(embedding of the next token), norm(final-normed hidden)], one
+    full-attention decoder layer with its MoE, a final norm, the main model's lm_head."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        h = cfg.hidden_size
+        self.fc = torch.nn.Linear(2 * h, h, bias=False)
+        self.pre_fc_norm_embedding = qwen35.Qwen3_5MoeRMSNorm(h, eps=cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = qwen35.Qwen3_5MoeRMSNorm(h, eps=cfg.rms_norm_eps)
+        attention = cfg.layer_types.index("full_attention")
+        self.layers = torch.nn.ModuleList([qwen35.Qwen3_5MoeDecoderLayer(cfg, attention)])
+        self.norm = qwen35.Qwen3_5MoeRMSNorm(h, eps=cfg.rms_norm_eps)
+
+    def forward(self, model, hidden, followers):
+        """hidden [1, n, h]: the main model's final-normed states at positions 0..n-1;
+        followers [1, n]: the token after each. Logits [n, vocab] for the token after each
+        follower, the layer at positions 0..n-1 (vLLM's convention)."""
+        e = self.pre_fc_norm_embedding(model.model.embed_tokens(followers))
+        u = self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden)], dim=-1))
+        n = followers.shape[1]
+        positions = torch.arange(n)
+        mask = qwen35.create_causal_mask(config=model.config, inputs_embeds=u, attention_mask=None,
+                                         cache=None, position_ids=positions[None])
+        rope = model.model.rotary_emb(u, positions.view(1, 1, -1).expand(3, 1, -1))
+        u = self.layers[0](u, position_embeddings=rope, attention_mask=mask, position_ids=positions[None])
+        return model.lm_head(self.norm(u))[0].float()
+
+
+def add_mtp_head(model, cfg, seed):
+    """An MTP head initialised as the layers are, its weights rounded to bf16 (the HF fixture's)."""
+    torch.manual_seed(seed)
+    head = MtpHead(eager(cfg)).float().eval()
+    init_weights(head, cfg, seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return head
+
+
+def mtp_logits(model, head, ids):
+    with torch.no_grad():
+        hidden = model.model(ids[:, :-1]).last_hidden_state
+        return head(model, hidden, ids[:, 1:]).numpy()
 
 
 def main():
@@ -291,9 +346,10 @@ def main():
     model, r = make_mlx_fixture(args.out, "qwen35_q4g64", cfg, 11, 4, 64, {}, ids, decode_from)
     results.update({f"qwen35_q4g64.{k}": v for k, v in r.items()})
     manifest["fixtures"]["qwen35_q4g64"] = "MLX 4-bit g64, router/shared gate 8-bit, 8 layers"
-    r = make_hf_fixture(args.out, "qwen35_hf_bf16", model, ids, decode_from, True)
+    head = add_mtp_head(model, cfg, 14)
+    r = make_hf_fixture(args.out, "qwen35_hf_bf16", model, ids, decode_from, True, head)
     results.update({f"qwen35_hf_bf16.{k}": v for k, v in r.items()})
-    manifest["fixtures"]["qwen35_hf_bf16"] = "same weights rounded to bf16, the released HF layout (fused experts, model.language_model.*)"
+    manifest["fixtures"]["qwen35_hf_bf16"] = "same weights rounded to bf16, the released HF layout (fused experts, model.language_model.*), with an MTP head (mtp.*; logits of its pairs over the prompt: qwen35_hf_bf16.mtp)"
 
     overrides = {"mlp.switch_mlp.gate_proj": (4, 128), "self_attn.o_proj": (4, 32)}
     _, r = make_mlx_fixture(args.out, "qwen35_q8g32_mixed", qwen35_config(4), 12, 8, 32, overrides, ids, decode_from)

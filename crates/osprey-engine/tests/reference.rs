@@ -118,6 +118,46 @@ fn hf_bf16_layout_matches_transformers_f32() {
     check_f32("qwen35_hf_bf16");
 }
 
+/// The MTP head (model-spec §7) over the prompt's pairs: the hidden state at t, from our own
+/// forward, with token t + 1, the draft layer at position t. Same tolerance as the main model's
+/// f32 logits: the reference's hidden states differ from ours by the same few ulps.
+#[test]
+fn hf_bf16_mtp_head_matches_its_transformers_layer() {
+    let r = Reference::load();
+    let tokens = r.tokens();
+    let w = ModelWeights::load(&fixtures().join("qwen35_hf_bf16")).unwrap();
+    assert!(w.mtp.is_some(), "the fixture keeps its MTP head");
+    let model = osprey_engine::cpu::forward::CpuModel::new(w);
+    let n = tokens.len() - 1;
+    let mut state = SessionState::new(model.config());
+    let (_, hidden) = model
+        .forward_hidden(&mut state, &tokens[..n], GdnForm::Auto)
+        .unwrap();
+    let mut cache = osprey_engine::cpu::forward::MtpCache::default();
+    let got = model
+        .mtp_forward(&mut cache, &hidden, &tokens[1..])
+        .unwrap();
+    let (want, shape) = r.get("qwen35_hf_bf16.mtp");
+    assert_eq!(shape, vec![n, model.config().vocab_size]);
+    let err = max_abs(&got, &want);
+    assert!(err <= 1e-4, "MTP logits max |Δ| = {err}");
+    assert_eq!(cache.position, n);
+
+    // the same pairs a few at a time, as a decode loop feeds them
+    let mut cache = osprey_engine::cpu::forward::MtpCache::default();
+    let h = model.config().hidden_size;
+    let mut steps = Vec::new();
+    for (a, b) in [(0, 60), (60, 61), (61, 63), (63, n)] {
+        steps.extend(
+            model
+                .mtp_forward(&mut cache, &hidden[a * h..b * h], &tokens[a + 1..b + 1])
+                .unwrap(),
+        );
+    }
+    let err = max_abs(&steps, &want);
+    assert!(err <= 1e-4, "MTP logits in pieces max |Δ| = {err}");
+}
+
 #[test]
 fn qwen3_next_matches_transformers_f32() {
     check_f32("qwen3next_hf_bf16");
