@@ -251,32 +251,13 @@ pub fn opening(system: Option<&str>) -> Vec<serde_json::Value> {
 }
 
 pub fn generate(args: &ModelArgs, g: &GenerateArgs, sampling: &SamplingArgs) -> Result<()> {
+    if g.speculative.is_some() {
+        return generate_speculative(args, g, sampling);
+    }
     let (engine, dir) = load_engine(args)?;
     let format = PromptFormat::from_dir(&dir)?;
     let (prompt, chat) = (g.prompt.as_str(), g.chat);
-    let ids = if chat {
-        let mut kwargs = serde_json::Map::new();
-        if g.no_think {
-            kwargs.insert("enable_thinking".into(), false.into());
-        }
-        let mut messages = opening(g.system.as_deref());
-        messages.push(serde_json::json!({"role": "user", "content": prompt}));
-        let messages = serde_json::Value::Array(messages);
-        format.encode_chat(
-            &messages,
-            &ChatOptions {
-                add_generation_prompt: true,
-                tools: None,
-                kwargs,
-                ..Default::default()
-            },
-        )?
-    } else {
-        format.encode(prompt)?
-    };
-    if ids.is_empty() {
-        bail!("the prompt encodes to no tokens");
-    }
+    let ids = prompt_ids(&format, g)?;
     let opts = GenerateOptions {
         max_tokens: g.max_tokens,
         stop_ids: format.stop_ids.clone(),
@@ -314,6 +295,97 @@ pub fn generate(args: &ModelArgs, g: &GenerateArgs, sampling: &SamplingArgs) -> 
         g.tokens.len(),
         g.decode.tokens_per_s(),
         g.finish
+    );
+    Ok(())
+}
+
+/// The prompt's tokens: the text as it is, or wrapped as a user message by the chat template.
+fn prompt_ids(format: &PromptFormat, g: &GenerateArgs) -> Result<Vec<u32>> {
+    let ids = if g.chat {
+        let mut kwargs = serde_json::Map::new();
+        if g.no_think {
+            kwargs.insert("enable_thinking".into(), false.into());
+        }
+        let mut messages = opening(g.system.as_deref());
+        messages.push(serde_json::json!({"role": "user", "content": g.prompt}));
+        let messages = serde_json::Value::Array(messages);
+        format.encode_chat(
+            &messages,
+            &ChatOptions {
+                add_generation_prompt: true,
+                tools: None,
+                kwargs,
+                ..Default::default()
+            },
+        )?
+    } else {
+        format.encode(&g.prompt)?
+    };
+    if ids.is_empty() {
+        bail!("the prompt encodes to no tokens");
+    }
+    Ok(ids)
+}
+
+/// `osprey generate --speculative mtp`: greedy tokens verified two at a time on the CPU, with
+/// drafts from the checkpoint's MTP head.
+fn generate_speculative(args: &ModelArgs, g: &GenerateArgs, sampling: &SamplingArgs) -> Result<()> {
+    if args.backend != "cpu" {
+        bail!("--speculative runs on the CPU backend so far (--backend cpu): the GPU's decode step takes one token");
+    }
+    let unsupported = [
+        (!g.stop.is_empty(), "--stop"),
+        (g.thinking_budget.is_some(), "--thinking-budget"),
+    ];
+    if let Some((_, flag)) = unsupported.iter().find(|(set, _)| *set) {
+        bail!("--speculative does not take {flag} yet");
+    }
+    let dir = model_dir(args)?;
+    let format = PromptFormat::from_dir(&dir)?;
+    let params = sampling_params(sampling, &format);
+    if params.temperature != 0.0 {
+        bail!("--speculative verifies greedy choices only: pass --temperature 0 (this checkpoint's default is {})", params.temperature);
+    }
+    if params.presence_penalty != 0.0
+        || params.frequency_penalty != 0.0
+        || params.repetition_penalty != 1.0
+    {
+        bail!("--speculative does not apply penalties");
+    }
+    let started = std::time::Instant::now();
+    let mut model = osprey_engine::cpu::forward::CpuModel::new(ModelWeights::load(&dir)?);
+    model.kv_cache = args.kv_cache;
+    osprey_engine::speculative::require_mtp(&model)?;
+    info!(
+        "loaded {} on cpu in {:.2} s",
+        dir.display(),
+        started.elapsed().as_secs_f64()
+    );
+    let ids = prompt_ids(&format, g)?;
+    let valid = format.vocab_size.min(model.config().vocab_size);
+    let mut detok = format.incremental();
+    let mut out = std::io::stdout().lock();
+    if !g.chat {
+        write!(out, "{}", g.prompt)?;
+    }
+    let started = std::time::Instant::now();
+    let run =
+        osprey_engine::speculative::mtp_greedy(&model, &ids, g.max_tokens, valid, &mut |t| {
+            let _ = write!(out, "{}", detok.push(t));
+            let _ = out.flush();
+            !format.stop_ids.contains(&t)
+        })?;
+    let seconds = started.elapsed().as_secs_f64();
+    writeln!(out, "{}", detok.flush())?;
+    eprintln!(
+        "prompt: {} tokens | {} tokens in {:.2} s ({:.1} tok/s, prompt included) | {} steps of two rows, {} drafts accepted ({:.0}%)",
+        ids.len(),
+        run.tokens.len(),
+        seconds,
+        run.tokens.len() as f64 / seconds,
+        run.steps,
+        run.accepted,
+        100.0 * run.acceptance()
     );
     Ok(())
 }

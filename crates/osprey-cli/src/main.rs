@@ -106,6 +106,11 @@ pub struct GenerateArgs {
     /// Stop when this text appears (repeatable); it is not printed.
     #[arg(long)]
     pub stop: Vec<String>,
+    /// Speculative decoding: `mtp` verifies one draft token a step from the checkpoint's MTP
+    /// head (the original bf16 release has it; MLX conversions drop it). Greedy
+    /// (--temperature 0), CPU backend; the output is the plain greedy sequence.
+    #[arg(long, value_parser = ["mtp"])]
+    pub speculative: Option<String>,
 }
 
 /// Server settings.

@@ -80,21 +80,28 @@ impl Drafter for MtpDrafter<'_> {
     }
 }
 
+/// Fails, saying where to find one, unless the model has an MTP head.
+pub fn require_mtp(model: &CpuModel) -> Result<()> {
+    if model.weights.mtp.is_none() {
+        bail!("the checkpoint has no MTP head (mtp.*): MLX conversions drop it; the original bf16 checkpoint, or `osprey synth --mtp`, has one");
+    }
+    Ok(())
+}
+
 /// Generates up to `max_tokens` greedy tokens after `prompt` from a fresh state with drafts
-/// from the checkpoint's MTP head, ending after a token for which `stop` holds; `valid` bounds
-/// the ids chosen (the tokenizer's vocabulary).
+/// from the checkpoint's MTP head; each token goes to `on_token` as it is chosen, and the run
+/// ends after a token for which it returns false. `valid` bounds the ids chosen (the
+/// tokenizer's vocabulary).
 pub fn mtp_greedy(
     model: &CpuModel,
     prompt: &[u32],
     max_tokens: usize,
     valid: usize,
-    stop: &dyn Fn(u32) -> bool,
+    on_token: &mut dyn FnMut(u32) -> bool,
 ) -> Result<SpeculativeRun> {
-    if model.weights.mtp.is_none() {
-        bail!("the checkpoint has no MTP head (mtp.*): MLX conversions drop it; the original bf16 checkpoint, or `osprey synth --mtp`, has one");
-    }
+    require_mtp(model)?;
     let mut drafter = MtpDrafter::new(model, valid);
-    speculative_greedy(model, &mut drafter, prompt, max_tokens, valid, stop)
+    speculative_greedy(model, &mut drafter, prompt, max_tokens, valid, on_token)
 }
 
 /// [`mtp_greedy`] with any drafter.
@@ -104,7 +111,7 @@ pub fn speculative_greedy(
     prompt: &[u32],
     max_tokens: usize,
     valid: usize,
-    stop: &dyn Fn(u32) -> bool,
+    on_token: &mut dyn FnMut(u32) -> bool,
 ) -> Result<SpeculativeRun> {
     let c = model.config();
     let (vocab, h) = (c.vocab_size, c.hidden_size);
@@ -120,37 +127,42 @@ pub fn speculative_greedy(
     if max_tokens == 0 {
         return Ok(run);
     }
+    // hands a token on; whether the run goes on after it
+    let mut emit = |run: &mut SpeculativeRun, t: u32| {
+        run.tokens.push(t);
+        on_token(t) && run.tokens.len() < max_tokens
+    };
     let mut state = SessionState::new(c);
     let (logits, hidden) = model.forward_hidden(&mut state, prompt, GdnForm::Auto)?;
     let mut next = choose(&logits, vocab, prompt.len() - 1, valid);
-    run.tokens.push(next);
-    // the prompt's pairs: the hidden state at t with the token at t + 1
-    let followers: Vec<u32> = prompt[1..].iter().copied().chain([next]).collect();
-    let mut draft = drafter.draft(&hidden, &followers)?;
-
-    while run.tokens.len() < max_tokens && !stop(next) {
+    let mut go = emit(&mut run, next);
+    let mut draft = 0;
+    if go {
+        // the prompt's pairs: the hidden state at t with the token at t + 1
+        let followers: Vec<u32> = prompt[1..].iter().copied().chain([next]).collect();
+        draft = drafter.draft(&hidden, &followers)?;
+    }
+    while go {
         let before = state.clone();
         let (rows, hidden) =
             model.forward_hidden(&mut state, &[next, draft], GdnForm::Recurrent)?;
         run.steps += 1;
         let first = choose(&rows, vocab, 0, valid);
-        run.tokens.push(first);
-        if first == draft {
-            run.accepted += 1;
-        }
-        let more = run.tokens.len() < max_tokens && !stop(first);
-        if first == draft && more {
+        let agreed = first == draft;
+        run.accepted += usize::from(agreed);
+        go = emit(&mut run, first);
+        if agreed && go {
             let second = choose(&rows, vocab, 1, valid);
-            run.tokens.push(second);
-            draft = drafter.draft(&hidden, &[first, second])?;
+            go = emit(&mut run, second);
+            if go {
+                draft = drafter.draft(&hidden, &[first, second])?;
+            }
             next = second;
-        } else {
-            // the state ran the draft too: back to before the step, then the accepted token
+        } else if go {
+            // the state ran the wrong draft too: back to before the step, then the token
             state = before;
             model.forward(&mut state, &[next], GdnForm::Recurrent, LogitsFor::None)?;
-            if more {
-                draft = drafter.draft(&hidden[..h], &[first])?;
-            }
+            draft = drafter.draft(&hidden[..h], &[first])?;
             next = first;
         }
     }
@@ -204,8 +216,14 @@ mod tests {
         let prompt = [11u32, 4012, 77, 9001, 3, 150_000, 42];
         let valid = model.config().vocab_size;
         let want = plain_greedy(&model, &prompt, 24, valid);
-        let got = mtp_greedy(&model, &prompt, 24, valid, &|_| false).unwrap();
+        let mut handed = Vec::new();
+        let got = mtp_greedy(&model, &prompt, 24, valid, &mut |t| {
+            handed.push(t);
+            true
+        })
+        .unwrap();
         assert_eq!(got.tokens, want);
+        assert_eq!(handed, want, "each token handed on once, in order");
         assert!(got.steps > 0 && got.accepted <= got.steps);
     }
 
@@ -239,7 +257,8 @@ mod tests {
             prompt_pairs: prompt.len() - 1,
             seen: 0,
         };
-        let run = speculative_greedy(&model, &mut oracle, &prompt, 9, valid, &|_| false).unwrap();
+        let run =
+            speculative_greedy(&model, &mut oracle, &prompt, 9, valid, &mut |_| true).unwrap();
         assert_eq!(run.tokens, want);
         assert_eq!((run.steps, run.accepted), (4, 4));
     }
@@ -261,7 +280,7 @@ mod tests {
         let want = plain_greedy(&model, &prompt, 8, valid);
         assert!(!want.contains(&0), "the contrarian's draft must be wrong");
         let run =
-            speculative_greedy(&model, &mut Contrarian, &prompt, 8, valid, &|_| false).unwrap();
+            speculative_greedy(&model, &mut Contrarian, &prompt, 8, valid, &mut |_| true).unwrap();
         assert_eq!(run.tokens, want);
         assert_eq!((run.steps, run.accepted), (7, 0));
     }
@@ -273,12 +292,12 @@ mod tests {
         let valid = model.config().vocab_size;
         let want = plain_greedy(&model, &prompt, 12, valid);
         for n in [1, 2, 5, 12] {
-            let run = mtp_greedy(&model, &prompt, n, valid, &|_| false).unwrap();
+            let run = mtp_greedy(&model, &prompt, n, valid, &mut |_| true).unwrap();
             assert_eq!(run.tokens, want[..n]);
         }
         let at = want[3];
         let end = want.iter().position(|&t| t == at).unwrap();
-        let run = mtp_greedy(&model, &prompt, 12, valid, &|t| t == at).unwrap();
+        let run = mtp_greedy(&model, &prompt, 12, valid, &mut |t| t != at).unwrap();
         assert_eq!(run.tokens, want[..=end]);
     }
 
@@ -297,7 +316,7 @@ mod tests {
         )
         .unwrap();
         let model = CpuModel::new(ModelWeights::load(dir.path()).unwrap());
-        let err = mtp_greedy(&model, &[1, 2], 4, 1000, &|_| false).unwrap_err();
+        let err = mtp_greedy(&model, &[1, 2], 4, 1000, &mut |_| true).unwrap_err();
         assert!(err.to_string().contains("no MTP head"), "{err}");
     }
 }
