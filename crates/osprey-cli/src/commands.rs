@@ -9,7 +9,7 @@ use osprey_engine::generate::{
     generate as run_generation, GenerateOptions, ReasoningBudget, TokenText,
 };
 use osprey_engine::sampler::SamplingParams;
-use osprey_engine::Engine;
+use osprey_engine::{speculative, Engine};
 use osprey_model::checkpoint::Checkpoint;
 use osprey_model::convert::{quantize_checkpoint, QuantizeOptions};
 use osprey_model::synth::{write_checkpoint, Preset, SynthOptions};
@@ -327,8 +327,8 @@ fn prompt_ids(format: &PromptFormat, g: &GenerateArgs) -> Result<Vec<u32>> {
     Ok(ids)
 }
 
-/// `osprey generate --speculative mtp`: greedy tokens verified two at a time on the CPU, with
-/// drafts from the checkpoint's MTP head.
+/// `osprey generate --speculative mtp|ngram`: greedy tokens verified two at a time on the CPU,
+/// with drafts from the checkpoint's MTP head or by prompt lookup.
 fn generate_speculative(args: &ModelArgs, g: &GenerateArgs, sampling: &SamplingArgs) -> Result<()> {
     if args.backend != "cpu" {
         bail!("--speculative runs on the CPU backend so far (--backend cpu): the GPU's decode step takes one token");
@@ -355,7 +355,10 @@ fn generate_speculative(args: &ModelArgs, g: &GenerateArgs, sampling: &SamplingA
     let started = std::time::Instant::now();
     let mut model = osprey_engine::cpu::forward::CpuModel::new(ModelWeights::load(&dir)?);
     model.kv_cache = args.kv_cache;
-    osprey_engine::speculative::require_mtp(&model)?;
+    let by_mtp = g.speculative.as_deref() == Some("mtp");
+    if by_mtp {
+        speculative::require_mtp(&model)?;
+    }
     info!(
         "loaded {} on cpu in {:.2} s",
         dir.display(),
@@ -369,12 +372,24 @@ fn generate_speculative(args: &ModelArgs, g: &GenerateArgs, sampling: &SamplingA
         write!(out, "{}", g.prompt)?;
     }
     let started = std::time::Instant::now();
-    let run =
-        osprey_engine::speculative::mtp_greedy(&model, &ids, g.max_tokens, valid, &mut |t| {
-            let _ = write!(out, "{}", detok.push(t));
-            let _ = out.flush();
-            !format.stop_ids.contains(&t)
-        })?;
+    let mut on_token = |t| {
+        let _ = write!(out, "{}", detok.push(t));
+        let _ = out.flush();
+        !format.stop_ids.contains(&t)
+    };
+    let run = if by_mtp {
+        speculative::mtp_greedy(&model, &ids, g.max_tokens, valid, &mut on_token)?
+    } else {
+        let mut drafter = speculative::NgramDrafter::new(ids[0], 3);
+        speculative::speculative_greedy(
+            &model,
+            &mut drafter,
+            &ids,
+            g.max_tokens,
+            valid,
+            &mut on_token,
+        )?
+    };
     let seconds = started.elapsed().as_secs_f64();
     writeln!(out, "{}", detok.flush())?;
     eprintln!(

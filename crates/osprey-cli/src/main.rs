@@ -106,10 +106,12 @@ pub struct GenerateArgs {
     /// Stop when this text appears (repeatable); it is not printed.
     #[arg(long)]
     pub stop: Vec<String>,
-    /// Speculative decoding: `mtp` verifies one draft token a step from the checkpoint's MTP
-    /// head (the original bf16 release has it; MLX conversions drop it). Greedy
-    /// (--temperature 0), CPU backend; the output is the plain greedy sequence.
-    #[arg(long, value_parser = ["mtp"])]
+    /// Speculative decoding, one draft token verified a step: `mtp` drafts with the
+    /// checkpoint's MTP head (the original bf16 release has it; MLX conversions drop it),
+    /// `ngram` by prompt lookup (the token that followed the latest earlier occurrence of the
+    /// last 1-3 tokens; any checkpoint). Greedy (--temperature 0), CPU backend; the output is
+    /// the plain greedy sequence.
+    #[arg(long, value_parser = ["mtp", "ngram"])]
     pub speculative: Option<String>,
 }
 

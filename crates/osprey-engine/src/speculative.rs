@@ -1,8 +1,9 @@
-//! Greedy decoding with drafts from the checkpoint's MTP head (model-spec §7), on the CPU: the
-//! reference for verifying more than one token a step.
+//! Greedy decoding that verifies a drafted token a step, on the CPU: the reference for running
+//! more than one token a step. Drafts come from the checkpoint's MTP head (model-spec §7) or
+//! from the context by prompt lookup (n-grams).
 //!
-//! Each step runs the main model over two tokens at once, the token chosen last and the MTP
-//! head's guess of the one after it. The first row's logits choose the true next token; when it
+//! Each step runs the main model over two tokens at once, the token chosen last and the
+//! drafter's guess of the one after it. The first row's logits choose the true next token; when it
 //! equals the guess, the second row's logits are valid too and choose one more, so the step
 //! yields two tokens. When it does not, the second row was computed on a wrong token: the
 //! attention caches could drop it, but the Gated DeltaNet state has already absorbed it and cannot
@@ -47,12 +48,13 @@ fn choose(rows: &[f32], vocab: usize, i: usize, valid: usize) -> u32 {
     argmax(&rows[i * vocab..i * vocab + valid]) as u32
 }
 
-/// Proposes the token after next from the main model's final-normed hidden states.
+/// Proposes the token after next.
 pub trait Drafter {
     /// Takes the pairs the main model has accepted since the last call, in order: row i of
-    /// `hidden` (`[n, hidden]`) is a position's hidden state and `followers[i]` the token chosen
-    /// after it; returns a guess of the token after the last follower.
-    fn draft(&mut self, hidden: &[f32], followers: &[u32]) -> Result<u32>;
+    /// `hidden` (`[n, hidden]`) is a position's final-normed hidden state and `followers[i]` the
+    /// token chosen after it; returns a guess of the token after the last follower, or none
+    /// (the next step then runs one token).
+    fn draft(&mut self, hidden: &[f32], followers: &[u32]) -> Result<Option<u32>>;
 }
 
 /// Drafts with the checkpoint's MTP head, keeping its KV cache.
@@ -73,10 +75,51 @@ impl<'a> MtpDrafter<'a> {
 }
 
 impl Drafter for MtpDrafter<'_> {
-    fn draft(&mut self, hidden: &[f32], followers: &[u32]) -> Result<u32> {
+    fn draft(&mut self, hidden: &[f32], followers: &[u32]) -> Result<Option<u32>> {
         let rows = self.model.mtp_forward(&mut self.cache, hidden, followers)?;
         let vocab = self.model.config().vocab_size;
-        Ok(choose(&rows, vocab, followers.len() - 1, self.valid))
+        Ok(Some(choose(&rows, vocab, followers.len() - 1, self.valid)))
+    }
+}
+
+/// Drafts by prompt lookup: the token that followed the latest earlier occurrence of the
+/// sequence's last `n` tokens (the longest `n` up to `max_n` that occurs), none when no suffix
+/// recurs. Costs no model work and needs no extra weights, so it runs on any checkpoint; it
+/// pays where a reply copies its context (code edits, quoted tool output, repeated names).
+pub struct NgramDrafter {
+    tokens: Vec<u32>,
+    max_n: usize,
+}
+
+impl NgramDrafter {
+    /// `first`: the prompt's first token (later tokens arrive as the followers of the first
+    /// call).
+    pub fn new(first: u32, max_n: usize) -> Self {
+        NgramDrafter {
+            tokens: vec![first],
+            max_n: max_n.max(1),
+        }
+    }
+
+    fn lookup(&self) -> Option<u32> {
+        let t = &self.tokens;
+        (1..=self.max_n.min(t.len().saturating_sub(1)))
+            .rev()
+            .find_map(|n| {
+                let suffix = &t[t.len() - n..];
+                // latest start before the suffix's own, whose match has a token after it
+                (0..t.len() - n)
+                    .rev()
+                    .find(|&s| &t[s..s + n] == suffix)
+                    .map(|s| t[s + n])
+            })
+    }
+}
+
+impl Drafter for NgramDrafter {
+    fn draft(&mut self, _hidden: &[f32], followers: &[u32]) -> Result<Option<u32>> {
+        self.tokens.extend_from_slice(followers);
+        Ok(self.lookup())
     }
 }
 
@@ -136,19 +179,29 @@ pub fn speculative_greedy(
     let (logits, hidden) = model.forward_hidden(&mut state, prompt, GdnForm::Auto)?;
     let mut next = choose(&logits, vocab, prompt.len() - 1, valid);
     let mut go = emit(&mut run, next);
-    let mut draft = 0;
+    let mut draft = None;
     if go {
         // the prompt's pairs: the hidden state at t with the token at t + 1
         let followers: Vec<u32> = prompt[1..].iter().copied().chain([next]).collect();
         draft = drafter.draft(&hidden, &followers)?;
     }
     while go {
+        let Some(guess) = draft else {
+            // no draft: a plain one-token step
+            let (rows, hidden) = model.forward_hidden(&mut state, &[next], GdnForm::Recurrent)?;
+            next = choose(&rows, vocab, 0, valid);
+            go = emit(&mut run, next);
+            if go {
+                draft = drafter.draft(&hidden, &[next])?;
+            }
+            continue;
+        };
         let before = state.clone();
         let (rows, hidden) =
-            model.forward_hidden(&mut state, &[next, draft], GdnForm::Recurrent)?;
+            model.forward_hidden(&mut state, &[next, guess], GdnForm::Recurrent)?;
         run.steps += 1;
         let first = choose(&rows, vocab, 0, valid);
-        let agreed = first == draft;
+        let agreed = first == guess;
         run.accepted += usize::from(agreed);
         go = emit(&mut run, first);
         if agreed && go {
@@ -236,13 +289,14 @@ mod tests {
     }
 
     impl Drafter for Oracle {
-        fn draft(&mut self, _hidden: &[f32], followers: &[u32]) -> Result<u32> {
+        fn draft(&mut self, _hidden: &[f32], followers: &[u32]) -> Result<Option<u32>> {
             self.seen += followers.len();
-            Ok(self
-                .want
-                .get(self.seen - self.prompt_pairs)
-                .copied()
-                .unwrap_or(0))
+            Ok(Some(
+                self.want
+                    .get(self.seen - self.prompt_pairs)
+                    .copied()
+                    .unwrap_or(0),
+            ))
         }
     }
 
@@ -267,8 +321,8 @@ mod tests {
     struct Contrarian;
 
     impl Drafter for Contrarian {
-        fn draft(&mut self, _hidden: &[f32], _followers: &[u32]) -> Result<u32> {
-            Ok(0)
+        fn draft(&mut self, _hidden: &[f32], _followers: &[u32]) -> Result<Option<u32>> {
+            Ok(Some(0))
         }
     }
 
@@ -283,6 +337,72 @@ mod tests {
             speculative_greedy(&model, &mut Contrarian, &prompt, 8, valid, &mut |_| true).unwrap();
         assert_eq!(run.tokens, want);
         assert_eq!((run.steps, run.accepted), (7, 0));
+    }
+
+    /// Never drafts: every step is a plain one-token step.
+    struct Silent;
+
+    impl Drafter for Silent {
+        fn draft(&mut self, _hidden: &[f32], _followers: &[u32]) -> Result<Option<u32>> {
+            Ok(None)
+        }
+    }
+
+    #[test]
+    fn steps_without_a_draft_run_one_token() {
+        let (_dir, model) = tiny_with_mtp(2);
+        let prompt = [9u32, 8, 7, 6];
+        let valid = model.config().vocab_size;
+        let want = plain_greedy(&model, &prompt, 6, valid);
+        let run =
+            speculative_greedy(&model, &mut Silent, &prompt, 6, valid, &mut |_| true).unwrap();
+        assert_eq!(run.tokens, want);
+        assert_eq!((run.steps, run.accepted), (0, 0));
+    }
+
+    #[test]
+    fn ngram_drafts_give_the_greedy_sequence() {
+        let (_dir, model) = tiny_with_mtp(2);
+        let valid = model.config().vocab_size;
+        // a prompt that already holds the first token the model answers with (random weights
+        // seldom repeat themselves): prepend the answer until it stops changing
+        let mut prompt = vec![40u32, 41, 42, 43, 40, 41];
+        let mut first = plain_greedy(&model, &prompt, 1, valid)[0];
+        for _ in 0..4 {
+            prompt.insert(0, first);
+            let again = plain_greedy(&model, &prompt, 1, valid)[0];
+            if again == first {
+                break;
+            }
+            prompt.remove(0);
+            first = again;
+        }
+        let want = plain_greedy(&model, &prompt, 12, valid);
+        assert_eq!(want[0], prompt[0], "a prompt holding its own answer");
+        let mut drafter = NgramDrafter::new(prompt[0], 3);
+        let run =
+            speculative_greedy(&model, &mut drafter, &prompt, 12, valid, &mut |_| true).unwrap();
+        assert_eq!(run.tokens, want);
+        assert!(
+            run.steps > 0,
+            "the answer's first token recurs, so it is drafted after"
+        );
+    }
+
+    #[test]
+    fn ngram_lookup_takes_the_longest_recurring_suffix_latest_first() {
+        let drafted = |tokens: &[u32], max_n| {
+            let mut d = NgramDrafter::new(tokens[0], max_n);
+            d.draft(&[], &tokens[1..]).unwrap()
+        };
+        assert_eq!(drafted(&[1, 2, 3, 4, 1, 2], 3), Some(3));
+        // [1, 2] recurs (then 9) though [2] recurs later (then 7)
+        assert_eq!(drafted(&[1, 2, 9, 2, 7, 1, 2], 2), Some(9));
+        assert_eq!(drafted(&[1, 2, 9, 2, 7, 1, 2], 1), Some(7));
+        // the latest of two earlier matches
+        assert_eq!(drafted(&[5, 1, 5, 2, 5], 1), Some(2));
+        assert_eq!(drafted(&[5, 6, 7], 3), None);
+        assert_eq!(drafted(&[5], 3), None);
     }
 
     #[test]
