@@ -1,5 +1,6 @@
-//! `osprey bench prefill|decode`: throughput per length, repeated rounds, median and spread,
-//! written as JSON (kind, backend, device, commit, date, command, results) for bench/results/.
+//! `osprey bench prefill|decode|speculative`: throughput per length (or per drafter), repeated
+//! rounds, median and spread, written as JSON (kind, backend, device, commit, date, command,
+//! results) for bench/results/.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -55,6 +56,27 @@ pub enum BenchKind {
         /// tools/timeline_kernels.py and loaded through OSPREY_KERNELS_DIR.
         #[arg(long)]
         timeline: Option<PathBuf>,
+    },
+    /// Greedy generation verifying one drafted token a step (CPU): decode tokens/s per drafter
+    /// against one-token steps, with the share of drafts accepted. `known` drafts the plain
+    /// run's own tokens (every draft right: the two-row step's best case); `mtp` needs a
+    /// checkpoint with the MTP head and is skipped without one.
+    Speculative {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Random prompt tokens before generation.
+        #[arg(long, default_value_t = 64)]
+        prompt_tokens: usize,
+        /// Tokens generated per round.
+        #[arg(long, default_value_t = 32)]
+        tokens: usize,
+        /// Drafters, from none, known, ngram, mtp.
+        #[arg(long, default_value = "none,known,ngram,mtp")]
+        drafts: String,
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        #[arg(long)]
+        out: Option<PathBuf>,
     },
 }
 
@@ -128,29 +150,52 @@ fn random_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
 
 pub fn run(kind: BenchKind) -> Result<()> {
     let command = std::env::args().collect::<Vec<_>>().join(" ");
-    let (kind_name, model, lengths, rounds, out) = match &kind {
+    // decode: Some((steps timed a round, sample, timeline))
+    let (kind_name, model, lengths, rounds, out, decode) = match &kind {
         BenchKind::Prefill {
             model,
             prompt,
             rounds,
             out,
-        } => ("prefill", model, parse_lengths(prompt)?, *rounds, out),
+        } => ("prefill", model, parse_lengths(prompt)?, *rounds, out, None),
         BenchKind::Decode {
             model,
             context,
             rounds,
             out,
-            ..
-        } => ("decode", model, parse_lengths(context)?, *rounds, out),
+            steps,
+            sample,
+            timeline,
+        } => (
+            "decode",
+            model,
+            parse_lengths(context)?,
+            *rounds,
+            out,
+            Some((*steps, *sample, timeline.as_deref())),
+        ),
+        BenchKind::Speculative {
+            model,
+            prompt_tokens,
+            tokens,
+            drafts,
+            rounds,
+            out,
+        } => {
+            let runs = SpeculativeBench {
+                prompt_tokens: *prompt_tokens,
+                tokens: *tokens,
+                drafts,
+                rounds: *rounds,
+            };
+            return speculative(model, &runs, &command, out.as_deref());
+        }
     };
     if rounds == 0 {
         bail!("--rounds must be at least 1");
     }
-    let sample = matches!(&kind, BenchKind::Decode { sample: true, .. });
-    let timeline = match &kind {
-        BenchKind::Decode { timeline, .. } => timeline.as_deref(),
-        BenchKind::Prefill { .. } => None,
-    };
+    let sample = decode.is_some_and(|(_, sample, _)| sample);
+    let timeline = decode.and_then(|(_, _, timeline)| timeline);
     if timeline.is_some() && model.backend != "cuda" {
         bail!("--timeline needs --backend cuda (it reads marks recorded by instrumented kernels)");
     }
@@ -161,17 +206,17 @@ pub fn run(kind: BenchKind) -> Result<()> {
             dir: &dir,
             kv: model.kv_cache,
         };
-        return match &kind {
-            BenchKind::Decode { steps, .. } => cuda_decode(
+        return match decode {
+            Some((steps, _, _)) => cuda_decode(
                 &gpu_model,
                 &lengths,
-                *steps,
+                steps,
                 rounds,
                 sampling,
                 out.as_deref(),
                 timeline,
             ),
-            BenchKind::Prefill { .. } => cuda_prefill(
+            None => cuda_prefill(
                 &gpu_model,
                 model.prefill_chunk,
                 &lengths,
@@ -188,8 +233,8 @@ pub fn run(kind: BenchKind) -> Result<()> {
     let mut results = Vec::new();
     for (li, &len) in lengths.iter().enumerate() {
         let mut per_round = Vec::new();
-        match &kind {
-            BenchKind::Prefill { .. } => {
+        match decode {
+            None => {
                 let tokens = random_tokens(len, vocab, li as u64);
                 if li == 0 {
                     engine.prefill(&mut engine.new_session(), &tokens[..len.min(64)])?;
@@ -201,7 +246,7 @@ pub fn run(kind: BenchKind) -> Result<()> {
                     per_round.push(t.tokens_per_s());
                 }
             }
-            BenchKind::Decode { steps, .. } => {
+            Some((steps, _, _)) => {
                 let tokens = random_tokens(len, vocab, li as u64);
                 let mut s = engine.new_session();
                 let (first, _) = engine.prefill(&mut s, &tokens)?;
@@ -222,10 +267,10 @@ pub fn run(kind: BenchKind) -> Result<()> {
                     // a device rebuilds it there from the session's tokens
                     let mut next = choose(&engine.decode(&mut s, argmax(&first) as u32)?);
                     let start = Instant::now();
-                    for _ in 0..*steps {
+                    for _ in 0..steps {
                         next = choose(&engine.decode(&mut s, next)?);
                     }
-                    per_round.push(*steps as f64 / start.elapsed().as_secs_f64());
+                    per_round.push(steps as f64 / start.elapsed().as_secs_f64());
                 }
             }
         }
@@ -258,7 +303,12 @@ pub fn run(kind: BenchKind) -> Result<()> {
         "sampling": sampling.as_ref().map(sampling_json),
         "results": results,
     });
-    let text = serde_json::to_string_pretty(&report)?;
+    write_report(&report, out.as_deref())
+}
+
+/// The report as JSON into `out`, or on stdout.
+fn write_report(report: &serde_json::Value, out: Option<&std::path::Path>) -> Result<()> {
+    let text = serde_json::to_string_pretty(report)?;
     match out {
         Some(path) => {
             if let Some(parent) = path.parent() {
@@ -271,6 +321,122 @@ pub fn run(kind: BenchKind) -> Result<()> {
         None => println!("{text}"),
     }
     Ok(())
+}
+
+/// `bench speculative`'s settings.
+struct SpeculativeBench<'a> {
+    prompt_tokens: usize,
+    tokens: usize,
+    drafts: &'a str,
+    rounds: usize,
+}
+
+/// Greedy generation on the CPU with each drafter: decode tokens/s (from the first token to the
+/// last, the prompt's prefill left out), steps, drafts accepted; every run's tokens checked
+/// against the one-token run's.
+fn speculative(
+    model: &ModelArgs,
+    b: &SpeculativeBench,
+    command: &str,
+    out: Option<&std::path::Path>,
+) -> Result<()> {
+    use osprey_engine::cpu::forward::CpuModel;
+    use osprey_engine::speculative::{self as spec, Drafter};
+    if model.backend != "cpu" {
+        bail!("bench speculative runs on the CPU backend (--backend cpu): the GPU's decode step takes one token");
+    }
+    if b.rounds == 0 || b.tokens < 2 || b.prompt_tokens == 0 {
+        bail!("bench speculative needs --rounds >= 1, --tokens >= 2 and --prompt-tokens >= 1");
+    }
+    let drafts: Vec<&str> = b.drafts.split(',').map(str::trim).collect();
+    if let Some(bad) = drafts
+        .iter()
+        .find(|d| !matches!(**d, "none" | "known" | "ngram" | "mtp"))
+    {
+        bail!("--drafts: unknown drafter \"{bad}\" (expected none, known, ngram, mtp)");
+    }
+    let dir = crate::commands::model_dir(model)?;
+    let mut cpu = CpuModel::new(osprey_model::ModelWeights::load(&dir)?);
+    cpu.kv_cache = model.kv_cache;
+    let c = cpu.config().clone();
+    let vocab = c.vocab_size.min(248_077);
+    let prompt = random_tokens(b.prompt_tokens, vocab, 7);
+    let timed = |drafter: &mut dyn Drafter| -> Result<(spec::SpeculativeRun, f64)> {
+        let mut first_at = None;
+        let run = spec::speculative_greedy(&cpu, drafter, &prompt, b.tokens, vocab, &mut |_| {
+            first_at.get_or_insert_with(Instant::now);
+            true
+        })?;
+        let since_first = first_at.map_or(0.0, |t| t.elapsed().as_secs_f64());
+        let rate = (run.tokens.len() - 1) as f64 / since_first;
+        Ok((run, rate))
+    };
+    let (reference, _) = timed(&mut spec::NoDraft)?;
+    let mut results = Vec::new();
+    let mut baseline = None;
+    for name in drafts {
+        if name == "mtp" && cpu.weights.mtp.is_none() {
+            info!("speculative mtp: skipped (the checkpoint has no MTP head)");
+            continue;
+        }
+        let mut per_round = Vec::new();
+        let mut last = None;
+        for _ in 0..b.rounds {
+            let mut drafter: Box<dyn Drafter> = match name {
+                "none" => Box::new(spec::NoDraft),
+                "known" => Box::new(spec::KnownAnswer::new(
+                    reference.tokens.clone(),
+                    prompt.len(),
+                )),
+                "ngram" => Box::new(spec::NgramDrafter::new(prompt[0], 3)),
+                _ => Box::new(spec::MtpDrafter::new(&cpu, vocab)),
+            };
+            let (run, tps) = timed(drafter.as_mut())?;
+            if run.tokens != reference.tokens {
+                bail!("speculative {name}: the tokens differ from one-token steps'");
+            }
+            per_round.push(tps);
+            last = Some(run);
+        }
+        let Some(run) = last else { continue };
+        let med = median(&mut per_round.clone());
+        let base = *baseline.get_or_insert(med);
+        info!(
+            "speculative {name:>5}: {med:>8.2} tok/s ({:.2}x one-token steps), {} two-row steps, {} drafts accepted ({:.0}%)",
+            med / base,
+            run.steps,
+            run.accepted,
+            100.0 * run.acceptance()
+        );
+        results.push(json!({
+            "drafts": name,
+            "tokens_per_s": med,
+            "rounds": per_round,
+            "two_row_steps": run.steps,
+            "accepted": run.accepted,
+            "acceptance": run.acceptance(),
+            "tokens": run.tokens.len(),
+        }));
+    }
+    let report = json!({
+        "kind": "speculative",
+        "backend": "cpu",
+        "device": cpu_name(),
+        "host": cpu_name(),
+        "commit": git_commit(),
+        "date": utc_now(),
+        "command": command,
+        "model": {
+            "dir": dir.display().to_string(),
+            "layers": c.num_layers(),
+            "hidden_size": c.hidden_size,
+            "mtp_head": cpu.weights.mtp.is_some(),
+        },
+        "prompt_tokens": b.prompt_tokens,
+        "method": "greedy generation after a random prompt; tokens/s from the first generated token to the last (prefill left out), median of rounds; every drafter's tokens equal the one-token run's",
+        "results": results,
+    });
+    write_report(&report, out)
 }
 
 /// The sampling settings of the checkpoint's generation_config.json (bench decode --sample).

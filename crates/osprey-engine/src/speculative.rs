@@ -123,6 +123,42 @@ impl Drafter for NgramDrafter {
     }
 }
 
+/// Never drafts: every step runs one token (the baseline a drafter is measured against).
+pub struct NoDraft;
+
+impl Drafter for NoDraft {
+    fn draft(&mut self, _hidden: &[f32], _followers: &[u32]) -> Result<Option<u32>> {
+        Ok(None)
+    }
+}
+
+/// Drafts a known answer (the greedy tokens of an earlier run): every draft is right, so each
+/// step yields two tokens; the best case of the two-row step, for tests and benchmarks.
+pub struct KnownAnswer {
+    answer: Vec<u32>,
+    /// pairs seen so far, counted from the prompt's first (which has none)
+    seen: usize,
+    prompt: usize,
+}
+
+impl KnownAnswer {
+    pub fn new(answer: Vec<u32>, prompt_len: usize) -> Self {
+        KnownAnswer {
+            answer,
+            seen: 1,
+            prompt: prompt_len,
+        }
+    }
+}
+
+impl Drafter for KnownAnswer {
+    fn draft(&mut self, _hidden: &[f32], followers: &[u32]) -> Result<Option<u32>> {
+        self.seen += followers.len();
+        // `seen - prompt` answer tokens are known to the model: the next is the draft
+        Ok(self.answer.get(self.seen - self.prompt).copied())
+    }
+}
+
 /// Fails, saying where to find one, unless the model has an MTP head.
 pub fn require_mtp(model: &CpuModel) -> Result<()> {
     if model.weights.mtp.is_none() {
@@ -280,37 +316,13 @@ mod tests {
         assert!(got.steps > 0 && got.accepted <= got.steps);
     }
 
-    /// Drafts the known greedy answer: every draft is right.
-    struct Oracle {
-        want: Vec<u32>,
-        /// the prompt's pairs, seen before the first generated token's
-        prompt_pairs: usize,
-        seen: usize,
-    }
-
-    impl Drafter for Oracle {
-        fn draft(&mut self, _hidden: &[f32], followers: &[u32]) -> Result<Option<u32>> {
-            self.seen += followers.len();
-            Ok(Some(
-                self.want
-                    .get(self.seen - self.prompt_pairs)
-                    .copied()
-                    .unwrap_or(0),
-            ))
-        }
-    }
-
     #[test]
     fn drafts_that_are_always_right_yield_two_tokens_a_step() {
         let (_dir, model) = tiny_with_mtp(4);
         let prompt = [5u32, 6, 7];
         let valid = model.config().vocab_size;
         let want = plain_greedy(&model, &prompt, 9, valid);
-        let mut oracle = Oracle {
-            want: want.clone(),
-            prompt_pairs: prompt.len() - 1,
-            seen: 0,
-        };
+        let mut oracle = KnownAnswer::new(want.clone(), prompt.len());
         let run =
             speculative_greedy(&model, &mut oracle, &prompt, 9, valid, &mut |_| true).unwrap();
         assert_eq!(run.tokens, want);
@@ -339,15 +351,6 @@ mod tests {
         assert_eq!((run.steps, run.accepted), (7, 0));
     }
 
-    /// Never drafts: every step is a plain one-token step.
-    struct Silent;
-
-    impl Drafter for Silent {
-        fn draft(&mut self, _hidden: &[f32], _followers: &[u32]) -> Result<Option<u32>> {
-            Ok(None)
-        }
-    }
-
     #[test]
     fn steps_without_a_draft_run_one_token() {
         let (_dir, model) = tiny_with_mtp(2);
@@ -355,7 +358,7 @@ mod tests {
         let valid = model.config().vocab_size;
         let want = plain_greedy(&model, &prompt, 6, valid);
         let run =
-            speculative_greedy(&model, &mut Silent, &prompt, 6, valid, &mut |_| true).unwrap();
+            speculative_greedy(&model, &mut NoDraft, &prompt, 6, valid, &mut |_| true).unwrap();
         assert_eq!(run.tokens, want);
         assert_eq!((run.steps, run.accepted), (0, 0));
     }

@@ -123,7 +123,9 @@ pub fn quantize_checkpoint(
         .any(|(n, t)| n.ends_with("conv1d.weight") && t.shape.last() != Some(&1));
     let mut jobs = Vec::new();
     for (name, t) in &ck.tensors {
-        if config.tie_word_embeddings && name == "lm_head.weight" {
+        // mlx_lm convert drops the MTP head (the loader keeps it for speculative decoding)
+        let dropped = name.starts_with("mtp.");
+        if dropped || (config.tie_word_embeddings && name == "lm_head.weight") {
             continue;
         }
         plan_tensor(name, t, raw_conv, opts, &mut jobs)?;
