@@ -582,7 +582,7 @@ mod tests {
         assert_eq!(std::mem::size_of::<DecodeArgs>(), 11 * 8 + 20 + 4);
         assert_eq!(std::mem::size_of::<SampleParams>(), 8 * 4 + 8);
         assert_eq!(std::mem::size_of::<SampleArgs>(), 8 * 8 + 8 + 2 * 8 + 2 * 4);
-        assert_eq!(std::mem::size_of::<SummaryArgs>(), 3 * 8 + 4 * 4);
+        assert_eq!(std::mem::size_of::<SummaryArgs>(), 4 * 8 + 4 * 4);
         assert_eq!(std::mem::size_of::<GemmArgs>(), 14 * 8 + 8 * 4);
         // GemmArgs padded to the maps' 64-byte alignment, then 8 maps of 128 bytes
         assert_eq!(std::mem::size_of::<WgmmaArgs>(), 192 + 8 * 128);
