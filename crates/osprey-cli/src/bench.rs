@@ -283,27 +283,51 @@ pub fn run(kind: BenchKind) -> Result<()> {
             json!({"tokens": len, "tokens_per_s": med, "min": lo, "max": hi, "rounds": per_round}),
         );
     }
-    let report = json!({
-        "kind": kind_name,
-        "backend": engine.backend.name(),
-        "device": engine.backend.device_name().unwrap_or_else(cpu_name),
+    let device = engine.backend.device_name().unwrap_or_else(cpu_name);
+    let report = with_provenance(
+        kind_name,
+        engine.backend.name(),
+        &device,
+        &command,
+        json!({
+            "model": {
+                "dir": dir.display().to_string(),
+                "layers": c.num_layers(),
+                "hidden_size": c.hidden_size,
+                "num_experts": c.num_experts,
+                "experts_per_token": c.num_experts_per_tok,
+                "vocab_size": c.vocab_size,
+            },
+            "prefill_chunk": engine.prefill_chunk,
+            "sampling": sampling.as_ref().map(sampling_json),
+            "results": results,
+        }),
+    );
+    write_report(&report, out.as_deref())
+}
+
+/// A report's fields after where it was measured: kind, backend, device, host, commit, date and
+/// command.
+fn with_provenance(
+    kind: &str,
+    backend: &str,
+    device: &str,
+    command: &str,
+    fields: serde_json::Value,
+) -> serde_json::Value {
+    let mut report = json!({
+        "kind": kind,
+        "backend": backend,
+        "device": device,
         "host": cpu_name(),
         "commit": git_commit(),
         "date": utc_now(),
         "command": command,
-        "model": {
-            "dir": dir.display().to_string(),
-            "layers": c.num_layers(),
-            "hidden_size": c.hidden_size,
-            "num_experts": c.num_experts,
-            "experts_per_token": c.num_experts_per_tok,
-            "vocab_size": c.vocab_size,
-        },
-        "prefill_chunk": engine.prefill_chunk,
-        "sampling": sampling.as_ref().map(sampling_json),
-        "results": results,
     });
-    write_report(&report, out.as_deref())
+    if let (Some(head), serde_json::Value::Object(rest)) = (report.as_object_mut(), fields) {
+        head.extend(rest);
+    }
+    report
 }
 
 /// The report as JSON into `out`, or on stdout.
@@ -427,24 +451,23 @@ fn speculative(
             "tokens": run.tokens.len(),
         }));
     }
-    let report = json!({
-        "kind": "speculative",
-        "backend": "cpu",
-        "device": cpu_name(),
-        "host": cpu_name(),
-        "commit": git_commit(),
-        "date": utc_now(),
-        "command": command,
-        "model": {
-            "dir": dir.display().to_string(),
-            "layers": c.num_layers(),
-            "hidden_size": c.hidden_size,
-            "mtp_head": cpu.weights.mtp.is_some(),
-        },
-        "prompt_tokens": b.prompt_tokens,
-        "method": "greedy generation after a random prompt; tokens/s from the first generated token to the last (prefill left out), median of rounds; every drafter's tokens equal the one-token run's",
-        "results": results,
-    });
+    let report = with_provenance(
+        "speculative",
+        "cpu",
+        &cpu_name(),
+        command,
+        json!({
+            "model": {
+                "dir": dir.display().to_string(),
+                "layers": c.num_layers(),
+                "hidden_size": c.hidden_size,
+                "mtp_head": cpu.weights.mtp.is_some(),
+            },
+            "prompt_tokens": b.prompt_tokens,
+            "method": "greedy generation after a random prompt; tokens/s from the first generated token to the last (prefill left out), median of rounds; every drafter's tokens equal the one-token run's",
+            "results": results,
+        }),
+    );
     write_report(&report, out)
 }
 
