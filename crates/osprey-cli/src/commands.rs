@@ -42,7 +42,13 @@ pub fn synth(preset: &str, layers: Option<usize>, seed: u64, mtp: bool, out: &Pa
     Ok(())
 }
 
-pub fn quantize(src: &Path, out: &Path, bits: u32, group_size: usize) -> Result<()> {
+pub fn quantize(
+    src: &Path,
+    out: &Path,
+    bits: u32,
+    group_size: usize,
+    keep_mtp: bool,
+) -> Result<()> {
     let started = std::time::Instant::now();
     let report = quantize_checkpoint(
         src,
@@ -51,6 +57,7 @@ pub fn quantize(src: &Path, out: &Path, bits: u32, group_size: usize) -> Result<
             bits,
             group_size,
             show_progress: true,
+            keep_mtp,
         },
     )?;
     info!(

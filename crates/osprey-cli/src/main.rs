@@ -184,6 +184,10 @@ enum Command {
         /// Weights per scale and bias: 32, 64 or 128.
         #[arg(long, default_value_t = 64)]
         group_size: usize,
+        /// Keep the multi-token-prediction head (mtp.*), quantised as a layer is, for
+        /// `generate --speculative mtp` (mlx_lm convert drops it).
+        #[arg(long)]
+        keep_mtp: bool,
     },
     /// Generate text from a prompt, streaming it, then report tokens/s.
     Generate {
@@ -338,7 +342,8 @@ fn main() -> ExitCode {
             out,
             bits,
             group_size,
-        } => commands::quantize(&model, &out, bits, group_size),
+            keep_mtp,
+        } => commands::quantize(&model, &out, bits, group_size, keep_mtp),
         Command::Generate {
             model,
             generate,

@@ -158,6 +158,52 @@ fn hf_bf16_mtp_head_matches_its_transformers_layer() {
     assert!(err <= 1e-4, "MTP logits in pieces max |Δ| = {err}");
 }
 
+/// `osprey quantize --keep-mtp`: the head comes through quantised (its router at 8 bits, its
+/// norms shifted like the layers'), and its logits move from transformers' by what 8-bit weights
+/// cost (the main model's own bound at 8 bits: 5e-2 relative RMS); a norm left unshifted or a
+/// missing 8-bit override fails to load or moves them by their whole spread.
+#[test]
+fn quantize_keeps_the_mtp_head_when_asked() {
+    use osprey_engine::cpu::forward::{CpuModel, MtpCache};
+    use osprey_model::convert::{quantize_checkpoint, QuantizeOptions};
+    use osprey_model::tensor::MatrixData;
+    let r = Reference::load();
+    let tokens = r.tokens();
+    let (want, _) = r.get("qwen35_hf_bf16.mtp");
+    let spread = rms(&want, &vec![0.0; want.len()]);
+    let out = tempfile::tempdir().unwrap();
+    let opts = QuantizeOptions {
+        bits: 8,
+        group_size: 64,
+        show_progress: false,
+        keep_mtp: true,
+    };
+    let report =
+        quantize_checkpoint(&fixtures().join("qwen35_hf_bf16"), out.path(), &opts).unwrap();
+    let model = CpuModel::new(ModelWeights::load(out.path()).unwrap());
+    let m = model.weights.mtp.as_ref().expect("the MTP head kept");
+    assert!(matches!(
+        m.layer.moe.router.matrix.data,
+        MatrixData::Quantized { bits: 8, .. }
+    ));
+    assert!(matches!(
+        m.fc.matrix.data,
+        MatrixData::Quantized { bits: 8, .. }
+    ));
+    assert!(report.tensors > 357, "{} tensors", report.tensors);
+    let n = tokens.len() - 1;
+    let mut state = SessionState::new(model.config());
+    let (_, hidden) = model
+        .forward_hidden(&mut state, &tokens[..n], GdnForm::Auto)
+        .unwrap();
+    let got = model
+        .mtp_forward(&mut MtpCache::default(), &hidden, &tokens[1..])
+        .unwrap();
+    let err = rms(&got, &want) / spread;
+    eprintln!("8-bit MTP head: relative RMS {err:.2e}");
+    assert!(err < 0.05, "8-bit MTP logits relative RMS {err}");
+}
+
 #[test]
 fn qwen3_next_matches_transformers_f32() {
     check_f32("qwen3next_hf_bf16");
@@ -362,6 +408,7 @@ fn quantize_turns_the_hf_checkpoint_into_an_mlx_one_that_runs() {
             bits,
             group_size: 64,
             show_progress: false,
+            keep_mtp: false,
         };
         let report =
             quantize_checkpoint(&fixtures().join("qwen35_hf_bf16"), out.path(), &opts).unwrap();

@@ -3,7 +3,9 @@
 //! writes (model-spec §5.3-5.5), so the GPU backend, which runs MLX-quantised checkpoints, can load
 //! it without Python or MLX. Byte for byte what mlx-lm writes for the same source (CI converts the
 //! transformers fixture both ways and compares every tensor):
-//! - names `language_model.model.*` / `language_model.lm_head`; `mtp.*` and the vision tower dropped;
+//! - names `language_model.model.*` / `language_model.lm_head`; `mtp.*` and the vision tower
+//!   dropped (`keep_mtp` keeps the MTP head, quantised as a layer is, as `language_model.mtp.*`:
+//!   not what mlx-lm writes, but what `--speculative mtp` needs);
 //! - `experts.gate_up_proj` [E, 2I, H] split into `switch_mlp.gate_proj` / `up_proj`,
 //!   `experts.down_proj` into `switch_mlp.down_proj`;
 //! - `conv1d.weight` [C, 1, K] stored as [C, K, 1];
@@ -33,18 +35,23 @@ use crate::weights::{ModelWeights, StorageLayout};
 /// Modules mlx-lm's qwen3_5 predicate quantises at 8 bits in groups of 64, whatever the default.
 const EIGHT_BIT_MODULES: [&str; 2] = ["mlp.gate", "mlp.shared_expert_gate"];
 /// Norms stored zero-centred in the Hugging Face files and as 1 + w in MLX's.
-const SHIFTED_NORMS: [&str; 5] = [
+const SHIFTED_NORMS: [&str; 8] = [
     ".input_layernorm.weight",
     ".post_attention_layernorm.weight",
     "model.norm.weight",
     ".q_norm.weight",
     ".k_norm.weight",
+    "mtp.norm.weight",
+    "mtp.pre_fc_norm_embedding.weight",
+    "mtp.pre_fc_norm_hidden.weight",
 ];
 
 pub struct QuantizeOptions {
     pub bits: u32,
     pub group_size: usize,
     pub show_progress: bool,
+    /// Keep the MTP head (`mtp.*`) instead of dropping it as mlx-lm does.
+    pub keep_mtp: bool,
 }
 
 /// What a conversion wrote.
@@ -123,8 +130,8 @@ pub fn quantize_checkpoint(
         .any(|(n, t)| n.ends_with("conv1d.weight") && t.shape.last() != Some(&1));
     let mut jobs = Vec::new();
     for (name, t) in &ck.tensors {
-        // mlx_lm convert drops the MTP head (the loader keeps it for speculative decoding)
-        let dropped = name.starts_with("mtp.");
+        // mlx_lm convert drops the MTP head
+        let dropped = name.starts_with("mtp.") && !opts.keep_mtp;
         if dropped || (config.tie_word_embeddings && name == "lm_head.weight") {
             continue;
         }
@@ -212,7 +219,8 @@ pub fn quantize_checkpoint(
     })?;
     bar.finish_and_clear();
 
-    write_config(src, out, &config, opts)?;
+    let mtp = opts.keep_mtp && ck.tensors.keys().any(|n| n.starts_with("mtp."));
+    write_config(src, out, &config, opts, mtp)?;
     copy_other_files(src, out)?;
     // the result loads and matches its config, as any MLX checkpoint must
     ModelWeights::load(out).context("the converted checkpoint does not load")?;
@@ -370,6 +378,7 @@ fn write_config(
     out: &Path,
     config: &ModelConfig,
     opts: &QuantizeOptions,
+    mtp: bool,
 ) -> Result<()> {
     let path = src.join("config.json");
     let text = std::fs::read_to_string(&path)
@@ -380,12 +389,11 @@ fn write_config(
     q.insert("group_size".into(), json!(opts.group_size));
     q.insert("bits".into(), json!(opts.bits));
     q.insert("mode".into(), json!("affine"));
-    for i in 0..config.num_layers() {
+    let layers = (0..config.num_layers()).map(|i| format!("language_model.model.layers.{i}"));
+    let mtp_layer = mtp.then(|| "language_model.mtp.layers.0".to_string());
+    for path in layers.chain(mtp_layer) {
         for m in EIGHT_BIT_MODULES {
-            q.insert(
-                format!("language_model.model.layers.{i}.{m}"),
-                json!({"group_size": 64, "bits": 8}),
-            );
+            q.insert(format!("{path}.{m}"), json!({"group_size": 64, "bits": 8}));
         }
     }
     let map = root
