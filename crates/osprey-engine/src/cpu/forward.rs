@@ -178,10 +178,10 @@ impl CpuModel {
         Ok(x)
     }
 
-    /// The MTP head (model-spec §7) over pairs: row i takes the main model's final-normed hidden
-    /// state at position p + i (`hidden`, `[T, hidden]`) and the token that followed it
-    /// (`next[i]`), at the draft layer's position p (`cache.position`, advanced by T); returns
-    /// logits `[T, vocab]` for the token after `next[i]`.
+    /// The MTP head (model-spec §7) over pairs: row i takes a final-normed hidden state of the
+    /// main model (`hidden`, `[T, hidden]`) and the token that followed it (`next[i]`), at the
+    /// draft layer's position `cache.position + i` (advanced by T); returns logits
+    /// `[T, vocab]` for the token after `next[i]`.
     pub fn mtp_forward(
         &self,
         cache: &mut MtpCache,
