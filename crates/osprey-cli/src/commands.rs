@@ -337,8 +337,8 @@ fn prompt_ids(format: &PromptFormat, g: &GenerateArgs) -> Result<Vec<u32>> {
 /// `osprey generate --speculative mtp|ngram`: greedy tokens verified two at a time on the CPU,
 /// with drafts from the checkpoint's MTP head or by prompt lookup.
 fn generate_speculative(args: &ModelArgs, g: &GenerateArgs, sampling: &SamplingArgs) -> Result<()> {
-    if args.backend != "cpu" {
-        bail!("--speculative runs on the CPU backend so far (--backend cpu): the GPU's decode step takes one token");
+    if args.backend == "cuda" {
+        bail!("--speculative runs on the CPU backend so far (--backend cpu or auto): the GPU's decode step takes one token");
     }
     let unsupported = [
         (!g.stop.is_empty(), "--stop"),

@@ -109,8 +109,8 @@ pub struct GenerateArgs {
     /// Speculative decoding, one draft token verified a step: `mtp` drafts with the
     /// checkpoint's MTP head (the original bf16 release has it; MLX conversions drop it),
     /// `ngram` by prompt lookup (the token that followed the latest earlier occurrence of the
-    /// last 1-3 tokens; any checkpoint). Greedy (--temperature 0), CPU backend; the output is
-    /// the plain greedy sequence.
+    /// last 1-3 tokens; any checkpoint). Greedy (--temperature 0), on the CPU (`--backend
+    /// auto` runs it there); the output is the plain greedy sequence.
     #[arg(long, value_parser = ["mtp", "ngram"])]
     pub speculative: Option<String>,
 }

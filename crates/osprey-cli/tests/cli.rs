@@ -498,3 +498,51 @@ fn quantize_writes_an_mlx_checkpoint_and_refuses_what_it_cannot_convert() {
     ]);
     assert!(err.contains("/nonexistent"), "{err}");
 }
+
+#[test]
+fn generate_speculative_prints_the_plain_greedy_text() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tmp.path().join("tiny-mtp");
+    let ms = m.to_str().unwrap();
+    ok(&[
+        "synth", "--preset", "tiny", "--layers", "2", "--mtp", "--out", ms,
+    ]);
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "generate",
+            "--model",
+            ms,
+            "--backend",
+            "cpu",
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "12",
+            "--prompt",
+            "The osprey dives",
+        ];
+        args.extend_from_slice(extra);
+        ok(&args)
+    };
+    let (plain, _) = run(&[]);
+    for drafts in ["mtp", "ngram"] {
+        let (out, err) = run(&["--speculative", drafts]);
+        assert_eq!(out, plain, "--speculative {drafts}");
+        assert!(err.contains("drafts accepted"), "{err}");
+    }
+    // what it cannot do is refused by name
+    let err = fails(&["generate", "--model", ms, "--speculative", "mtp"]);
+    assert!(err.contains("--temperature 0"), "{err}");
+    let err = fails(&[
+        "generate",
+        "--model",
+        ms,
+        "--backend",
+        "cuda",
+        "--speculative",
+        "mtp",
+        "--temperature",
+        "0",
+    ]);
+    assert!(err.contains("CPU backend"), "{err}");
+}
