@@ -76,9 +76,11 @@ impl<'a> MtpDrafter<'a> {
 
 impl Drafter for MtpDrafter<'_> {
     fn draft(&mut self, hidden: &[f32], followers: &[u32]) -> Result<Option<u32>> {
-        let rows = self.model.mtp_forward(&mut self.cache, hidden, followers)?;
+        let last = self
+            .model
+            .mtp_forward(&mut self.cache, hidden, followers, LogitsFor::Last)?;
         let vocab = self.model.config().vocab_size;
-        Ok(Some(choose(&rows, vocab, followers.len() - 1, self.valid)))
+        Ok(Some(choose(&last, vocab, 0, self.valid)))
     }
 }
 
@@ -212,8 +214,9 @@ pub fn speculative_greedy(
         on_token(t) && run.tokens.len() < max_tokens
     };
     let mut state = SessionState::new(c);
-    let (logits, hidden) = model.forward_hidden(&mut state, prompt, GdnForm::Auto)?;
-    let mut next = choose(&logits, vocab, prompt.len() - 1, valid);
+    let (last, hidden) =
+        model.forward_hidden(&mut state, prompt, GdnForm::Auto, LogitsFor::Last)?;
+    let mut next = choose(&last, vocab, 0, valid);
     let mut go = emit(&mut run, next);
     let mut draft = None;
     if go {
@@ -224,7 +227,8 @@ pub fn speculative_greedy(
     while go {
         let Some(guess) = draft else {
             // no draft: a plain one-token step
-            let (rows, hidden) = model.forward_hidden(&mut state, &[next], GdnForm::Recurrent)?;
+            let (rows, hidden) =
+                model.forward_hidden(&mut state, &[next], GdnForm::Recurrent, LogitsFor::All)?;
             next = choose(&rows, vocab, 0, valid);
             go = emit(&mut run, next);
             if go {
@@ -233,8 +237,12 @@ pub fn speculative_greedy(
             continue;
         };
         let before = state.clone();
-        let (rows, hidden) =
-            model.forward_hidden(&mut state, &[next, guess], GdnForm::Recurrent)?;
+        let (rows, hidden) = model.forward_hidden(
+            &mut state,
+            &[next, guess],
+            GdnForm::Recurrent,
+            LogitsFor::All,
+        )?;
         run.steps += 1;
         let first = choose(&rows, vocab, 0, valid);
         let agreed = first == guess;

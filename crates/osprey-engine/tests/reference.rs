@@ -131,11 +131,11 @@ fn hf_bf16_mtp_head_matches_its_transformers_layer() {
     let n = tokens.len() - 1;
     let mut state = SessionState::new(model.config());
     let (_, hidden) = model
-        .forward_hidden(&mut state, &tokens[..n], GdnForm::Auto)
+        .forward_hidden(&mut state, &tokens[..n], GdnForm::Auto, LogitsFor::None)
         .unwrap();
     let mut cache = osprey_engine::cpu::forward::MtpCache::default();
     let got = model
-        .mtp_forward(&mut cache, &hidden, &tokens[1..])
+        .mtp_forward(&mut cache, &hidden, &tokens[1..], LogitsFor::All)
         .unwrap();
     let (want, shape) = r.get("qwen35_hf_bf16.mtp");
     assert_eq!(shape, vec![n, model.config().vocab_size]);
@@ -150,7 +150,12 @@ fn hf_bf16_mtp_head_matches_its_transformers_layer() {
     for (a, b) in [(0, 60), (60, 61), (61, 63), (63, n)] {
         steps.extend(
             model
-                .mtp_forward(&mut cache, &hidden[a * h..b * h], &tokens[a + 1..b + 1])
+                .mtp_forward(
+                    &mut cache,
+                    &hidden[a * h..b * h],
+                    &tokens[a + 1..b + 1],
+                    LogitsFor::All,
+                )
                 .unwrap(),
         );
     }
@@ -194,10 +199,15 @@ fn quantize_keeps_the_mtp_head_when_asked() {
     let n = tokens.len() - 1;
     let mut state = SessionState::new(model.config());
     let (_, hidden) = model
-        .forward_hidden(&mut state, &tokens[..n], GdnForm::Auto)
+        .forward_hidden(&mut state, &tokens[..n], GdnForm::Auto, LogitsFor::None)
         .unwrap();
     let got = model
-        .mtp_forward(&mut MtpCache::default(), &hidden, &tokens[1..])
+        .mtp_forward(
+            &mut MtpCache::default(),
+            &hidden,
+            &tokens[1..],
+            LogitsFor::All,
+        )
         .unwrap();
     let err = rms(&got, &want) / spread;
     eprintln!("8-bit MTP head: relative RMS {err:.2e}");

@@ -90,33 +90,41 @@ impl CpuModel {
         want: LogitsFor,
         trace: Option<&mut Vec<Vec<f32>>>,
     ) -> Result<Vec<f32>> {
-        let h = self.config().hidden_size;
         let x = self.residual(state, tokens, gdn_form, trace)?;
-        let rows: &[f32] = match want {
-            LogitsFor::None => return Ok(Vec::new()),
-            LogitsFor::Last => &x[x.len() - h..],
-            LogitsFor::All => &x,
-        };
-        Ok(self.logits(&self.norm(rows, &self.weights.final_norm)))
+        let rows = self.wanted(&x, want);
+        Ok(self.lm_head(&self.norm(rows, &self.weights.final_norm)))
     }
 
     /// Runs `tokens` as [`forward`](Self::forward) does and returns every position's
     /// final-normed hidden state `[T, hidden]` (the lm_head's input, and the MTP head's) with
-    /// every position's logits `[T, vocab]`.
+    /// the logits of the positions `want` names.
     pub fn forward_hidden(
         &self,
         state: &mut SessionState,
         tokens: &[u32],
         gdn_form: GdnForm,
+        want: LogitsFor,
     ) -> Result<(Vec<f32>, Vec<f32>)> {
         let x = self.residual(state, tokens, gdn_form, None)?;
         let normed = self.norm(&x, &self.weights.final_norm);
-        Ok((self.logits(&normed), normed))
+        Ok((self.lm_head(self.wanted(&normed, want)), normed))
     }
 
-    /// `lm_head` over final-normed rows.
-    fn logits(&self, normed: &[f32]) -> Vec<f32> {
+    /// The rows of `[T, hidden]` that `want` names.
+    fn wanted<'a>(&self, rows: &'a [f32], want: LogitsFor) -> &'a [f32] {
+        match want {
+            LogitsFor::None => &[],
+            LogitsFor::Last => &rows[rows.len() - self.config().hidden_size..],
+            LogitsFor::All => rows,
+        }
+    }
+
+    /// `lm_head` over final-normed rows (none: no logits).
+    fn lm_head(&self, normed: &[f32]) -> Vec<f32> {
         let n = normed.len() / self.config().hidden_size;
+        if n == 0 {
+            return Vec::new();
+        }
         self.mm(&self.weights.lm_head, normed, n)
     }
 
@@ -180,13 +188,14 @@ impl CpuModel {
 
     /// The MTP head (model-spec §7) over pairs: row i takes a final-normed hidden state of the
     /// main model (`hidden`, `[T, hidden]`) and the token that followed it (`next[i]`), at the
-    /// draft layer's position `cache.position + i` (advanced by T); returns logits
-    /// `[T, vocab]` for the token after `next[i]`.
+    /// draft layer's position `cache.position + i` (advanced by T, every row entering its KV
+    /// cache); returns the logits, for the token after `next[i]`, of the rows `want` names.
     pub fn mtp_forward(
         &self,
         cache: &mut MtpCache,
         hidden: &[f32],
         next: &[u32],
+        want: LogitsFor,
     ) -> Result<Vec<f32>> {
         let Some(m) = &self.weights.mtp else {
             bail!("the checkpoint has no MTP head (mtp.*)");
@@ -216,7 +225,7 @@ impl CpuModel {
         add(&mut x, &self.moe(&m.layer.moe, &u, t));
         self.round(&mut x);
         cache.position += t;
-        Ok(self.logits(&self.norm(&x, &m.norm)))
+        Ok(self.lm_head(&self.norm(self.wanted(&x, want), &m.norm)))
     }
 
     fn round(&self, x: &mut [f32]) {
