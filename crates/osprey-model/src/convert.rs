@@ -389,13 +389,7 @@ fn write_config(
     q.insert("group_size".into(), json!(opts.group_size));
     q.insert("bits".into(), json!(opts.bits));
     q.insert("mode".into(), json!("affine"));
-    let layers = (0..config.num_layers()).map(|i| format!("language_model.model.layers.{i}"));
-    let mtp_layer = mtp.then(|| "language_model.mtp.layers.0".to_string());
-    for path in layers.chain(mtp_layer) {
-        for m in EIGHT_BIT_MODULES {
-            q.insert(format!("{path}.{m}"), json!({"group_size": 64, "bits": 8}));
-        }
-    }
+    eight_bit_overrides(&mut q, config.num_layers(), mtp);
     let map = root
         .as_object_mut()
         .with_context(|| format!("{} is not a JSON object", path.display()))?;
@@ -403,6 +397,22 @@ fn write_config(
     map.insert("quantization_config".into(), Value::Object(q));
     std::fs::write(out.join("config.json"), serde_json::to_vec_pretty(&root)?)?;
     Ok(())
+}
+
+/// The quantisation section's per-module entries for EIGHT_BIT_MODULES (8 bits, groups of 64)
+/// in each of `layers` layers and, with `mtp`, in the MTP head's layer.
+pub(crate) fn eight_bit_overrides(
+    q: &mut serde_json::Map<String, Value>,
+    layers: usize,
+    mtp: bool,
+) {
+    let layer_paths = (0..layers).map(|i| format!("language_model.model.layers.{i}"));
+    let mtp_path = mtp.then(|| "language_model.mtp.layers.0".to_string());
+    for path in layer_paths.chain(mtp_path) {
+        for m in EIGHT_BIT_MODULES {
+            q.insert(format!("{path}.{m}"), json!({"group_size": 64, "bits": 8}));
+        }
+    }
 }
 
 /// Tokenizer, chat template, generation config and any other file beside the weights.

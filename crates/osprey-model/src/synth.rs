@@ -130,13 +130,7 @@ pub fn synthetic_config(opts: &SynthOptions) -> Result<Value> {
     q.insert("group_size".into(), json!(64));
     q.insert("bits".into(), json!(4));
     q.insert("mode".into(), json!("affine"));
-    let layer_paths = (0..layers).map(|i| format!("language_model.model.layers.{i}"));
-    let mtp_path = opts.mtp.then(|| "language_model.mtp.layers.0".to_string());
-    for path in layer_paths.chain(mtp_path) {
-        for m in ["mlp.gate", "mlp.shared_expert_gate"] {
-            q.insert(format!("{path}.{m}"), json!({"group_size": 64, "bits": 8}));
-        }
-    }
+    crate::convert::eight_bit_overrides(&mut q, layers, opts.mtp);
     root["quantization"] = Value::Object(q.clone());
     root["quantization_config"] = Value::Object(q);
     Ok(root)
@@ -260,6 +254,11 @@ impl Planner {
     fn vector(&mut self, name: String, len: usize, dtype: DType, gen: Gen) {
         self.push(name, vec![len], dtype, gen);
     }
+
+    /// A norm's scale: bf16 values 1 + u, u uniform in ±0.1 (stored as MLX stores them).
+    fn norm(&mut self, name: String, len: usize) {
+        self.vector(name, len, DType::Bf16, Gen::OnePlus { amp: 0.1 });
+    }
 }
 
 fn plan(cfg: &ModelConfig, seed: u64, mtp: bool) -> Vec<Planned> {
@@ -286,12 +285,7 @@ fn plan(cfg: &ModelConfig, seed: u64, mtp: bool) -> Vec<Planned> {
         4,
         LOGIT_STD * inv(h),
     );
-    p.vector(
-        format!("{lm}.model.norm.weight"),
-        h,
-        DType::Bf16,
-        Gen::OnePlus { amp: 0.1 },
-    );
+    p.norm(format!("{lm}.model.norm.weight"), h);
     for (l, kind) in cfg.layers.iter().enumerate() {
         plan_layer(&mut p, cfg, &format!("{lm}.model.layers.{l}"), *kind);
     }
@@ -299,12 +293,7 @@ fn plan(cfg: &ModelConfig, seed: u64, mtp: bool) -> Vec<Planned> {
         let m = format!("{lm}.mtp");
         p.linear(&format!("{m}.fc"), &[], h, 2 * h, 4, inv(2 * h));
         for norm in ["pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"] {
-            p.vector(
-                format!("{m}.{norm}.weight"),
-                h,
-                DType::Bf16,
-                Gen::OnePlus { amp: 0.1 },
-            );
+            p.norm(format!("{m}.{norm}.weight"), h);
         }
         plan_layer(&mut p, cfg, &format!("{m}.layers.0"), LayerKind::Attention);
     }
@@ -327,18 +316,8 @@ fn plan_layer(p: &mut Planner, cfg: &ModelConfig, pre: &str, kind: LayerKind) {
         cfg.moe_intermediate_size,
         cfg.shared_expert_intermediate_size,
     );
-    p.vector(
-        format!("{pre}.input_layernorm.weight"),
-        h,
-        DType::Bf16,
-        Gen::OnePlus { amp: 0.1 },
-    );
-    p.vector(
-        format!("{pre}.post_attention_layernorm.weight"),
-        h,
-        DType::Bf16,
-        Gen::OnePlus { amp: 0.1 },
-    );
+    p.norm(format!("{pre}.input_layernorm.weight"), h);
+    p.norm(format!("{pre}.post_attention_layernorm.weight"), h);
     match kind {
         LayerKind::GatedDeltaNet => {
             let a = format!("{pre}.linear_attn");
@@ -354,12 +333,7 @@ fn plan_layer(p: &mut Planner, cfg: &ModelConfig, pre: &str, kind: LayerKind) {
             );
             p.vector(format!("{a}.A_log"), hv, DType::F32, Gen::ALog);
             p.vector(format!("{a}.dt_bias"), hv, DType::Bf16, Gen::DtBias);
-            p.vector(
-                format!("{a}.norm.weight"),
-                dv,
-                DType::Bf16,
-                Gen::OnePlus { amp: 0.1 },
-            );
+            p.norm(format!("{a}.norm.weight"), dv);
             p.linear(
                 &format!("{a}.out_proj"),
                 &[],
@@ -382,18 +356,8 @@ fn plan_layer(p: &mut Planner, cfg: &ModelConfig, pre: &str, kind: LayerKind) {
                 4,
                 OUTPUT_GAIN * inv(hq * d),
             );
-            p.vector(
-                format!("{a}.q_norm.weight"),
-                d,
-                DType::Bf16,
-                Gen::OnePlus { amp: 0.1 },
-            );
-            p.vector(
-                format!("{a}.k_norm.weight"),
-                d,
-                DType::Bf16,
-                Gen::OnePlus { amp: 0.1 },
-            );
+            p.norm(format!("{a}.q_norm.weight"), d);
+            p.norm(format!("{a}.k_norm.weight"), d);
         }
     }
     let m = format!("{pre}.mlp");
