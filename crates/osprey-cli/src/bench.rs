@@ -364,7 +364,6 @@ fn speculative(
     command: &str,
     out: Option<&std::path::Path>,
 ) -> Result<()> {
-    use osprey_engine::cpu::forward::CpuModel;
     use osprey_engine::speculative::{self as spec, Drafter};
     if model.backend != "cpu" {
         bail!("bench speculative runs on the CPU backend (--backend cpu): the GPU's decode step takes one token");
@@ -380,8 +379,7 @@ fn speculative(
         bail!("--drafts: unknown drafter \"{bad}\" (expected none, known, ngram, mtp)");
     }
     let dir = crate::commands::model_dir(model)?;
-    let mut cpu = CpuModel::new(osprey_model::ModelWeights::load(&dir)?);
-    cpu.kv_cache = model.kv_cache;
+    let cpu = crate::commands::cpu_model(&dir, model.kv_cache)?;
     let c = cpu.config().clone();
     let vocab = c.vocab_size.min(248_077);
     let prompt = random_tokens(b.prompt_tokens, vocab, 7);

@@ -306,6 +306,17 @@ pub fn generate(args: &ModelArgs, g: &GenerateArgs, sampling: &SamplingArgs) -> 
     Ok(())
 }
 
+/// The CPU model itself (not behind the engine) with its KV cache in the form `kv`: for what
+/// runs the forward pass directly (speculative decoding).
+pub fn cpu_model(
+    dir: &Path,
+    kv: osprey_engine::KvCache,
+) -> Result<osprey_engine::cpu::forward::CpuModel> {
+    let mut model = osprey_engine::cpu::forward::CpuModel::new(ModelWeights::load(dir)?);
+    model.kv_cache = kv;
+    Ok(model)
+}
+
 /// The prompt's tokens: the text as it is, or wrapped as a user message by the chat template.
 fn prompt_ids(format: &PromptFormat, g: &GenerateArgs) -> Result<Vec<u32>> {
     let ids = if g.chat {
@@ -360,8 +371,7 @@ fn generate_speculative(args: &ModelArgs, g: &GenerateArgs, sampling: &SamplingA
         bail!("--speculative does not apply penalties");
     }
     let started = std::time::Instant::now();
-    let mut model = osprey_engine::cpu::forward::CpuModel::new(ModelWeights::load(&dir)?);
-    model.kv_cache = args.kv_cache;
+    let model = cpu_model(&dir, args.kv_cache)?;
     let by_mtp = g.speculative.as_deref() == Some("mtp");
     if by_mtp {
         speculative::require_mtp(&model)?;
