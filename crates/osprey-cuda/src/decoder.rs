@@ -1088,8 +1088,8 @@ impl CudaDecoder {
         stream.synchronize()?;
         // SAFETY: filled by a device copy before it is read
         let logits_host = unsafe { ctx.alloc_pinned_with_flags::<f32>(c.vocab_size, 0)? };
-        // SAFETY: as above
         let summary_partials = stream.alloc_zeros(prefill::summary_partials_len())?;
+        // SAFETY: as above
         let token_slots = unsafe {
             [
                 ctx.alloc_pinned_with_flags::<i32>(1, 0)?,
