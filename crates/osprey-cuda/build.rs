@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const KERNELS: [&str; 11] = [
+const KERNELS: [&str; 12] = [
     "gemv",
     "moe",
     "gdn",
@@ -18,6 +18,7 @@ const KERNELS: [&str; 11] = [
     "gdn_prefill",
     "attention_prefill",
     "ceiling",
+    "speculative",
 ];
 
 fn find_nvcc(workspace: &Path) -> Option<PathBuf> {

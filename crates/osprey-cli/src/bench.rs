@@ -365,13 +365,15 @@ fn speculative(
     out: Option<&std::path::Path>,
 ) -> Result<()> {
     use osprey_engine::speculative::{self as spec, Drafter};
-    if model.backend != "cpu" {
-        bail!("bench speculative runs on the CPU backend (--backend cpu): the GPU's decode step takes one token");
-    }
     if b.rounds == 0 || b.tokens < 2 || b.prompt_tokens == 0 {
         bail!("bench speculative needs --rounds >= 1, --tokens >= 2 and --prompt-tokens >= 1");
     }
     let drafts: Vec<&str> = b.drafts.split(',').map(str::trim).collect();
+    match model.backend.as_str() {
+        "cpu" => {}
+        "cuda" => return cuda_speculative(model, b, &drafts, command, out),
+        other => bail!("bench speculative runs on --backend cpu or cuda, not {other}"),
+    }
     if let Some(bad) = drafts
         .iter()
         .find(|d| !matches!(**d, "none" | "known" | "ngram" | "mtp"))
@@ -503,6 +505,40 @@ fn cuda_decode(
         let _ = (
             m.dir, m.kv, contexts, steps, rounds, sampling, out, timeline,
         );
+        bail!("this build has no CUDA backend (rebuild with --features cuda)")
+    }
+}
+
+/// `bench speculative --backend cuda` (gpu_speculative.rs): the prompt is a context of
+/// `prompt_tokens` positions.
+fn cuda_speculative(
+    model: &ModelArgs,
+    b: &SpeculativeBench,
+    drafts: &[&str],
+    command: &str,
+    out: Option<&std::path::Path>,
+) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    {
+        crate::gpu_speculative::check_drafts(drafts)?;
+        let dir = crate::commands::model_dir(model)?;
+        let m = GpuModel {
+            dir: &dir,
+            kv: model.kv_cache,
+        };
+        crate::gpu_speculative::bench(
+            &m,
+            b.prompt_tokens,
+            b.tokens,
+            drafts,
+            b.rounds,
+            command,
+            out,
+        )
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (model, b, drafts, command, out);
         bail!("this build has no CUDA backend (rebuild with --features cuda)")
     }
 }

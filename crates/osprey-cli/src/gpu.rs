@@ -16,7 +16,7 @@ use crate::bench::{cpu_name, git_commit, utc_now};
 use crate::commands::GpuModel;
 
 /// Ids the real tokenizer can produce; the embedding's tail rows are padding.
-const TOKENIZER_VOCAB: usize = 248_077;
+pub(crate) const TOKENIZER_VOCAB: usize = 248_077;
 
 /// Gap between the two largest values (how close the top choice is to a tie).
 fn top2_gap(v: &[f32]) -> f32 {
@@ -99,7 +99,9 @@ pub fn check(
     let vocab = weights.config.vocab_size;
     let valid = vocab.min(TOKENIZER_VOCAB);
     // the context also holds the device's record of the sampler check's draws
-    let context = (prompt_len.max(prefill_len) + steps + 8).max(SAMPLE_DRAWS);
+    let context = (prompt_len.max(prefill_len) + steps + 8)
+        .max(SAMPLE_DRAWS)
+        .max(prompt_len + 64);
     let mut gpu = CudaDecoder::new(&weights, context, valid, m.kv)?;
     info!("loaded on {}: {}", gpu.device_name(), memory_line(&gpu));
     let cpu = Engine::new(Box::new(CpuBackend::new(weights).with_kv_cache(m.kv)));
@@ -160,6 +162,10 @@ pub fn check(
     let prefill_rel = c_chunked.rel.max(c_whole.rel).max(c_recurrent_gdn.rel);
 
     let sampling = check_sampling(&mut gpu, &long, valid, prefill_len)?;
+    // speculative decoding's verify step against plain steps; near-ties: what the decode phase
+    // measured the GPU's logits to differ from the CPU's by, on each side
+    let speculative =
+        crate::gpu_speculative::check(&mut gpu, &cpu, &prompt, valid, 2.0 * decode.worst_abs)?;
     let (kv_name, device) = (gpu.kv_cache().to_string(), gpu.device_name());
     drop(gpu);
     let resumed = check_resume(m, context, chunk, &long, &cpu_logits, &make_prompt)?;
@@ -169,6 +175,7 @@ pub fn check(
         .transpose()?;
 
     let pass = sampling.pass
+        && speculative.pass
         && decode.worst_rel <= MAX_RELATIVE_RMS
         && decode.disagree == 0
         && record_ok
@@ -189,6 +196,7 @@ pub fn check(
         c_chunked.rel, c_whole.rel, c_recurrent_gdn.rel, c_between.rel
     );
     println!("{}", sampling.summary);
+    println!("{}", speculative.line);
     println!("{}", resumed.summary);
     println!("{}", scored.summary);
     if let Some(b) = &beyond {
@@ -218,6 +226,7 @@ pub fn check(
             "scored_prefill": scored.report,
             "long_context": beyond.as_ref().map(|b| &b.report),
             "gpu_sampling": sampling.report,
+            "speculative": speculative.json,
             "pass": pass, "per_step": decode.rows,
         });
         std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")?;

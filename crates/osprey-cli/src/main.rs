@@ -6,6 +6,8 @@ mod chat;
 mod commands;
 #[cfg(feature = "cuda")]
 mod gpu;
+#[cfg(feature = "cuda")]
+mod gpu_speculative;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

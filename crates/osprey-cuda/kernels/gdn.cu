@@ -46,6 +46,13 @@ struct GdnArgs {
     float* o;                // [Hv*Dv] delta-rule output (before the gated norm)
     const int* pos;          // selects the conv parity
     int hk, hv, conv_dim;
+    // speculative verify step (speculative.cu): role 1 (row 0) reads the current buffer and
+    // writes the other, role 2 (row 1) reads the other and writes the current one; `cur` says
+    // which of state / state_alt is current. Role 0 (the one-token step) updates `state` in place.
+    float* state_alt;
+    const int* cur;
+    int role;
+    int _pad;
 };
 
 // One channel's conv inputs: its 4 taps and the 3 older inputs (the conv state), requested
@@ -88,7 +95,12 @@ extern "C" __global__ void __launch_bounds__(256) gdn_step(GdnArgs p) {
     const int rep = p.hv / p.hk, kh = h / rep, kd = p.hk * DK;
     const int v0 = 2 * kd + h * DV + split * COLS;
     const int jl = t & (COLS - 1), rg = t >> 5, i0 = rg * ROWS_PER, j = split * COLS + jl;
-    float* S = p.state + (size_t)h * DK * DV;
+    // the buffer read and the one written (role: see GdnArgs)
+    const int cur = p.role ? *p.cur : 0;
+    float* const bufs[2] = {p.state, p.state_alt};
+    const size_t head = (size_t)h * DK * DV;
+    const float* S = bufs[p.role == 2 ? cur ^ 1 : cur] + head;
+    float* Sw = bufs[p.role == 1 ? cur ^ 1 : cur] + head;
 
     // Only this kernel, once per step, touches this layer's state and conv state, so they are read
     // first: before the dependency wait when the step's kernels overlap (common.cuh; the position
@@ -182,7 +194,7 @@ extern "C" __global__ void __launch_bounds__(256) gdn_step(GdnArgs p) {
     for (int g = 0; g < ROW_GROUPS; ++g) mem += part[g][jl];
     const float d = beta * (v[jl] - rk * mem);
 #pragma unroll
-    for (int r = 0; r < ROWS_PER; ++r) S[(i0 + r) * DV + j] = fmaf(rk * k[i0 + r], d, s[r]);
+    for (int r = 0; r < ROWS_PER; ++r) Sw[(i0 + r) * DV + j] = fmaf(rk * k[i0 + r], d, s[r]);
     if (rg == 0) {
         float out = 0.f;
 #pragma unroll

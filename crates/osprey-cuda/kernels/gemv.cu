@@ -82,6 +82,8 @@ struct TokenChoice {
     int* pos;
     int* history;
     int* step;
+    int record;  // 0: only the token slot is written (a speculative verify row, speculative.cu)
+    int _pad;
 };
 
 __device__ __forceinline__ unsigned long long choice_key(float logit, int id) {
@@ -113,9 +115,11 @@ __device__ __forceinline__ void choose_token(TokenChoice* c, unsigned long long 
         if (!*c->sampling) {
             const int id = (int)(0xFFFFFFFFu - (uint32_t)k);
             *c->token = id;
-            c->history[*c->step] = id;
-            *c->step += 1;
-            *c->pos += 1;
+            if (c->record) {
+                c->history[*c->step] = id;
+                *c->step += 1;
+                *c->pos += 1;
+            }
         }
     }
 }

@@ -56,6 +56,9 @@ pub struct TokenChoice {
     pub pos: u64,
     pub history: u64,
     pub step: u64,
+    /// 0: only `token` is written (a speculative verify row)
+    pub record: i32,
+    pub _pad: i32,
 }
 
 #[repr(C)]
@@ -160,6 +163,30 @@ pub struct GdnArgs {
     pub hk: i32,
     pub hv: i32,
     pub conv_dim: i32,
+    /// the speculative verify step's second state buffer, the current-buffer flag and this
+    /// launch's role (gdn.cu); 0 / null in the one-token step
+    pub state_alt: u64,
+    pub cur: u64,
+    pub role: i32,
+    pub _pad: i32,
+}
+
+/// speculative.cu spec_accept's parameters (device addresses).
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct SpecArgs {
+    pub chosen: u64,
+    pub token0: u64,
+    pub token1: u64,
+    pub pos0: u64,
+    pub pos1: u64,
+    pub cur: u64,
+    pub context: u64,
+    pub record: u64,
+    pub answer: u64,
+    pub span: u64,
+    pub accept: i32,
+    pub _pad: i32,
 }
 
 #[repr(C)]
@@ -533,6 +560,7 @@ unsafe impl DeviceRepr for GateUpArgs {}
 unsafe impl DeviceRepr for DownArgs {}
 unsafe impl DeviceRepr for ExpertsArgs {}
 unsafe impl DeviceRepr for GdnArgs {}
+unsafe impl DeviceRepr for SpecArgs {}
 unsafe impl DeviceRepr for PrepArgs {}
 unsafe impl DeviceRepr for DecodeArgs {}
 unsafe impl DeviceRepr for EmbedArgs {}
@@ -566,7 +594,10 @@ mod tests {
             std::mem::size_of::<GemvArgs>(),
             4 * 48 + 4 * 8 + 8 * 4 + 2 * 8
         );
-        assert_eq!(std::mem::size_of::<TokenChoice>(), 8 + 4 + 4 + 5 * 8);
+        assert_eq!(
+            std::mem::size_of::<TokenChoice>(),
+            8 + 4 + 4 + 5 * 8 + 2 * 4
+        );
         assert_eq!(
             std::mem::size_of::<GateUpArgs>(),
             2 * 24 + 3 * 8 + 8 + 8 + 2 * 4 + 4 * 8 + 4 * 4
@@ -577,7 +608,11 @@ mod tests {
             std::mem::size_of::<ExpertsArgs>(),
             4 * 24 + 8 * 8 + 5 * 4 + 4 + 4 * 32 + 3 * 8 + 4 + 4
         );
-        assert_eq!(std::mem::size_of::<GdnArgs>(), 11 * 8 + 3 * 4 + 4);
+        assert_eq!(
+            std::mem::size_of::<GdnArgs>(),
+            11 * 8 + 3 * 4 + 4 + 2 * 8 + 2 * 4
+        );
+        assert_eq!(std::mem::size_of::<SpecArgs>(), 10 * 8 + 2 * 4);
         assert_eq!(std::mem::size_of::<PrepArgs>(), 11 * 8 + 24);
         assert_eq!(std::mem::size_of::<DecodeArgs>(), 11 * 8 + 20 + 4);
         assert_eq!(std::mem::size_of::<SampleParams>(), 8 * 4 + 8);

@@ -29,7 +29,9 @@ use crate::args::*;
 use crate::timeline::Mark;
 
 mod prefill;
+mod speculative;
 pub use prefill::GdnPrefill;
+pub use speculative::{Drafts, SpecRun};
 
 /// Most attention splits over the context (flash-decoding; sizes the partial results): the kernel
 /// uses 128 up to 128K positions and one per 1024 beyond (attention.cu), over a fixed grid.
@@ -548,6 +550,84 @@ struct Scratch {
     cand_i: CudaSlice<i32>,
 }
 
+impl Scratch {
+    /// One row's buffers for a step (the speculative verify step has a second).
+    fn new(stream: &Arc<CudaStream>, c: &ModelConfig, max_context: usize) -> Result<Self> {
+        let (hq, hkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        Ok(Scratch {
+            x: stream.alloc_zeros(c.hidden_size)?,
+            qkv: stream.alloc_zeros(c.conv_dim())?,
+            z: stream.alloc_zeros(c.linear_value_dim())?,
+            b: stream.alloc_zeros(c.linear_num_value_heads)?,
+            a: stream.alloc_zeros(c.linear_num_value_heads)?,
+            y: stream.alloc_zeros(c.linear_value_dim())?,
+            qg: stream.alloc_zeros(2 * hq * d)?,
+            k: stream.alloc_zeros(hkv * d)?,
+            v: stream.alloc_zeros(hkv * d)?,
+            q: stream.alloc_zeros(hq * d)?,
+            o: stream.alloc_zeros(hq * d)?,
+            part_acc: stream.alloc_zeros(hq * SPLITS * d)?,
+            part_ml: stream.alloc_zeros(hq * SPLITS * 2)?,
+            router: stream.alloc_zeros(c.num_experts)?,
+            shared_gate_logit: stream.alloc_zeros(1)?,
+            shared_g: stream.alloc_zeros(c.shared_expert_intermediate_size)?,
+            shared_u: stream.alloc_zeros(c.shared_expert_intermediate_size)?,
+            // routed slots, then the shared expert (moe_down reads it as one more segment;
+            // moe_experts exchanges a slot's values through the routed part)
+            // (moe_experts: k·I (value, tag) pairs)
+            h: stream.alloc_zeros(
+                (c.num_experts_per_tok + 1).max(2 * c.num_experts_per_tok)
+                    * c.moe_intermediate_size,
+            )?,
+            topk: stream.alloc_zeros(32)?,
+            xn: stream.alloc_zeros(c.hidden_size)?,
+            meet: stream.alloc_zeros(c.num_experts_per_tok)?,
+            logits: stream.alloc_zeros(c.vocab_size)?,
+            token: stream.alloc_zeros(1)?,
+            pos: stream.alloc_zeros(1)?,
+            step: stream.alloc_zeros(1)?,
+            history: stream.alloc_zeros(max_context)?,
+            cand_v: stream.alloc_zeros(SAMPLE_PARTS * SAMPLE_MAX_K)?,
+            cand_i: stream.alloc_zeros(SAMPLE_PARTS * SAMPLE_MAX_K)?,
+            sample_params: stream.clone_htod(&[SampleParams::default()])?,
+            choice: stream.clone_htod(&[TokenChoice::default()])?,
+            seen: stream.alloc_zeros(c.vocab_size)?,
+            output: stream.alloc_zeros(c.vocab_size)?,
+            // allocated last: between part_ml and the MoE buffers it moved those (router logits,
+            // h, the slots' meeting words), and the step at 4K lost 0.9% when only the graph from
+            // 48K used it; here 4K was unchanged (bench/results/cuda-decode-attn-merge-last-alloc.json)
+            attn_meet: stream.alloc_zeros(1)?,
+            // last as well, for the same reason
+            routed: stream.alloc_zeros(route_rows(c))?,
+            route_meet: stream.alloc_zeros(1)?,
+        })
+    }
+}
+
+/// One row of a step as `issue_row` issues it: its scratch, where its lm_head's greedy choice
+/// goes (a TokenChoice's device address), and how its GDN launches treat the recurrent state.
+struct Row<'a> {
+    s: &'a Scratch,
+    choice: u64,
+    /// A speculative verify row (gdn.cu GdnArgs role); None: the one-token step.
+    gdn: Option<GdnRole<'a>>,
+    /// Whether gdn_step and attn_decode may read their layer's state and K/V rows before the
+    /// wait: not in the verify step's second row, whose first row wrote them in the same replay
+    /// (the wait covers only the kernel before).
+    state_early: bool,
+    /// The sampler's launches (the one-token step; the verify step is greedy).
+    sample: bool,
+}
+
+#[derive(Clone, Copy)]
+struct GdnRole<'a> {
+    role: i32,
+    /// every GDN layer's second state buffer, in layer order
+    alt: &'a [CudaSlice<f32>],
+    /// device address of the current-buffer flag
+    cur: u64,
+}
+
 struct Functions {
     gemv: CudaFunction,
     /// gemv_q compiled for K 2048, group 64 (the router launch)
@@ -573,6 +653,8 @@ struct Functions {
     sample_prepass: CudaFunction,
     /// ceiling.cu: the streaming-read probe benchmarks judge a step against
     read_stream: CudaFunction,
+    /// speculative.cu: the verify step's acceptance and next draft
+    spec_accept: CudaFunction,
 }
 
 /// Time spent in one kernel family during a profiled step.
@@ -729,6 +811,8 @@ pub struct CudaDecoder {
     /// How the MoE blocks run where the shape and the environment allow (moe_form_here: at a
     /// position).
     moe_form: MoeForm,
+    /// The speculative verify step's buffers and graph (`run_speculative`; on first use).
+    spec: Option<speculative::SpecDev>,
 }
 
 fn upload_f32(stream: &Arc<CudaStream>, v: &[f32]) -> Result<CudaSlice<f32>> {
@@ -911,6 +995,7 @@ impl CudaDecoder {
             sample: func("sample", "sample_token")?,
             sample_prepass: func("sample", "sample_prepass")?,
             read_stream: func("ceiling", "read_stream")?,
+            spec_accept: func("speculative", "spec_accept")?,
         };
         let pk = prefill::PrefillKernels::load(&func)?;
 
@@ -1017,54 +1102,8 @@ impl CudaDecoder {
         let weight_bytes = up.bytes;
         let final_norm = upload_f32(&stream, &w.final_norm)?;
 
-        let (hq, hkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-        let mut s = Scratch {
-            x: stream.alloc_zeros(c.hidden_size)?,
-            qkv: stream.alloc_zeros(c.conv_dim())?,
-            z: stream.alloc_zeros(c.linear_value_dim())?,
-            b: stream.alloc_zeros(c.linear_num_value_heads)?,
-            a: stream.alloc_zeros(c.linear_num_value_heads)?,
-            y: stream.alloc_zeros(c.linear_value_dim())?,
-            qg: stream.alloc_zeros(2 * hq * d)?,
-            k: stream.alloc_zeros(hkv * d)?,
-            v: stream.alloc_zeros(hkv * d)?,
-            q: stream.alloc_zeros(hq * d)?,
-            o: stream.alloc_zeros(hq * d)?,
-            part_acc: stream.alloc_zeros(hq * SPLITS * d)?,
-            part_ml: stream.alloc_zeros(hq * SPLITS * 2)?,
-            router: stream.alloc_zeros(c.num_experts)?,
-            shared_gate_logit: stream.alloc_zeros(1)?,
-            shared_g: stream.alloc_zeros(c.shared_expert_intermediate_size)?,
-            shared_u: stream.alloc_zeros(c.shared_expert_intermediate_size)?,
-            // routed slots, then the shared expert (moe_down reads it as one more segment;
-            // moe_experts exchanges a slot's values through the routed part)
-            // (moe_experts: k·I (value, tag) pairs)
-            h: stream.alloc_zeros(
-                (c.num_experts_per_tok + 1).max(2 * c.num_experts_per_tok)
-                    * c.moe_intermediate_size,
-            )?,
-            topk: stream.alloc_zeros(32)?,
-            xn: stream.alloc_zeros(c.hidden_size)?,
-            meet: stream.alloc_zeros(c.num_experts_per_tok)?,
-            logits: stream.alloc_zeros(c.vocab_size)?,
-            token: stream.alloc_zeros(1)?,
-            pos: stream.alloc_zeros(1)?,
-            step: stream.alloc_zeros(1)?,
-            history: stream.alloc_zeros(max_context)?,
-            cand_v: stream.alloc_zeros(SAMPLE_PARTS * SAMPLE_MAX_K)?,
-            cand_i: stream.alloc_zeros(SAMPLE_PARTS * SAMPLE_MAX_K)?,
-            sample_params: stream.clone_htod(&[SampleParams::default()])?,
-            choice: stream.clone_htod(&[TokenChoice::default()])?,
-            seen: stream.alloc_zeros(c.vocab_size)?,
-            output: stream.alloc_zeros(c.vocab_size)?,
-            // allocated last: between part_ml and the MoE buffers it moved those (router logits,
-            // h, the slots' meeting words), and the step at 4K lost 0.9% when only the graph from
-            // 48K used it; here 4K was unchanged (bench/results/cuda-decode-attn-merge-last-alloc.json)
-            attn_meet: stream.alloc_zeros(1)?,
-            // last as well, for the same reason
-            routed: stream.alloc_zeros(route_rows(&c))?,
-            route_meet: stream.alloc_zeros(1)?,
-        };
+        let (hq, d) = (c.num_attention_heads, c.head_dim);
+        let mut s = Scratch::new(&stream, &c, max_context)?;
         let valid_vocab = valid_vocab.min(w.config.vocab_size);
         let choice = TokenChoice {
             n: valid_vocab as i32,
@@ -1074,6 +1113,7 @@ impl CudaDecoder {
             pos: ptr(&s.pos, &stream),
             history: ptr(&s.history, &stream),
             step: ptr(&s.step, &stream),
+            record: 1,
             ..Default::default()
         };
         stream.memcpy_htod(&[choice], &mut s.choice)?;
@@ -1253,6 +1293,7 @@ impl CudaDecoder {
             overlap: StepOverlap::from_env(),
             modules,
             moe_form,
+            spec: None,
         })
     }
 
@@ -1561,7 +1602,7 @@ impl CudaDecoder {
     /// With `doubled`, that kernel family's launches are issued twice (for `profile_step_in_graph`).
     fn issue_step(
         &self,
-        mut profile: Option<
+        profile: Option<
             &mut Vec<(
                 &'static str,
                 cudarc::driver::CudaEvent,
@@ -1570,9 +1611,34 @@ impl CudaDecoder {
         >,
         doubled: Option<&str>,
     ) -> Result<()> {
+        let row = Row {
+            s: &self.s,
+            choice: self.p(&self.s.choice),
+            gdn: None,
+            state_early: true,
+            sample: true,
+        };
+        self.issue_row(profile, doubled, &row)
+    }
+
+    /// Issues every kernel of one row of a step (`issue_step`; the speculative verify step
+    /// issues two rows).
+    fn issue_row(
+        &self,
+        mut profile: Option<
+            &mut Vec<(
+                &'static str,
+                cudarc::driver::CudaEvent,
+                cudarc::driver::CudaEvent,
+            )>,
+        >,
+        doubled: Option<&str>,
+        row: &Row,
+    ) -> Result<()> {
         let c = &self.cfg;
         let st = &self.stream;
-        let s = &self.s;
+        let s = row.s;
+        let mut gdn_layer = 0;
         let (h, eps) = (c.hidden_size, c.rms_norm_eps);
         let x = self.p(&s.x);
         macro_rules! timed {
@@ -1664,14 +1730,19 @@ impl CudaDecoder {
                         hk: c.linear_num_key_heads as i32,
                         hv: c.linear_num_value_heads as i32,
                         conv_dim: c.conv_dim() as i32,
+                        state_alt: row.gdn.map_or(0, |g| self.p(&g.alt[gdn_layer])),
+                        cur: row.gdn.map_or(0, |g| g.cur),
+                        role: row.gdn.map_or(0, |g| g.role),
+                        _pad: 0,
                     };
+                    gdn_layer += 1;
                     timed!(
                         "gdn step (conv, l2, delta rule)",
                         self.launch_params(
                             &self.f.gdn,
                             launch_cfg((c.linear_num_value_heads as u32, 4), 256),
                             &mut [&ga as *const GdnArgs as *mut c_void],
-                            self.overlap.early,
+                            self.overlap.early && row.state_early,
                         )?
                     );
                     let gated = Prologue::GatedHeadNorm {
@@ -1775,7 +1846,7 @@ impl CudaDecoder {
                             launch_cfg((self.attn_blocks as u32, 1), ATTN_THREADS),
                             &mut [&da as *const DecodeArgs as *mut c_void],
                             // its first K/V loads (rows of earlier steps) go out before the wait
-                            self.overlap.early,
+                            self.overlap.early && row.state_early,
                         )?
                     );
                     timed!(
@@ -1925,13 +1996,15 @@ impl CudaDecoder {
                 Prologue::RmsNorm(self.p(&self.final_norm)),
                 h,
                 self.lm_head.m.group,
-                if repeat { 0 } else { self.p(&s.choice) },
+                if repeat { 0 } else { row.choice },
             )?
         });
-        let sa = self.sample_args();
-        // timed apart, so that the step's launches and their names pair up (`launch_order`)
-        timed!(TOKEN_CHOICE_FAMILIES[0], self.launch_sample_prepass(&sa)?);
-        timed!(TOKEN_CHOICE_FAMILIES[1], self.launch_sample_token(&sa)?);
+        if row.sample {
+            let sa = self.sample_args();
+            // timed apart, so that the step's launches and their names pair up (`launch_order`)
+            timed!(TOKEN_CHOICE_FAMILIES[0], self.launch_sample_prepass(&sa)?);
+            timed!(TOKEN_CHOICE_FAMILIES[1], self.launch_sample_token(&sa)?);
+        }
         Ok(())
     }
 

@@ -11,7 +11,9 @@ mod snapshots;
 pub mod timeline;
 
 pub use backend::{CudaBackend, DEFAULT_CUDA_PREFILL_CHUNK};
-pub use decoder::{CudaDecoder, GdnPrefill, KernelTime, SessionCopy, KERNELS_DIR_ENV};
+pub use decoder::{
+    CudaDecoder, Drafts, GdnPrefill, KernelTime, SessionCopy, SpecRun, KERNELS_DIR_ENV,
+};
 
 #[cfg(osprey_kernels)]
 pub(crate) const CUBINS: &[(&str, &[u8])] = &[
@@ -58,6 +60,10 @@ pub(crate) const CUBINS: &[(&str, &[u8])] = &[
     (
         "ceiling",
         include_bytes!(concat!(env!("OUT_DIR"), "/ceiling.cubin")),
+    ),
+    (
+        "speculative",
+        include_bytes!(concat!(env!("OUT_DIR"), "/speculative.cubin")),
     ),
 ];
 
