@@ -64,13 +64,15 @@ pub enum BenchKind {
     Speculative {
         #[command(flatten)]
         model: ModelArgs,
-        /// Random prompt tokens before generation.
+        /// Random prompt tokens before generation (--backend cuda: the context's length, the
+        /// position generation starts at).
         #[arg(long, default_value_t = 64)]
         prompt_tokens: usize,
         /// Tokens generated per round.
         #[arg(long, default_value_t = 32)]
         tokens: usize,
-        /// Drafters, from none, known, ngram, mtp.
+        /// Drafters, from none, known, ngram, mtp; --backend cuda: none, known, wrong (every
+        /// draft wrong: the verify step's cost), ngram (mtp is skipped there).
         #[arg(long, default_value = "none,known,ngram,mtp")]
         drafts: String,
         #[arg(long, default_value_t = 3)]
@@ -520,7 +522,8 @@ fn cuda_speculative(
 ) -> Result<()> {
     #[cfg(feature = "cuda")]
     {
-        crate::gpu_speculative::check_drafts(drafts)?;
+        let drafts: Vec<&str> = drafts.iter().copied().filter(|d| *d != "mtp").collect();
+        crate::gpu_speculative::check_drafts(&drafts)?;
         let dir = crate::commands::model_dir(model)?;
         let m = GpuModel {
             dir: &dir,
@@ -530,7 +533,7 @@ fn cuda_speculative(
             &m,
             b.prompt_tokens,
             b.tokens,
-            drafts,
+            &drafts,
             b.rounds,
             command,
             out,
