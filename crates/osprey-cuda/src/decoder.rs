@@ -604,6 +604,9 @@ impl Scratch {
     }
 }
 
+/// A profiled step's launches: each kernel family's name with the events around its launch.
+type LaunchTimes = Vec<(&'static str, CudaEvent, CudaEvent)>;
+
 /// One row of a step as `issue_row` issues it: its scratch, where its lm_head's greedy choice
 /// goes (a TokenChoice's device address), and how its GDN launches treat the recurrent state.
 struct Row<'a> {
@@ -1600,17 +1603,7 @@ impl CudaDecoder {
     /// Issues every kernel of one decode step on the stream (recorded into the graph once).
     /// With `profile`, each launch is bracketed by events and its time returned by kernel family.
     /// With `doubled`, that kernel family's launches are issued twice (for `profile_step_in_graph`).
-    fn issue_step(
-        &self,
-        profile: Option<
-            &mut Vec<(
-                &'static str,
-                cudarc::driver::CudaEvent,
-                cudarc::driver::CudaEvent,
-            )>,
-        >,
-        doubled: Option<&str>,
-    ) -> Result<()> {
+    fn issue_step(&self, profile: Option<&mut LaunchTimes>, doubled: Option<&str>) -> Result<()> {
         let row = Row {
             s: &self.s,
             choice: self.p(&self.s.choice),
@@ -1625,13 +1618,7 @@ impl CudaDecoder {
     /// issues two rows).
     fn issue_row(
         &self,
-        mut profile: Option<
-            &mut Vec<(
-                &'static str,
-                cudarc::driver::CudaEvent,
-                cudarc::driver::CudaEvent,
-            )>,
-        >,
+        mut profile: Option<&mut LaunchTimes>,
         doubled: Option<&str>,
         row: &Row,
     ) -> Result<()> {
@@ -2497,7 +2484,7 @@ impl CudaDecoder {
 
     /// One step launched kernel by kernel outside the graph, each launch between two events, in
     /// issue order (synchronised).
-    fn step_with_events(&mut self) -> Result<Vec<(&'static str, CudaEvent, CudaEvent)>> {
+    fn step_with_events(&mut self) -> Result<LaunchTimes> {
         let mut events = Vec::new();
         self.issue_step(Some(&mut events), None)?;
         self.synchronize()?;
