@@ -607,7 +607,7 @@ impl Scratch {
 /// A profiled step's launches: each kernel family's name with the events around its launch.
 type LaunchTimes = Vec<(&'static str, CudaEvent, CudaEvent)>;
 
-/// One row of a step as `issue_row` issues it: its scratch, where its lm_head's greedy choice
+/// One row of a step as `issue_rows` issues it: its scratch, where its lm_head's greedy choice
 /// goes (a TokenChoice's device address), and how its GDN launches treat the recurrent state.
 struct Row<'a> {
     s: &'a Scratch,
@@ -618,8 +618,6 @@ struct Row<'a> {
     /// wait: not in the verify step's second row, whose first row wrote them in the same replay
     /// (the wait covers only the kernel before).
     state_early: bool,
-    /// The sampler's launches (the one-token step; the verify step is greedy).
-    sample: bool,
 }
 
 #[derive(Clone, Copy)]
@@ -1609,25 +1607,41 @@ impl CudaDecoder {
             choice: self.p(&self.s.choice),
             gdn: None,
             state_early: true,
-            sample: true,
         };
-        self.issue_row(profile, doubled, &row)
+        self.issue_rows(profile, doubled, &[row], true)
     }
 
-    /// Issues every kernel of one row of a step (`issue_step`; the speculative verify step
-    /// issues two rows).
-    fn issue_row(
+    /// Issues every kernel of a step whose rows are `rows` (`issue_step`: one; the speculative
+    /// verify step: two), kernel by kernel: each launch for every row before the next kernel's,
+    /// so that a kernel family taking several rows at once can stand in for a row loop. With
+    /// `sample`, the sampler's launches follow (the one-token step).
+    fn issue_rows(
         &self,
         mut profile: Option<&mut LaunchTimes>,
         doubled: Option<&str>,
-        row: &Row,
+        rows: &[Row],
+        sample: bool,
     ) -> Result<()> {
         let c = &self.cfg;
         let st = &self.stream;
-        let s = row.s;
         let mut gdn_layer = 0;
         let (h, eps) = (c.hidden_size, c.rms_norm_eps);
-        let x = self.p(&s.x);
+        // `$body` once per row, with the row, its scratch and its residual stream's address
+        macro_rules! per_row {
+            ($row:ident, $s:ident, $x:ident => $body:block) => {
+                for $row in rows {
+                    let $s = $row.s;
+                    let $x = self.p(&$s.x);
+                    $body
+                }
+            };
+            ($row:ident, $s:ident => $body:block) => {
+                for $row in rows {
+                    let $s = $row.s;
+                    $body
+                }
+            };
+        }
         macro_rules! timed {
             ($name:expr, $body:expr) => {
                 timed!($name, _repeat => $body)
@@ -1656,20 +1670,22 @@ impl CudaDecoder {
                 }
             }};
         }
-        let ea = EmbedArgs {
-            codes: self.embed.at(0, st).codes,
-            scales: self.embed.at(0, st).scales,
-            biases: self.embed.at(0, st).biases,
-            token: self.p(&s.token),
-            x,
-            hidden: h as i32,
-            group: self.embed.group as i32,
-            bits: self.embed.bits as i32,
-        };
-        timed!(
-            "embed",
-            self.launch_step(&self.f.embed, launch_cfg((1, 1), 256), &ea)?
-        );
+        per_row!(row, s, x => {
+            let ea = EmbedArgs {
+                codes: self.embed.at(0, st).codes,
+                scales: self.embed.at(0, st).scales,
+                biases: self.embed.at(0, st).biases,
+                token: self.p(&s.token),
+                x,
+                hidden: h as i32,
+                group: self.embed.group as i32,
+                bits: self.embed.bits as i32,
+            };
+            timed!(
+                "embed",
+                self.launch_step(&self.f.embed, launch_cfg((1, 1), 256), &ea)?
+            );
+        });
 
         for l in &self.layers {
             match &l.mixer {
@@ -1686,67 +1702,73 @@ impl CudaDecoder {
                     dt_bias,
                     norm,
                 } => {
-                    let segs = [
-                        qkv.segment(self.p(&s.qkv), false, st),
-                        z.segment(self.p(&s.z), false, st),
-                        b.segment(self.p(&s.b), false, st),
-                        a.segment(self.p(&s.a), false, st),
-                    ];
-                    timed!(
-                        "gdn in_proj (norm + qkv|z|b|a)",
-                        self.gemv(
-                            &segs,
-                            x,
-                            Prologue::RmsNorm(self.p(&l.input_norm)),
-                            h,
-                            qkv.m.group
-                        )?
-                    );
-                    let ga = GdnArgs {
-                        qkv: self.p(&s.qkv),
-                        b: self.p(&s.b),
-                        a: self.p(&s.a),
-                        conv_w: self.p(conv_w),
-                        conv_in: self.p(&conv[0]),
-                        conv_out: self.p(&conv[1]),
-                        a_log: self.p(a_log),
-                        dt_bias: self.p(dt_bias),
-                        state: self.p(state),
-                        o: self.p(&s.y),
-                        pos: self.p(&s.pos),
-                        hk: c.linear_num_key_heads as i32,
-                        hv: c.linear_num_value_heads as i32,
-                        conv_dim: c.conv_dim() as i32,
-                        state_alt: row.gdn.map_or(0, |g| self.p(&g.alt[gdn_layer])),
-                        cur: row.gdn.map_or(0, |g| g.cur),
-                        role: row.gdn.map_or(0, |g| g.role),
-                        _pad: 0,
-                    };
+                    per_row!(row, s, x => {
+                        let segs = [
+                            qkv.segment(self.p(&s.qkv), false, st),
+                            z.segment(self.p(&s.z), false, st),
+                            b.segment(self.p(&s.b), false, st),
+                            a.segment(self.p(&s.a), false, st),
+                        ];
+                        timed!(
+                            "gdn in_proj (norm + qkv|z|b|a)",
+                            self.gemv(
+                                &segs,
+                                x,
+                                Prologue::RmsNorm(self.p(&l.input_norm)),
+                                h,
+                                qkv.m.group
+                            )?
+                        );
+                    });
+                    per_row!(row, s => {
+                        let ga = GdnArgs {
+                            qkv: self.p(&s.qkv),
+                            b: self.p(&s.b),
+                            a: self.p(&s.a),
+                            conv_w: self.p(conv_w),
+                            conv_in: self.p(&conv[0]),
+                            conv_out: self.p(&conv[1]),
+                            a_log: self.p(a_log),
+                            dt_bias: self.p(dt_bias),
+                            state: self.p(state),
+                            o: self.p(&s.y),
+                            pos: self.p(&s.pos),
+                            hk: c.linear_num_key_heads as i32,
+                            hv: c.linear_num_value_heads as i32,
+                            conv_dim: c.conv_dim() as i32,
+                            state_alt: row.gdn.map_or(0, |g| self.p(&g.alt[gdn_layer])),
+                            cur: row.gdn.map_or(0, |g| g.cur),
+                            role: row.gdn.map_or(0, |g| g.role),
+                            _pad: 0,
+                        };
+                        timed!(
+                            "gdn step (conv, l2, delta rule)",
+                            self.launch_params(
+                                &self.f.gdn,
+                                launch_cfg((c.linear_num_value_heads as u32, 4), 256),
+                                &mut [&ga as *const GdnArgs as *mut c_void],
+                                self.overlap.early && row.state_early,
+                            )?
+                        );
+                    });
                     gdn_layer += 1;
-                    timed!(
-                        "gdn step (conv, l2, delta rule)",
-                        self.launch_params(
-                            &self.f.gdn,
-                            launch_cfg((c.linear_num_value_heads as u32, 4), 256),
-                            &mut [&ga as *const GdnArgs as *mut c_void],
-                            self.overlap.early && row.state_early,
-                        )?
-                    );
-                    let gated = Prologue::GatedHeadNorm {
-                        weight: self.p(norm),
-                        z: self.p(&s.z),
-                        head_dim: c.linear_value_head_dim,
-                    };
-                    timed!(
-                        "gdn gated norm + out_proj + residual",
-                        self.gemv(
-                            &[out.segment(x, true, st)],
-                            self.p(&s.y),
-                            gated,
-                            c.linear_value_dim(),
-                            out.m.group
-                        )?
-                    );
+                    per_row!(row, s, x => {
+                        let gated = Prologue::GatedHeadNorm {
+                            weight: self.p(norm),
+                            z: self.p(&s.z),
+                            head_dim: c.linear_value_head_dim,
+                        };
+                        timed!(
+                            "gdn gated norm + out_proj + residual",
+                            self.gemv(
+                                &[out.segment(x, true, st)],
+                                self.p(&s.y),
+                                gated,
+                                c.linear_value_dim(),
+                                out.m.group
+                            )?
+                        );
+                    });
                 }
                 LayerDev::Attention {
                     q,
@@ -1757,236 +1779,248 @@ impl CudaDecoder {
                     k_norm,
                     kv,
                 } => {
-                    let segs = [
-                        q.segment(self.p(&s.qg), false, st),
-                        k.segment(self.p(&s.k), false, st),
-                        v.segment(self.p(&s.v), false, st),
-                    ];
-                    timed!(
-                        "attn in_proj (norm + q|k|v)",
-                        self.gemv(
-                            &segs,
-                            x,
-                            Prologue::RmsNorm(self.p(&l.input_norm)),
-                            h,
-                            q.m.group
-                        )?
-                    );
-                    let pa = PrepArgs {
-                        qg: self.p(&s.qg),
-                        k: self.p(&s.k),
-                        v: self.p(&s.v),
-                        q_norm: self.p(q_norm),
-                        k_norm: self.p(k_norm),
-                        q_out: self.p(&s.q),
-                        k_cache: self.p(&kv.k),
-                        v_cache: self.p(&kv.v),
-                        k_scale: self.kv_scale(kv, 0),
-                        v_scale: self.kv_scale(kv, 1),
-                        pos: self.p(&s.pos),
-                        eps,
-                        theta: c.rope_theta as f32,
-                        hq: c.num_attention_heads as i32,
-                        hkv: c.num_key_value_heads as i32,
-                        rotary: c.rotary_dim as i32,
-                        max_pos: self.max_context as i32,
-                    };
-                    let blocks = (c.num_attention_heads + c.num_key_value_heads) as u32;
-                    timed!(
-                        "attn q/k norm + rope + kv append",
-                        self.launch_params(
-                            &self.f.prep,
-                            launch_cfg((blocks, 1), c.head_dim as u32),
-                            &mut [&pa as *const PrepArgs as *mut c_void],
-                            // its norm weights, the position and the rotation before the wait
-                            self.overlap.early,
-                        )?
-                    );
-                    // the splits merged by attn_decode's blocks once they meet (no launch
-                    // between it and o_proj): at 4K 823.4 -> 834.4 tok/s, 32K 716.1 -> 739.8
-                    // against attn_combine's launch (bench/results/cuda-decode-attn-merge-all.json;
-                    // from 48K since cuda-decode-attn-merge-last-alloc.json)
-                    let da = DecodeArgs {
-                        q: self.p(&s.q),
-                        k_cache: self.p(&kv.k),
-                        v_cache: self.p(&kv.v),
-                        k_scale: self.kv_scale(kv, 0),
-                        v_scale: self.kv_scale(kv, 1),
-                        part_acc: self.p(&s.part_acc),
-                        part_ml: self.p(&s.part_ml),
-                        qg: self.p(&s.qg),
-                        out: self.p(&s.o),
-                        meet: self.p(&s.attn_meet),
-                        pos: self.p(&s.pos),
-                        scale: 1.0 / (c.head_dim as f32).sqrt(),
-                        hq: c.num_attention_heads as i32,
-                        hkv: c.num_key_value_heads as i32,
-                        splits: SPLITS as i32,
-                        max_pos: self.max_context as i32,
-                    };
-                    timed!(
-                        "attn decode (split-KV) + merge + gate",
-                        self.launch_params(
-                            &self.f.attn,
-                            // resident blocks walking (KV head, split) items, then meeting to
-                            // merge the splits: all of them must be on the GPU at once
-                            launch_cfg((self.attn_blocks as u32, 1), ATTN_THREADS),
-                            &mut [&da as *const DecodeArgs as *mut c_void],
-                            // its first K/V loads (rows of earlier steps) go out before the wait
-                            self.overlap.early && row.state_early,
-                        )?
-                    );
-                    timed!(
-                        "attn o_proj + residual",
-                        self.gemv(
-                            &[o.segment(x, true, st)],
-                            self.p(&s.o),
-                            Prologue::None,
-                            c.num_attention_heads * c.head_dim,
-                            o.m.group
-                        )?
-                    );
+                    per_row!(row, s, x => {
+                        let segs = [
+                            q.segment(self.p(&s.qg), false, st),
+                            k.segment(self.p(&s.k), false, st),
+                            v.segment(self.p(&s.v), false, st),
+                        ];
+                        timed!(
+                            "attn in_proj (norm + q|k|v)",
+                            self.gemv(
+                                &segs,
+                                x,
+                                Prologue::RmsNorm(self.p(&l.input_norm)),
+                                h,
+                                q.m.group
+                            )?
+                        );
+                    });
+                    per_row!(row, s => {
+                        let pa = PrepArgs {
+                            qg: self.p(&s.qg),
+                            k: self.p(&s.k),
+                            v: self.p(&s.v),
+                            q_norm: self.p(q_norm),
+                            k_norm: self.p(k_norm),
+                            q_out: self.p(&s.q),
+                            k_cache: self.p(&kv.k),
+                            v_cache: self.p(&kv.v),
+                            k_scale: self.kv_scale(kv, 0),
+                            v_scale: self.kv_scale(kv, 1),
+                            pos: self.p(&s.pos),
+                            eps,
+                            theta: c.rope_theta as f32,
+                            hq: c.num_attention_heads as i32,
+                            hkv: c.num_key_value_heads as i32,
+                            rotary: c.rotary_dim as i32,
+                            max_pos: self.max_context as i32,
+                        };
+                        let blocks = (c.num_attention_heads + c.num_key_value_heads) as u32;
+                        timed!(
+                            "attn q/k norm + rope + kv append",
+                            self.launch_params(
+                                &self.f.prep,
+                                launch_cfg((blocks, 1), c.head_dim as u32),
+                                &mut [&pa as *const PrepArgs as *mut c_void],
+                                // its norm weights, the position and the rotation before the wait
+                                self.overlap.early,
+                            )?
+                        );
+                    });
+                    per_row!(row, s => {
+                        // the splits merged by attn_decode's blocks once they meet (no launch
+                        // between it and o_proj): at 4K 823.4 -> 834.4 tok/s, 32K 716.1 -> 739.8
+                        // against attn_combine's launch (bench/results/cuda-decode-attn-merge-all.json;
+                        // from 48K since cuda-decode-attn-merge-last-alloc.json)
+                        let da = DecodeArgs {
+                            q: self.p(&s.q),
+                            k_cache: self.p(&kv.k),
+                            v_cache: self.p(&kv.v),
+                            k_scale: self.kv_scale(kv, 0),
+                            v_scale: self.kv_scale(kv, 1),
+                            part_acc: self.p(&s.part_acc),
+                            part_ml: self.p(&s.part_ml),
+                            qg: self.p(&s.qg),
+                            out: self.p(&s.o),
+                            meet: self.p(&s.attn_meet),
+                            pos: self.p(&s.pos),
+                            scale: 1.0 / (c.head_dim as f32).sqrt(),
+                            hq: c.num_attention_heads as i32,
+                            hkv: c.num_key_value_heads as i32,
+                            splits: SPLITS as i32,
+                            max_pos: self.max_context as i32,
+                        };
+                        timed!(
+                            "attn decode (split-KV) + merge + gate",
+                            self.launch_params(
+                                &self.f.attn,
+                                // resident blocks walking (KV head, split) items, then meeting to
+                                // merge the splits: all of them must be on the GPU at once
+                                launch_cfg((self.attn_blocks as u32, 1), ATTN_THREADS),
+                                &mut [&da as *const DecodeArgs as *mut c_void],
+                                // its first K/V loads (rows of earlier steps) go out before the wait
+                                self.overlap.early && row.state_early,
+                            )?
+                        );
+                    });
+                    per_row!(row, s, x => {
+                        timed!(
+                            "attn o_proj + residual",
+                            self.gemv(
+                                &[o.segment(x, true, st)],
+                                self.p(&s.o),
+                                Prologue::None,
+                                c.num_attention_heads * c.head_dim,
+                                o.m.group
+                            )?
+                        );
+                    });
                 }
             }
             let m = &l.moe;
             let moe_form = self.moe_form_here();
-            if moe_form != MoeForm::Routed {
-                let segs = [
-                    m.router.segment(self.p(&s.router), false, st),
-                    m.shared_gate_logit
-                        .segment(self.p(&s.shared_gate_logit), false, st),
-                    m.shared_gate.segment(self.p(&s.shared_g), false, st),
-                    m.shared_up.segment(self.p(&s.shared_u), false, st),
-                ];
-                let router_norm = if moe_form == MoeForm::Router {
-                    Prologue::RmsNormPublished {
-                        weight: self.p(&l.post_norm),
-                        out: self.p(&s.xn),
-                    }
-                } else {
-                    Prologue::RmsNorm(self.p(&l.post_norm))
-                };
-                timed!(
-                    "moe router + shared gate/up",
-                    self.gemv(&segs, x, router_norm, h, m.router.m.group)?
-                );
-            }
-            if moe_form != MoeForm::Pair {
-                let routed = moe_form == MoeForm::Routed;
-                let ea = ExpertsArgs {
-                    gate: m.gate.at(0, st),
-                    up: m.up.at(0, st),
-                    down: m.down.at(0, st),
-                    shared_down: m.shared_down.m.at(m.shared_down.row0, st),
-                    xn: self.p(&s.xn),
-                    x,
-                    router_logits: self.p(&s.router),
-                    shared_gate_proj: self.p(&s.shared_g),
-                    shared_up_proj: self.p(&s.shared_u),
-                    shared_gate_logit: self.p(&s.shared_gate_logit),
-                    h: self.p(&s.h),
-                    meet: self.p(&s.meet),
-                    experts: c.num_experts as i32,
-                    renorm: i32::from(c.norm_topk_prob),
-                    hidden: h as i32,
-                    inter: c.moe_intermediate_size as i32,
-                    k: c.num_experts_per_tok as i32,
-                    route: [
-                        m.router.route(st),
-                        m.shared_gate_logit.route(st),
-                        m.shared_gate.route(st),
-                        m.shared_up.route(st),
-                    ],
-                    norm_weight: self.p(&l.post_norm),
-                    routed: self.p(&s.routed),
-                    route_meet: self.p(&s.route_meet),
-                    eps,
-                };
-                let cfg = LaunchConfig {
-                    grid_dim: (gate_up_blocks(c) as u32, 1, 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: gate_up_smem(h) as u32,
-                };
-                timed!(
-                    if routed {
-                        "moe router + experts (top-k, gate/up, swiglu, down) + residual"
+            per_row!(row, s, x => {
+                if moe_form != MoeForm::Routed {
+                    let segs = [
+                        m.router.segment(self.p(&s.router), false, st),
+                        m.shared_gate_logit
+                            .segment(self.p(&s.shared_gate_logit), false, st),
+                        m.shared_gate.segment(self.p(&s.shared_g), false, st),
+                        m.shared_up.segment(self.p(&s.shared_u), false, st),
+                    ];
+                    let router_norm = if moe_form == MoeForm::Router {
+                        Prologue::RmsNormPublished {
+                            weight: self.p(&l.post_norm),
+                            out: self.p(&s.xn),
+                        }
                     } else {
-                        "moe experts (top-k, gate/up, swiglu, down) + residual"
-                    },
-                    self.launch_params(
+                        Prologue::RmsNorm(self.p(&l.post_norm))
+                    };
+                    timed!(
+                        "moe router + shared gate/up",
+                        self.gemv(&segs, x, router_norm, h, m.router.m.group)?
+                    );
+                }
+                if moe_form != MoeForm::Pair {
+                    let routed = moe_form == MoeForm::Routed;
+                    let ea = ExpertsArgs {
+                        gate: m.gate.at(0, st),
+                        up: m.up.at(0, st),
+                        down: m.down.at(0, st),
+                        shared_down: m.shared_down.m.at(m.shared_down.row0, st),
+                        xn: self.p(&s.xn),
+                        x,
+                        router_logits: self.p(&s.router),
+                        shared_gate_proj: self.p(&s.shared_g),
+                        shared_up_proj: self.p(&s.shared_u),
+                        shared_gate_logit: self.p(&s.shared_gate_logit),
+                        h: self.p(&s.h),
+                        meet: self.p(&s.meet),
+                        experts: c.num_experts as i32,
+                        renorm: i32::from(c.norm_topk_prob),
+                        hidden: h as i32,
+                        inter: c.moe_intermediate_size as i32,
+                        k: c.num_experts_per_tok as i32,
+                        route: [
+                            m.router.route(st),
+                            m.shared_gate_logit.route(st),
+                            m.shared_gate.route(st),
+                            m.shared_up.route(st),
+                        ],
+                        norm_weight: self.p(&l.post_norm),
+                        routed: self.p(&s.routed),
+                        route_meet: self.p(&s.route_meet),
+                        eps,
+                    };
+                    let cfg = LaunchConfig {
+                        grid_dim: (gate_up_blocks(c) as u32, 1, 1),
+                        block_dim: (256, 1, 1),
+                        shared_mem_bytes: gate_up_smem(h) as u32,
+                    };
+                    timed!(
                         if routed {
-                            &self.f.routed_experts
+                            "moe router + experts (top-k, gate/up, swiglu, down) + residual"
                         } else {
-                            &self.f.experts
+                            "moe experts (top-k, gate/up, swiglu, down) + residual"
                         },
-                        cfg,
-                        &mut [&ea as *const ExpertsArgs as *mut c_void],
-                        self.experts_early(),
-                    )?
-                );
-            } else {
-                let gu = GateUpArgs {
-                    gate: m.gate.at(0, st),
-                    up: m.up.at(0, st),
-                    topk: self.p(&s.topk),
-                    x,
-                    norm_weight: self.p(&l.post_norm),
-                    eps,
-                    router_logits: self.p(&s.router),
-                    experts: c.num_experts as i32,
-                    renorm: i32::from(c.norm_topk_prob),
-                    shared_gate_proj: self.p(&s.shared_g),
-                    shared_up_proj: self.p(&s.shared_u),
-                    shared_gate_logit: self.p(&s.shared_gate_logit),
-                    h: self.p(&s.h),
-                    hidden: h as i32,
-                    inter: c.moe_intermediate_size as i32,
-                    k: c.num_experts_per_tok as i32,
-                };
-                let cfg = LaunchConfig {
-                    grid_dim: (gate_up_blocks(c) as u32, 1, 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: gate_up_smem(h) as u32,
-                };
-                timed!(
-                    "moe top-k + expert gate/up + swiglu",
-                    self.launch_step(&self.f.gate_up, cfg, &gu)?
-                );
-                let da = DownArgs {
-                    down: m.down.at(0, st),
-                    shared_down: m.shared_down.m.at(m.shared_down.row0, st),
-                    h: self.p(&s.h),
-                    topk: self.p(&s.topk),
-                    x,
-                    hidden: h as i32,
-                    inter: c.moe_intermediate_size as i32,
-                    k: c.num_experts_per_tok as i32,
-                };
-                timed!(
-                    "moe down (8 experts + shared) + residual",
-                    self.launch_step(
-                        &self.f.down,
-                        launch_cfg(
-                            (h.div_ceil(16) as u32, 1),
-                            32 * (c.num_experts_per_tok as u32 + 1)
-                        ),
-                        &da
-                    )?
-                );
-            }
+                        self.launch_params(
+                            if routed {
+                                &self.f.routed_experts
+                            } else {
+                                &self.f.experts
+                            },
+                            cfg,
+                            &mut [&ea as *const ExpertsArgs as *mut c_void],
+                            self.experts_early(),
+                        )?
+                    );
+                } else {
+                    let gu = GateUpArgs {
+                        gate: m.gate.at(0, st),
+                        up: m.up.at(0, st),
+                        topk: self.p(&s.topk),
+                        x,
+                        norm_weight: self.p(&l.post_norm),
+                        eps,
+                        router_logits: self.p(&s.router),
+                        experts: c.num_experts as i32,
+                        renorm: i32::from(c.norm_topk_prob),
+                        shared_gate_proj: self.p(&s.shared_g),
+                        shared_up_proj: self.p(&s.shared_u),
+                        shared_gate_logit: self.p(&s.shared_gate_logit),
+                        h: self.p(&s.h),
+                        hidden: h as i32,
+                        inter: c.moe_intermediate_size as i32,
+                        k: c.num_experts_per_tok as i32,
+                    };
+                    let cfg = LaunchConfig {
+                        grid_dim: (gate_up_blocks(c) as u32, 1, 1),
+                        block_dim: (256, 1, 1),
+                        shared_mem_bytes: gate_up_smem(h) as u32,
+                    };
+                    timed!(
+                        "moe top-k + expert gate/up + swiglu",
+                        self.launch_step(&self.f.gate_up, cfg, &gu)?
+                    );
+                    let da = DownArgs {
+                        down: m.down.at(0, st),
+                        shared_down: m.shared_down.m.at(m.shared_down.row0, st),
+                        h: self.p(&s.h),
+                        topk: self.p(&s.topk),
+                        x,
+                        hidden: h as i32,
+                        inter: c.moe_intermediate_size as i32,
+                        k: c.num_experts_per_tok as i32,
+                    };
+                    timed!(
+                        "moe down (8 experts + shared) + residual",
+                        self.launch_step(
+                            &self.f.down,
+                            launch_cfg(
+                                (h.div_ceil(16) as u32, 1),
+                                32 * (c.num_experts_per_tok as u32 + 1)
+                            ),
+                            &da
+                        )?
+                    );
+                }
+            });
         }
         // the greedy choice rides on the lm_head launch (its repeat, when profiling, leaves it out)
-        timed!("lm_head (final norm + gemv + argmax)", repeat => {
-            self.gemv_choosing(
-                &[self.lm_head.segment(self.p(&s.logits), false, st)],
-                x,
-                Prologue::RmsNorm(self.p(&self.final_norm)),
-                h,
-                self.lm_head.m.group,
-                if repeat { 0 } else { row.choice },
-            )?
+        per_row!(row, s, x => {
+            timed!("lm_head (final norm + gemv + argmax)", repeat => {
+                self.gemv_choosing(
+                    &[self.lm_head.segment(self.p(&s.logits), false, st)],
+                    x,
+                    Prologue::RmsNorm(self.p(&self.final_norm)),
+                    h,
+                    self.lm_head.m.group,
+                    if repeat { 0 } else { row.choice },
+                )?
+            });
         });
-        if row.sample {
+        if sample {
             let sa = self.sample_args();
             // timed apart, so that the step's launches and their names pair up (`launch_order`)
             timed!(TOKEN_CHOICE_FAMILIES[0], self.launch_sample_prepass(&sa)?);

@@ -1,7 +1,7 @@
 //! Speculative decoding on the GPU (greedy): a verify step checks one drafted token a replay, so a
 //! replay yields one token or two, as `osprey_engine::speculative` does on the CPU. The verify
 //! step is a second captured graph: row 0 runs the step's input token at position p, row 1 the
-//! draft at p + 1, each through the one-token kernels with its own scratch (`issue_row`); then
+//! draft at p + 1, each through the one-token kernels with its own scratch (`issue_rows`, kernel by kernel); then
 //! speculative.cu `spec_accept` keeps the draft when row 0's choice equals it, writes the next
 //! input, position and draft, and a record the host reads one replay late. The Gated DeltaNet
 //! state needs no copy when a draft is rejected: row 0 writes the state after its token into a
@@ -137,7 +137,6 @@ impl CudaDecoder {
                     cur,
                 }),
                 state_early: true,
-                sample: false,
             },
             Row {
                 s: &spec.s1,
@@ -148,14 +147,12 @@ impl CudaDecoder {
                     cur,
                 }),
                 state_early: false,
-                sample: false,
             },
         ];
         self.stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-        let issued = rows
-            .iter()
-            .try_for_each(|r| self.issue_row(None, None, r))
+        let issued = self
+            .issue_rows(None, None, &rows, false)
             .and_then(|_| self.launch_spec_accept(spec, true));
         let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0))?;
         issued?;
