@@ -97,10 +97,9 @@ extern "C" __global__ void __launch_bounds__(256) gdn_step(GdnArgs p) {
     const int jl = t & (COLS - 1), rg = t >> 5, i0 = rg * ROWS_PER, j = split * COLS + jl;
     // the buffer read and the one written (role: see GdnArgs)
     const int cur = p.role ? *p.cur : 0;
-    float* const bufs[2] = {p.state, p.state_alt};
     const size_t head = (size_t)h * DK * DV;
-    const float* S = bufs[p.role == 2 ? cur ^ 1 : cur] + head;
-    float* Sw = bufs[p.role == 1 ? cur ^ 1 : cur] + head;
+    const float* S = ((p.role == 2 ? cur ^ 1 : cur) ? p.state_alt : p.state) + head;
+    float* Sw = ((p.role == 1 ? cur ^ 1 : cur) ? p.state_alt : p.state) + head;
 
     // Only this kernel, once per step, touches this layer's state and conv state, so they are read
     // first: before the dependency wait when the step's kernels overlap (common.cuh; the position

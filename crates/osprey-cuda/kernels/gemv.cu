@@ -140,6 +140,11 @@ struct GemvArgs {
     int stages;    // gemv_q_resident: tiles a block holds in shared memory (at least its share)
     TokenChoice* choice;  // the lm_head launch (gemv_q_ring, gemv_q_tiles, gemv_q): greedy token choice
     float* normed;        // gemv_q, gemv_q_tiles: block 0 writes the normalised input here (moe_experts reads it)
+    // gemv_q_ring2: the second activation row (the speculative verify step's), its output and its
+    // token choice
+    const float* x1;
+    float* out1;
+    TokenChoice* choice1;
 };
 
 __device__ __forceinline__ QRows rows_of(const Segment& s) { return QRows{s.codes, s.scales, s.biases, s.rows}; }
@@ -690,7 +695,9 @@ extern "C" __global__ void __launch_bounds__(2 * RES_KSLICES * 32, 1) gemv_q_res
 #define RING_TILES 2  // the producer warp's lane l takes row l of a stage: RING_TILES * 16 == 32
 #define RING_CONSUMERS 8
 
-template <int KC>
+// ROWS activation rows (1, or 2 for gemv_q_ring2: x and x1 into the segment's out and out1, each
+// with its token choice): a stage's weights multiplied by every row as they are unpacked.
+template <int KC, int ROWS = 1>
 __device__ __forceinline__ void gemv_ring_body(const GemvArgs& a) {
     extern __shared__ __align__(128) char ring_dynamic_smem[];
     char* smem = ring_dynamic_smem;
@@ -703,10 +710,10 @@ __device__ __forceinline__ void gemv_ring_body(const GemvArgs& a) {
     char* codes = smem;  // [S][RING_TILES][16 rows][K/2 B]
     __nv_bfloat16* scales = reinterpret_cast<__nv_bfloat16*>(codes + S * RING_TILES * tile_codes);  // [S][RING_TILES][16][K/64]
     __nv_bfloat16* biases = scales + S * RING_TILES * tile_sb;
-    float* part = reinterpret_cast<float*>(biases + S * RING_TILES * tile_sb);  // [S][RING_TILES][warp][16]
-    uint4* xb8 = reinterpret_cast<uint4*>(part + S * RING_TILES * RING_CONSUMERS * 16);
-    float2* gx = reinterpret_cast<float2*>(xb8 + gpr * 8);
-    float* scratch = reinterpret_cast<float*>(gx + gpr);
+    float* part = reinterpret_cast<float*>(biases + S * RING_TILES * tile_sb);  // [S][RING_TILES][ROWS][warp][16]
+    uint4* xb8 = reinterpret_cast<uint4*>(part + S * RING_TILES * ROWS * RING_CONSUMERS * 16);  // [ROWS][gpr * 8]
+    float2* gx = reinterpret_cast<float2*>(xb8 + ROWS * gpr * 8);  // [ROWS][gpr]
+    float* scratch = reinterpret_cast<float*>(gx + ROWS * gpr);
     uint64_t* full = reinterpret_cast<uint64_t*>(scratch + 32);
     uint64_t* empty = full + S;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -731,9 +738,14 @@ __device__ __forceinline__ void gemv_ring_body(const GemvArgs& a) {
     float nw[2][8];
     if (a.norm_weight) load_norm_slots(a.norm_weight, K, nw);
     step_inputs_ready();
-    resident_input(XInput{a.x, a.norm_weight, a.gate_z, a.head_norm, a.eps, K, a.head_dim}, xb8, gx, scratch, nw);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+        resident_input(XInput{r ? a.x1 : a.x, a.norm_weight, a.gate_z, a.head_norm, a.eps, K, a.head_dim}, xb8 + r * gpr * 8,
+                       gx + r * gpr, scratch, nw);
     __syncthreads();  // also publishes the barriers' initialisation
-    unsigned long long best = 0;  // with a.choice: this thread's largest choice_key
+    unsigned long long best[ROWS];  // with a.choice: this thread's largest choice_key per row
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) best[r] = 0;
     if (warp == RING_CONSUMERS) {
         for (int st = 0; st < stages_total; ++st) {
             const int slot = st % S;
@@ -741,21 +753,27 @@ __device__ __forceinline__ void gemv_ring_body(const GemvArgs& a) {
             // lane l: row l of the stage (RING_TILES * 16 == 32 rows)
             const int row = (t0 + st * RING_TILES) * 16 + lane;
             if (row < t1 * 16 && row < s.rows) {
-                const float* p = part + (size_t)(slot * RING_TILES + (lane >> 4)) * RING_CONSUMERS * 16 + (lane & 15);
-                float y = 0.f;
 #pragma unroll
-                for (int w = 0; w < RING_CONSUMERS; ++w) y += p[w * 16];
-                write_row(s, row, y);
-                if (a.choice && row < a.choice->n) best = max(best, choice_key(y, row));
+                for (int r = 0; r < ROWS; ++r) {
+                    const float* p = part + ((size_t)(slot * RING_TILES + (lane >> 4)) * ROWS + r) * RING_CONSUMERS * 16 + (lane & 15);
+                    float y = 0.f;
+#pragma unroll
+                    for (int w = 0; w < RING_CONSUMERS; ++w) y += p[w * 16];
+                    if (r) a.out1[row] = y;
+                    else write_row(s, row, y);
+                    if (a.choice && row < a.choice->n) best[r] = max(best[r], choice_key(y, row));
+                }
             }
             __syncwarp();  // the partials are read before the stage is refilled
             if (lane == 0 && st + S < stages_total) fill(st + S);
         }
     } else {
         const int g0 = warp * gpr / RING_CONSUMERS, quads = gpr / (4 * RING_CONSUMERS);
-        QuadX X;
+        QuadX X[ROWS];
         const QuadLane L0 = quad_lane(K, g0);
-        if (quads == 1) load_quad_x(xb8, gx, g0, X);
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+            if (quads == 1) load_quad_x(xb8 + r * gpr * 8, gx + r * gpr, g0, X[r]);
 #pragma unroll 1
         for (int st = 0; st < stages_total; ++st) {
             const int slot = st % S, tiles = min(RING_TILES, t1 - t0 - st * RING_TILES);
@@ -769,23 +787,29 @@ __device__ __forceinline__ void gemv_ring_body(const GemvArgs& a) {
 #pragma unroll 1
             for (int j = 0; j < tiles; ++j) {
                 const size_t i = (size_t)slot * RING_TILES + j;
-                float yA = 0.f, yB = 0.f;
-                if (quads == 1) quad_dot(codes + i * tile_codes, scales + i * tile_sb, biases + i * tile_sb, L0, X, yA, yB);
+                float yA[ROWS], yB[ROWS];
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r) yA[r] = yB[r] = 0.f;
+                if (quads == 1) quad_dot_rows<ROWS>(codes + i * tile_codes, scales + i * tile_sb, biases + i * tile_sb, L0, X, yA, yB);
                 else {
 #pragma unroll 1
                     for (int qd = 0; qd < quads; ++qd) {
-                        load_quad_x(xb8, gx, g0 + 4 * qd, X);
-                        quad_dot(codes + i * tile_codes, scales + i * tile_sb, biases + i * tile_sb, K, g0 + 4 * qd, X, yA, yB);
+#pragma unroll
+                        for (int r = 0; r < ROWS; ++r) load_quad_x(xb8 + r * gpr * 8, gx + r * gpr, g0 + 4 * qd, X[r]);
+                        quad_dot_rows<ROWS>(codes + i * tile_codes, scales + i * tile_sb, biases + i * tile_sb,
+                                            quad_lane(K, g0 + 4 * qd), X, yA, yB);
                     }
                 }
-                store_quad_sums(part + (i * RING_CONSUMERS + warp) * 16, yA, yB);
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r) store_quad_sums(part + ((i * ROWS + r) * RING_CONSUMERS + warp) * 16, yA[r], yB[r]);
             }
             __syncwarp();
             if (lane == 0) mbar_arrive(&empty[slot]);
         }
         step_phase(6);  // warp 0's stages multiplied
     }
-    if (a.choice) choose_token(a.choice, best, scratch);
+    if (a.choice) choose_token(a.choice, best[0], scratch);
+    if (ROWS > 1 && a.choice1) choose_token(a.choice1, best[ROWS - 1], scratch);
 }
 
 extern "C" __global__ void __launch_bounds__((RING_CONSUMERS + 1) * 32, 1) gemv_q_ring(GemvArgs a) { gemv_ring_body<0>(a); }
@@ -793,6 +817,11 @@ extern "C" __global__ void __launch_bounds__((RING_CONSUMERS + 1) * 32, 1) gemv_
 // 737.5 tok/s (bench/results/cuda-decode-shape-specialised-2.json)
 extern "C" __global__ void __launch_bounds__((RING_CONSUMERS + 1) * 32, 1) gemv_q_ring_k2048(GemvArgs a) {
     gemv_ring_body<2048>(a);
+}
+// gemv_q_ring2_k2048: the lm_head of the speculative verify step's two rows in one stream of its
+// weights (speculative.cu)
+extern "C" __global__ void __launch_bounds__((RING_CONSUMERS + 1) * 32, 1) gemv_q_ring2_k2048(GemvArgs a) {
+    gemv_ring_body<2048, 2>(a);
 }
 
 // gemv_q_pair: one segment of 4-bit group-64 rows at K 4096 (the GDN out_proj and the attention

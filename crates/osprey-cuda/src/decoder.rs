@@ -139,16 +139,24 @@ const RING_MIN_TILES_PER_SM: usize = 16;
 const RING_STATIC_SMEM: usize = 1024;
 
 /// gemv_q_ring (gemv.cu) for `tiles` 16-row tiles of `k` inputs (4-bit, group 64) on `sms` SMs
-/// with `smem` bytes of shared memory a block may take: (blocks, ring stages, dynamic shared
-/// memory bytes). None for K the kernel does not take (a multiple of 2048 up to 4096), a launch
-/// of fewer than RING_MIN_TILES_PER_SM tiles per SM, or fewer than two stages that fit.
-fn ring_launch(tiles: usize, k: usize, sms: usize, smem: usize) -> Option<(usize, usize, usize)> {
+/// with `smem` bytes of shared memory a block may take, multiplying `rows` activation rows (2:
+/// gemv_q_ring2): (blocks, ring stages, dynamic shared memory bytes). None for K the kernel does
+/// not take (a multiple of 2048 up to 4096), a launch of fewer than RING_MIN_TILES_PER_SM tiles
+/// per SM, or fewer than two stages that fit.
+fn ring_launch(
+    tiles: usize,
+    k: usize,
+    sms: usize,
+    smem: usize,
+    rows: usize,
+) -> Option<(usize, usize, usize)> {
     if sms == 0 || !k.is_multiple_of(2048) || k > 4096 || tiles < RING_MIN_TILES_PER_SM * sms {
         return None;
     }
-    // per stage: its tiles and the 8 warps' 16 partial sums per tile; then x
-    let stage = RING_TILES * (tile_smem(k) + 8 * 16 * 4);
-    let fixed = x_bytes_smem(k);
+    // per stage: its tiles and the 8 warps' 16 partial sums per tile and row; then each row's x
+    // (the scratch words once)
+    let stage = RING_TILES * (tile_smem(k) + rows * 8 * 16 * 4);
+    let fixed = rows * x_bytes_smem(k) - (rows - 1) * 32 * 4;
     // and two mbarriers per stage
     let stages = smem.saturating_sub(fixed) / (stage + 16);
     let per_block_stages = tiles.div_ceil(sms).div_ceil(RING_TILES);
@@ -640,6 +648,8 @@ struct Functions {
     gemv_ring: CudaFunction,
     /// gemv_q_ring compiled for K 2048 (the lm_head)
     gemv_ring_k2048: CudaFunction,
+    /// gemv_q_ring for two activation rows at K 2048 (the verify step's lm_head)
+    gemv_ring2_k2048: CudaFunction,
     gemv_pair: CudaFunction,
     gate_up: CudaFunction,
     experts: CudaFunction,
@@ -964,6 +974,7 @@ impl CudaDecoder {
             gemv_resident_k2048: func("gemv", "gemv_q_resident_k2048")?,
             gemv_ring: func("gemv", "gemv_q_ring")?,
             gemv_ring_k2048: func("gemv", "gemv_q_ring_k2048")?,
+            gemv_ring2_k2048: func("gemv", "gemv_q_ring2_k2048")?,
             gemv_pair: func("gemv", "gemv_q_pair")?,
             gate_up: func("moe", "moe_gate_up")?,
             experts: func(
@@ -1152,7 +1163,7 @@ impl CudaDecoder {
                 smem_optin as i32,
             )?;
         }
-        for ring in [&f.gemv_ring, &f.gemv_ring_k2048] {
+        for ring in [&f.gemv_ring, &f.gemv_ring_k2048, &f.gemv_ring2_k2048] {
             ring.set_attribute(
                 sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 (smem_optin - RING_STATIC_SMEM) as i32,
@@ -1193,6 +1204,7 @@ impl CudaDecoder {
             &f.sample_prepass,
             &f.gemv_ring,
             &f.gemv_ring_k2048,
+            &f.gemv_ring2_k2048,
         ] {
             func.set_attribute(
                 sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
@@ -1465,7 +1477,7 @@ impl CudaDecoder {
         }
         if segs.len() == 1 && segs.iter().all(tileable) && staged_ok {
             let smem = self.smem_optin - RING_STATIC_SMEM;
-            if let Some(launch) = ring_launch(tiles, k, self.sms, smem) {
+            if let Some(launch) = ring_launch(tiles, k, self.sms, smem, 1) {
                 let ring = if k == 2048 {
                     &self.f.gemv_ring_k2048
                 } else {
@@ -1508,6 +1520,40 @@ impl CudaDecoder {
             &mut [&a as *const GemvArgs as *mut c_void],
             self.overlap.early,
         )
+    }
+
+    /// The lm_head of two rows (the verify step's) in one stream of its weights (gemv_q_ring2),
+    /// each row's greedy choice into its TokenChoice; false where that kernel does not take the
+    /// shape or there are not two rows (the rows then take a launch each).
+    fn lm_head_two_rows(&self, rows: &[Row]) -> Result<bool> {
+        let [r0, r1] = rows else {
+            return Ok(false);
+        };
+        let k = self.cfg.hidden_size;
+        let st = &self.stream;
+        let seg = self.lm_head.segment(self.p(&r0.s.logits), false, st);
+        let tiles = (seg.rows as usize).div_ceil(16);
+        let smem = self.smem_optin - RING_STATIC_SMEM;
+        let launch = ring_launch(tiles, k, self.sms, smem, 2);
+        let (Some(launch), 2048, 64, 4) = (launch, k, self.lm_head.m.group, seg.bits) else {
+            return Ok(false);
+        };
+        let mut a = GemvArgs {
+            x: self.p(&r0.s.x),
+            x1: self.p(&r1.s.x),
+            out1: self.p(&r1.s.logits),
+            choice: r0.choice,
+            choice1: r1.choice,
+            norm_weight: self.p(&self.final_norm),
+            eps: self.cfg.rms_norm_eps,
+            nseg: 1,
+            k: k as i32,
+            group: 64,
+            ..Default::default()
+        };
+        a.seg[0] = seg;
+        self.launch_staged(&self.f.gemv_ring2_k2048, a, launch, RING_THREADS)?;
+        Ok(true)
     }
 
     /// A GEMV whose blocks stage their weights in shared memory (gemv_q_resident, gemv_q_ring,
@@ -2008,6 +2054,9 @@ impl CudaDecoder {
             });
         }
         // the greedy choice rides on the lm_head launch (its repeat, when profiling, leaves it out)
+        if self.lm_head_two_rows(rows)? {
+            return Ok(());
+        }
         per_row!(row, s, x => {
             timed!("lm_head (final norm + gemv + argmax)", repeat => {
                 self.gemv_choosing(
@@ -2797,17 +2846,23 @@ mod tests {
     fn ring_launch_streams_the_lm_head_in_stages_that_fit() {
         let (sms, smem) = (132, 232_448);
         // the lm_head: 248,320 rows at K 2048
-        let (blocks, stages, bytes) = ring_launch(15_520, 2048, sms, smem).unwrap();
+        let (blocks, stages, bytes) = ring_launch(15_520, 2048, sms, smem, 1).unwrap();
         assert_eq!(blocks, sms);
         assert!(stages >= 4 && bytes <= smem, "{stages} stages in {bytes} B");
         // one more stage would not fit
         let stage = RING_TILES * (16 * (1024 + 2 * 32 * 2) + 8 * 16 * 4) + 16;
         assert!(bytes + stage > smem);
         // a short run takes only the stages its tiles need (with room for more)
-        assert_eq!(ring_launch(16 * sms, 2048, sms, 1 << 20).unwrap().1, 8);
-        assert_eq!(ring_launch(15_520, 1024, sms, smem), None);
-        assert_eq!(ring_launch(15 * sms, 2048, sms, smem), None);
-        assert_eq!(ring_launch(15_520, 2048, sms, 40_000), None);
+        assert_eq!(ring_launch(16 * sms, 2048, sms, 1 << 20, 1).unwrap().1, 8);
+        assert_eq!(ring_launch(15_520, 1024, sms, smem, 1), None);
+        assert_eq!(ring_launch(15 * sms, 2048, sms, smem, 1), None);
+        assert_eq!(ring_launch(15_520, 2048, sms, 40_000, 1), None);
+        // two rows: each row's partial sums and x beside the same stages
+        let (_, stages2, bytes2) = ring_launch(15_520, 2048, sms, smem, 2).unwrap();
+        assert!(stages2 >= 2 && bytes2 <= smem);
+        let stage2 = RING_TILES * (tile_smem(2048) + 2 * 8 * 16 * 4) + 16;
+        assert_eq!(bytes2 - stages2 * stage2, 2 * x_bytes_smem(2048) - 32 * 4);
+        assert!(bytes2 + stage2 > smem);
     }
 
     #[test]
