@@ -140,11 +140,11 @@ struct GemvArgs {
     int stages;    // gemv_q_resident: tiles a block holds in shared memory (at least its share)
     TokenChoice* choice;  // the lm_head launch (gemv_q_ring, gemv_q_tiles, gemv_q): greedy token choice
     float* normed;        // gemv_q, gemv_q_tiles: block 0 writes the normalised input here (moe_experts reads it)
-    // gemv_q_ring2: the second activation row (the speculative verify step's), its output and its
-    // token choice
+    // gemv_q_resident2, gemv_q_ring2: the second activation row (the speculative verify step's),
+    // its token choice and each segment's output for it (written, or added as the segment says)
     const float* x1;
-    float* out1;
     TokenChoice* choice1;
+    float* out1[MAX_SEGS];
 };
 
 __device__ __forceinline__ QRows rows_of(const Segment& s) { return QRows{s.codes, s.scales, s.biases, s.rows}; }
@@ -505,7 +505,9 @@ extern "C" __global__ void __launch_bounds__(256, 3) gemv_q_tiles(GemvArgs a) { 
 // Block b takes tiles [b·T/grid, (b+1)·T/grid) of the launch's segments; a.stages >= its tile
 // count (the host sizes the dynamic shared memory by it: resident_launch in decoder.rs).
 // Shared memory: codes [stages][16 rows][K/2 B], scales and biases [stages][16][K/64], then x.
-template <int KC>
+// ROWS activation rows (1, or 2 for gemv_q_resident2: x and x1, each segment's rows into its out
+// and out1[segment]): each tile multiplied by every row as it is unpacked.
+template <int KC, int ROWS = 1>
 __device__ __forceinline__ void gemv_resident_body(const GemvArgs& a) {
     extern __shared__ __align__(128) char resident_dynamic_smem[];
     char* smem = resident_dynamic_smem;
@@ -516,9 +518,9 @@ __device__ __forceinline__ void gemv_resident_body(const GemvArgs& a) {
     char* codes = smem;
     __nv_bfloat16* scales = reinterpret_cast<__nv_bfloat16*>(codes + (size_t)S * 16 * (K / 2));
     __nv_bfloat16* biases = scales + (size_t)S * 16 * gpr;
-    uint4* xb8 = reinterpret_cast<uint4*>(biases + (size_t)S * 16 * gpr);
-    float2* gx = reinterpret_cast<float2*>(xb8 + gpr * 8);
-    float* scratch = reinterpret_cast<float*>(gx + gpr);
+    uint4* xb8 = reinterpret_cast<uint4*>(biases + (size_t)S * 16 * gpr);  // [ROWS][gpr * 8]
+    float2* gx = reinterpret_cast<float2*>(xb8 + ROWS * gpr * 8);          // [ROWS][gpr]
+    float* scratch = reinterpret_cast<float*>(gx + ROWS * gpr);
     uint64_t* full = reinterpret_cast<uint64_t*>(scratch + 32);  // [RES_MAX_STREAMED] when streamed
     // a ninth warp (256 + 32 threads) asks for the tiles in order
     const bool has_streamer = (blockDim.x & 255) == 32, streamed = has_streamer && n <= RES_MAX_STREAMED;
@@ -573,19 +575,25 @@ __device__ __forceinline__ void gemv_resident_body(const GemvArgs& a) {
     float nw[2][8];
     if (a.norm_weight) load_norm_slots(a.norm_weight, K, nw);
     step_inputs_ready();
-    const XInput in{a.x, a.norm_weight, a.gate_z, a.head_norm, a.eps, K, a.head_dim};
     if constexpr (WARP_X) {
         // the full-width RMSNorm's 1/rms applied to the sums at the end (resident_values<true>):
-        // each warp leaves its sum of squares in scratch
-        float v[2][8];
-        const float ss = warp_sum(resident_values<true>(in, v, scratch, nw));
-        write_slots(v, K, xb8, gx);
-        if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = ss;
+        // each warp leaves its sum of squares of row r in scratch[16 r + warp]
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            const XInput in{r ? a.x1 : a.x, a.norm_weight, a.gate_z, a.head_norm, a.eps, K, a.head_dim};
+            float v[2][8];
+            const float ss = warp_sum(resident_values<true>(in, v, scratch, nw));
+            write_slots(v, K, xb8 + r * gpr * 8, gx + r * gpr);
+            if ((threadIdx.x & 31) == 0) scratch[16 * r + (threadIdx.x >> 5)] = ss;
+        }
         __syncwarp();
         // 16 warps (the graph without early experts): warp w + 8 multiplies the quad warp w wrote
         if (blockDim.x >= 512) __syncthreads();
     } else {
-        resident_input(in, xb8, gx, scratch, nw);
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+            resident_input(XInput{r ? a.x1 : a.x, a.norm_weight, a.gate_z, a.head_norm, a.eps, K, a.head_dim},
+                           xb8 + r * gpr * 8, gx + r * gpr, scratch, nw);
         __syncthreads();  // also publishes the barriers' initialisation
     }
     step_phase(3);  // x in (WARP_X: warp 0's)
@@ -601,15 +609,17 @@ __device__ __forceinline__ void gemv_resident_body(const GemvArgs& a) {
         // (the streaming warp's 32 threads leave phases at blockDim.x / 256: 288 / 256 = 1)
         const int warp = threadIdx.x >> 5, kslice = warp % RES_KSLICES, phase = warp / RES_KSLICES;
         const int phases = blockDim.x / (32 * RES_KSLICES), g0 = kslice * gpr / RES_KSLICES, quads = gpr / (4 * RES_KSLICES);
-        QuadX X;
+        QuadX X[ROWS];
         const QuadLane L0 = quad_lane(K, g0);
-        if (quads == 1) load_quad_x(xb8, gx, g0, X);
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+            if (quads == 1) load_quad_x(xb8 + r * gpr * 8, gx + r * gpr, g0, X[r]);
         if (!streamed) {
             mbar_wait(full, 0);
             step_phase(4);  // tiles in
         }
         // a warp leaves its 16 partial sums of a tile in the first 64 bytes of its own K-slice of the
-        // tile's codes, which only it reads. Tiles go two at a time (unrolled over all tiles the code
+        // tile's codes, which only it reads (row r's in the r-th 64 bytes). Tiles go two at a time (unrolled over all tiles the code
         // outgrows the instruction cache): a warp's quad_dot is a chain of shared-memory loads, mma
         // and conversions that one tile alone leaves mostly waiting at 4 warps a scheduler (GDN
         // in_proj's median block multiplied 2.05 -> 1.79 us after its tiles are in; 4K 772.8 -> 777.5
@@ -624,13 +634,18 @@ __device__ __forceinline__ void gemv_resident_body(const GemvArgs& a) {
                 char* s0 = codes + (size_t)i * 16 * (K / 2);
                 char* s1 = s0 + (size_t)phases * 16 * (K / 2);
                 const size_t o0 = (size_t)i * 16 * gpr, o1 = o0 + (size_t)phases * 16 * gpr;
-                float a0 = 0.f, b0 = 0.f, a1 = 0.f, b1 = 0.f;
-                quad_dot(s0, scales + o0, biases + o0, L0, X, a0, b0);
-                quad_dot(s1, scales + o1, biases + o1, L0, X, a1, b1);
-                if (i == phase) step_phase_after(6, __float_as_uint(b1));  // warp 0's first two tile products
+                float a0[ROWS], b0[ROWS], a1[ROWS], b1[ROWS];
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r) a0[r] = b0[r] = a1[r] = b1[r] = 0.f;
+                quad_dot_rows<ROWS>(s0, scales + o0, biases + o0, L0, X, a0, b0);
+                quad_dot_rows<ROWS>(s1, scales + o1, biases + o1, L0, X, a1, b1);
+                if (i == phase) step_phase_after(6, __float_as_uint(b1[0]));  // warp 0's first two tile products
                 __syncwarp();
-                store_quad_sums(reinterpret_cast<float*>(s0 + g0 * 32), a0, b0);
-                store_quad_sums(reinterpret_cast<float*>(s1 + g0 * 32), a1, b1);
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r) {
+                    store_quad_sums(reinterpret_cast<float*>(s0 + g0 * 32 + 64 * r), a0[r], b0[r]);
+                    store_quad_sums(reinterpret_cast<float*>(s1 + g0 * 32 + 64 * r), a1[r], b1[r]);
+                }
             }
         }
 #pragma unroll 1
@@ -638,48 +653,67 @@ __device__ __forceinline__ void gemv_resident_body(const GemvArgs& a) {
             char* stage = codes + (size_t)i * 16 * (K / 2);
             const __nv_bfloat16* sc = scales + (size_t)i * 16 * gpr;
             const __nv_bfloat16* bi = biases + (size_t)i * 16 * gpr;
-            float yA = 0.f, yB = 0.f;
+            float yA[ROWS], yB[ROWS];
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) yA[r] = yB[r] = 0.f;
             if (streamed) mbar_wait(&full[i], 0);  // each tile waited for as it is taken
-            if (quads == 1) quad_dot(stage, sc, bi, L0, X, yA, yB);
+            if (quads == 1) quad_dot_rows<ROWS>(stage, sc, bi, L0, X, yA, yB);
             else {
 #pragma unroll 1
                 for (int qd = 0; qd < quads; ++qd) {
-                    load_quad_x(xb8, gx, g0 + 4 * qd, X);
-                    quad_dot(stage, sc, bi, K, g0 + 4 * qd, X, yA, yB);
+#pragma unroll
+                    for (int r = 0; r < ROWS; ++r) load_quad_x(xb8 + r * gpr * 8, gx + r * gpr, g0 + 4 * qd, X[r]);
+                    quad_dot_rows<ROWS>(stage, sc, bi, quad_lane(K, g0 + 4 * qd), X, yA, yB);
                 }
             }
             __syncwarp();
-            store_quad_sums(reinterpret_cast<float*>(stage + g0 * 32), yA, yB);
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) store_quad_sums(reinterpret_cast<float*>(stage + g0 * 32 + 64 * r), yA[r], yB[r]);
         }
     }
     __syncthreads();
     step_phase(5);  // multiplied
-    float inv_rms = 1.f;
-    if (WARP_X && a.norm_weight) {
-        float ss = 0.f;
+    float inv_rms[ROWS];
 #pragma unroll
-        for (int w = 0; w < RES_KSLICES; ++w) ss += scratch[w];
-        inv_rms = rsqrtf(ss / K + a.eps);
-    }
-    for (int o = threadIdx.x; o < n * 16; o += blockDim.x) {
-        const int i = o >> 4, r = o & 15;
-        int local;
-        const Segment& s = a.seg[locate_unit<true>(a, true, t0 + i, local)];
-        const int row = local * 16 + r;
-        if (row < s.rows) {
-            const char* stage = codes + (size_t)i * 16 * (K / 2);
-            float y = 0.f;
+    for (int x = 0; x < ROWS; ++x) {
+        inv_rms[x] = 1.f;
+        if (WARP_X && a.norm_weight) {
+            float ss = 0.f;
 #pragma unroll
-            for (int w = 0; w < RES_KSLICES; ++w) y += reinterpret_cast<const float*>(stage + (w * gpr / RES_KSLICES) * 32)[r];
-            write_row(s, row, y * inv_rms);
+            for (int w = 0; w < RES_KSLICES; ++w) ss += scratch[16 * x + w];
+            inv_rms[x] = rsqrtf(ss / K + a.eps);
         }
     }
+#pragma unroll
+    for (int x = 0; x < ROWS; ++x)
+        for (int o = threadIdx.x; o < n * 16; o += blockDim.x) {
+            const int i = o >> 4, r = o & 15;
+            int local;
+            const int si = locate_unit<true>(a, true, t0 + i, local);
+            const Segment& s = a.seg[si];
+            const int row = local * 16 + r;
+            if (row < s.rows) {
+                const char* stage = codes + (size_t)i * 16 * (K / 2) + 64 * x;
+                float y = 0.f;
+#pragma unroll
+                for (int w = 0; w < RES_KSLICES; ++w) y += reinterpret_cast<const float*>(stage + (w * gpr / RES_KSLICES) * 32)[r];
+                y *= inv_rms[x];
+                if (x == 0) write_row(s, row, y);
+                else if (s.accumulate) a.out1[si][row] += y;
+                else a.out1[si][row] = y;
+            }
+        }
 }
 
 extern "C" __global__ void __launch_bounds__(2 * RES_KSLICES * 32, 1) gemv_q_resident(GemvArgs a) { gemv_resident_body<0>(a); }
 // gemv_q_resident_k2048: K 2048 (the GDN and attention input projections) compiled in
 extern "C" __global__ void __launch_bounds__(2 * RES_KSLICES * 32, 1) gemv_q_resident_k2048(GemvArgs a) {
     gemv_resident_body<2048>(a);
+}
+// gemv_q_resident2_k2048: the input projections of the speculative verify step's two rows in one
+// launch (speculative.cu)
+extern "C" __global__ void __launch_bounds__(2 * RES_KSLICES * 32, 1) gemv_q_resident2_k2048(GemvArgs a) {
+    gemv_resident_body<2048, 2>(a);
 }
 
 // gemv_q_ring: launches of one 4-bit group-64 segment too big for gemv_q_resident (the lm_head,
@@ -759,7 +793,7 @@ __device__ __forceinline__ void gemv_ring_body(const GemvArgs& a) {
                     float y = 0.f;
 #pragma unroll
                     for (int w = 0; w < RING_CONSUMERS; ++w) y += p[w * 16];
-                    if (r) a.out1[row] = y;
+                    if (r) a.out1[0][row] = y;
                     else write_row(s, row, y);
                     if (a.choice && row < a.choice->n) best[r] = max(best[r], choice_key(y, row));
                 }

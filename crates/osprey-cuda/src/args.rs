@@ -41,10 +41,11 @@ pub struct GemvArgs {
     /// gemv_q, gemv_q_tiles: block 0 writes the normalised input here (the MoE router launch,
     /// for moe_experts); 0 elsewhere.
     pub normed: u64,
-    /// gemv_q_ring2: the second activation row, its output and its token choice.
+    /// gemv_q_resident2, gemv_q_ring2: the second activation row, its token choice and each
+    /// segment's output for it.
     pub x1: u64,
-    pub out1: u64,
     pub choice1: u64,
+    pub out1: [u64; MAX_SEGS],
 }
 
 /// gemv.cu `TokenChoice`: the greedy token choice fused into the lm_head launch (one per
@@ -596,7 +597,7 @@ mod tests {
         assert_eq!(std::mem::size_of::<Segment>(), 48);
         assert_eq!(
             std::mem::size_of::<GemvArgs>(),
-            4 * 48 + 4 * 8 + 8 * 4 + 2 * 8 + 3 * 8
+            4 * 48 + 4 * 8 + 8 * 4 + 2 * 8 + 2 * 8 + 4 * 8
         );
         assert_eq!(
             std::mem::size_of::<TokenChoice>(),

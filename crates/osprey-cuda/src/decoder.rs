@@ -86,14 +86,17 @@ fn resident_launch(
     k: usize,
     sms: usize,
     smem: usize,
+    rows: usize,
 ) -> Option<(usize, usize, usize)> {
     if tiles == 0 || sms == 0 || !k.is_multiple_of(2048) || k > 4096 {
         return None;
     }
     let blocks = tiles.min(sms);
     let per_block = tiles.div_ceil(blocks);
-    // the tiles, x, and the mbarriers (one, or one a tile when streamed)
-    let bytes = per_block * tile_smem(k) + x_bytes_smem(k) + 8 * RESIDENT_MAX_STREAMED;
+    // the tiles, each activation row's x (`rows`: 2 for gemv_q_resident2; the scratch words
+    // once), and the mbarriers (one, or one a tile when streamed)
+    let bytes = per_block * tile_smem(k) + rows * x_bytes_smem(k) - (rows - 1) * 32 * 4
+        + 8 * RESIDENT_MAX_STREAMED;
     // at least half an SM's shared memory, so that blocks launched early (programmatic dependent
     // launch) land one per SM instead of two on the SMs that free up first
     // (never more than a block may take: on a part with less shared memory the padding is moot)
@@ -645,6 +648,8 @@ struct Functions {
     gemv_resident: CudaFunction,
     /// gemv_q_resident compiled for K 2048 (the input projections)
     gemv_resident_k2048: CudaFunction,
+    /// gemv_q_resident for two activation rows at K 2048 (the verify step's input projections)
+    gemv_resident2_k2048: CudaFunction,
     gemv_ring: CudaFunction,
     /// gemv_q_ring compiled for K 2048 (the lm_head)
     gemv_ring_k2048: CudaFunction,
@@ -972,6 +977,7 @@ impl CudaDecoder {
             gemv_tiles: func("gemv", "gemv_q_tiles")?,
             gemv_resident: func("gemv", "gemv_q_resident")?,
             gemv_resident_k2048: func("gemv", "gemv_q_resident_k2048")?,
+            gemv_resident2_k2048: func("gemv", "gemv_q_resident2_k2048")?,
             gemv_ring: func("gemv", "gemv_q_ring")?,
             gemv_ring_k2048: func("gemv", "gemv_q_ring_k2048")?,
             gemv_ring2_k2048: func("gemv", "gemv_q_ring2_k2048")?,
@@ -1157,7 +1163,11 @@ impl CudaDecoder {
             sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
         )? as usize
             - f.gemv_resident.shared_size_bytes()? as usize;
-        for resident in [&f.gemv_resident, &f.gemv_resident_k2048] {
+        for resident in [
+            &f.gemv_resident,
+            &f.gemv_resident_k2048,
+            &f.gemv_resident2_k2048,
+        ] {
             resident.set_attribute(
                 sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 smem_optin as i32,
@@ -1193,6 +1203,7 @@ impl CudaDecoder {
         for func in [
             &f.gemv_resident,
             &f.gemv_resident_k2048,
+            &f.gemv_resident2_k2048,
             &f.experts,
             &f.routed_experts,
             &f.gemv_pair,
@@ -1461,7 +1472,7 @@ impl CudaDecoder {
         // (only gemv_q and gemv_q_tiles publish their normalised input)
         let staged_ok = head_ok && a.normed == 0;
         if segs.iter().all(tileable) && staged_ok && choice == 0 {
-            if let Some(launch) = resident_launch(tiles, k, self.sms, self.smem_optin) {
+            if let Some(launch) = resident_launch(tiles, k, self.sms, self.smem_optin, 1) {
                 let threads = if self.experts_early() {
                     RESIDENT_THREADS_AFTER_EARLY_EXPERTS
                 } else {
@@ -1522,6 +1533,50 @@ impl CudaDecoder {
         )
     }
 
+    /// An input projection (RMS-normalised with `norm`, K 2048, resident 4-bit group-64
+    /// segments) of two rows in one launch (gemv_q_resident2): `segs[r]` are row r's segments
+    /// (the same weights, its own outputs), `xs[r]` its input. False where that kernel does not
+    /// take the launch (the rows then take a launch each).
+    fn gemv_two_rows(
+        &self,
+        segs: [&[Segment]; 2],
+        xs: [u64; 2],
+        norm: u64,
+        group: usize,
+    ) -> Result<bool> {
+        let k = self.cfg.hidden_size;
+        let [s0, s1] = segs;
+        let tileable = |s: &Segment| s.bits == 4;
+        if k != 2048 || group != 64 || s0.len() != s1.len() || !s0.iter().all(tileable) {
+            return Ok(false);
+        }
+        let tiles: usize = s0.iter().map(|s| (s.rows as usize).div_ceil(16)).sum();
+        let Some(launch) = resident_launch(tiles, k, self.sms, self.smem_optin, 2) else {
+            return Ok(false);
+        };
+        let mut a = GemvArgs {
+            x: xs[0],
+            x1: xs[1],
+            norm_weight: norm,
+            eps: self.cfg.rms_norm_eps,
+            nseg: s0.len() as i32,
+            k: k as i32,
+            group: 64,
+            ..Default::default()
+        };
+        a.seg[..s0.len()].copy_from_slice(s0);
+        for (o, s) in a.out1.iter_mut().zip(s1) {
+            *o = s.out;
+        }
+        let threads = if self.experts_early() {
+            RESIDENT_THREADS_AFTER_EARLY_EXPERTS
+        } else {
+            RESIDENT_THREADS
+        };
+        self.launch_staged(&self.f.gemv_resident2_k2048, a, launch, threads)?;
+        Ok(true)
+    }
+
     /// The lm_head of two rows (the verify step's) in one stream of its weights (gemv_q_ring2),
     /// each row's greedy choice into its TokenChoice; false where that kernel does not take the
     /// shape or there are not two rows (the rows then take a launch each).
@@ -1541,7 +1596,7 @@ impl CudaDecoder {
         let mut a = GemvArgs {
             x: self.p(&r0.s.x),
             x1: self.p(&r1.s.x),
-            out1: self.p(&r1.s.logits),
+            out1: [self.p(&r1.s.logits), 0, 0, 0],
             choice: r0.choice,
             choice1: r1.choice,
             norm_weight: self.p(&self.final_norm),
@@ -1748,13 +1803,29 @@ impl CudaDecoder {
                     dt_bias,
                     norm,
                 } => {
-                    per_row!(row, s, x => {
-                        let segs = [
+                    let segs_of = |s: &Scratch| {
+                        [
                             qkv.segment(self.p(&s.qkv), false, st),
                             z.segment(self.p(&s.z), false, st),
                             b.segment(self.p(&s.b), false, st),
                             a.segment(self.p(&s.a), false, st),
-                        ];
+                        ]
+                    };
+                    let input_norm = self.p(&l.input_norm);
+                    let fused = match rows {
+                        [r0, r1] => self.gemv_two_rows(
+                            [&segs_of(r0.s), &segs_of(r1.s)],
+                            [self.p(&r0.s.x), self.p(&r1.s.x)],
+                            input_norm,
+                            qkv.m.group,
+                        )?,
+                        _ => false,
+                    };
+                    per_row!(row, s, x => {
+                        if fused {
+                            break;
+                        }
+                        let segs = segs_of(s);
                         timed!(
                             "gdn in_proj (norm + qkv|z|b|a)",
                             self.gemv(
@@ -1825,12 +1896,28 @@ impl CudaDecoder {
                     k_norm,
                     kv,
                 } => {
-                    per_row!(row, s, x => {
-                        let segs = [
+                    let segs_of = |s: &Scratch| {
+                        [
                             q.segment(self.p(&s.qg), false, st),
                             k.segment(self.p(&s.k), false, st),
                             v.segment(self.p(&s.v), false, st),
-                        ];
+                        ]
+                    };
+                    let input_norm = self.p(&l.input_norm);
+                    let fused = match rows {
+                        [r0, r1] => self.gemv_two_rows(
+                            [&segs_of(r0.s), &segs_of(r1.s)],
+                            [self.p(&r0.s.x), self.p(&r1.s.x)],
+                            input_norm,
+                            q.m.group,
+                        )?,
+                        _ => false,
+                    };
+                    per_row!(row, s, x => {
+                        if fused {
+                            break;
+                        }
+                        let segs = segs_of(s);
                         timed!(
                             "attn in_proj (norm + q|k|v)",
                             self.gemv(
@@ -2054,10 +2141,11 @@ impl CudaDecoder {
             });
         }
         // the greedy choice rides on the lm_head launch (its repeat, when profiling, leaves it out)
-        if self.lm_head_two_rows(rows)? {
-            return Ok(());
-        }
+        let fused = self.lm_head_two_rows(rows)?;
         per_row!(row, s, x => {
+            if fused {
+                break;
+            }
             timed!("lm_head (final norm + gemv + argmax)", repeat => {
                 self.gemv_choosing(
                     &[self.lm_head.segment(self.p(&s.logits), false, st)],
@@ -2815,7 +2903,7 @@ mod tests {
         let (sms, smem) = (132, 232_448);
         // GDN in_proj (12352 rows, K 2048): 772 tiles, at most 6 per block; two blocks fit on an
         // SM (228 KB, 1 KB reserved per block)
-        let (blocks, per_block, bytes) = resident_launch(772, 2048, sms, smem).unwrap();
+        let (blocks, per_block, bytes) = resident_launch(772, 2048, sms, smem, 1).unwrap();
         assert_eq!((blocks, per_block), (132, 6));
         // one block per SM, the rest free for the neighbouring launches
         assert!(
@@ -2823,15 +2911,25 @@ mod tests {
             "{bytes}"
         );
         // the output projections (2048 rows, K 4096): one tile per block
-        let (blocks, per_block, _) = resident_launch(128, 4096, sms, smem).unwrap();
+        let (blocks, per_block, _) = resident_launch(128, 4096, sms, smem, 1).unwrap();
         assert_eq!((blocks, per_block), (128, 1));
         // an lm_head-sized launch does not fit; K the kernel does not take; nothing to run
-        assert_eq!(resident_launch(15_520, 2048, sms, smem), None);
-        assert_eq!(resident_launch(64, 1024, sms, smem), None);
-        assert_eq!(resident_launch(64, 6144, sms, smem), None);
-        assert_eq!(resident_launch(0, 2048, sms, smem), None);
+        assert_eq!(resident_launch(15_520, 2048, sms, smem, 1), None);
+        assert_eq!(resident_launch(64, 1024, sms, smem, 1), None);
+        assert_eq!(resident_launch(64, 6144, sms, smem, 1), None);
+        assert_eq!(resident_launch(0, 2048, sms, smem, 1), None);
         // less shared memory than the padding: padded only up to what a block may take
-        assert_eq!(resident_launch(128, 4096, sms, 100_000).unwrap().2, 100_000);
+        assert_eq!(
+            resident_launch(128, 4096, sms, 100_000, 1).unwrap().2,
+            100_000
+        );
+        // two rows (gemv_q_resident2): the second row's x beside the same tiles
+        let (_, per_block2, bytes2) = resident_launch(772, 2048, sms, smem, 2).unwrap();
+        assert_eq!(per_block2, 6);
+        let raw2 =
+            6 * tile_smem(2048) + 2 * x_bytes_smem(2048) - 32 * 4 + 8 * RESIDENT_MAX_STREAMED;
+        assert_eq!(bytes2, raw2.max(RESIDENT_MIN_SMEM));
+        assert!(bytes2 >= bytes && bytes2 <= smem);
     }
 
     #[test]
