@@ -282,6 +282,10 @@ const PREFETCH_MAX_BYTES: usize = 32 << 20;
 /// (instrumented builds: tools/timeline_kernels.py).
 pub const KERNELS_DIR_ENV: &str = "OSPREY_KERNELS_DIR";
 
+/// `separate`: the speculative verify step issues every kernel once per row, the two-row kernels
+/// (gemv_q_resident2, gemv_q_ring2) unused (what they save, measured against it).
+const VERIFY_ROWS_ENV: &str = "OSPREY_VERIFY_ROWS";
+
 /// How the decode step's kernels may overlap: `early` (the default) programmatic dependent launch
 /// for the kernels that read something no kernel of the step writes before waiting on their
 /// predecessor: gemv_q_resident and gemv_q_ring (their weights), gdn_step (its layer's recurrent
@@ -829,6 +833,9 @@ pub struct CudaDecoder {
     moe_form: MoeForm,
     /// The speculative verify step's buffers and graph (`run_speculative`; on first use).
     spec: Option<speculative::SpecDev>,
+    /// Whether the verify step's rows share the launches of the kernels that take two rows
+    /// (`VERIFY_ROWS_ENV`).
+    fuse_rows: bool,
 }
 
 fn upload_f32(stream: &Arc<CudaStream>, v: &[f32]) -> Result<CudaSlice<f32>> {
@@ -1318,6 +1325,7 @@ impl CudaDecoder {
             modules,
             moe_form,
             spec: None,
+            fuse_rows: std::env::var(VERIFY_ROWS_ENV).as_deref() != Ok("separate"),
         })
     }
 
@@ -1546,6 +1554,9 @@ impl CudaDecoder {
     ) -> Result<bool> {
         let k = self.cfg.hidden_size;
         let [s0, s1] = segs;
+        if !self.fuse_rows {
+            return Ok(false);
+        }
         let tileable = |s: &Segment| s.bits == 4;
         if k != 2048 || group != 64 || s0.len() != s1.len() || !s0.iter().all(tileable) {
             return Ok(false);
@@ -1581,7 +1592,7 @@ impl CudaDecoder {
     /// each row's greedy choice into its TokenChoice; false where that kernel does not take the
     /// shape or there are not two rows (the rows then take a launch each).
     fn lm_head_two_rows(&self, rows: &[Row]) -> Result<bool> {
-        let [r0, r1] = rows else {
+        let ([r0, r1], true) = (rows, self.fuse_rows) else {
             return Ok(false);
         };
         let k = self.cfg.hidden_size;
