@@ -145,6 +145,7 @@ struct GemvArgs {
     const float* x1;
     TokenChoice* choice1;
     float* out1[MAX_SEGS];
+    const float* gate_z1;  // gemv_q_pair2: the second row's gate input
 };
 
 __device__ __forceinline__ QRows rows_of(const Segment& s) { return QRows{s.codes, s.scales, s.biases, s.rows}; }
@@ -923,7 +924,10 @@ __device__ __forceinline__ void gated_half_input(const float* x, const float* z,
 // thread's in steps of 8; no spills at 48): 4K 849.9 -> 851.7 tok/s, 32K 752.2 -> 753.9, 128K
 // 533.7 -> 534.0, every round above main's (bench/results/cuda-decode-session34-ablations.json;
 // gemv_q_resident_k2048 held from 90 to 88 the same way: +-0)
-extern "C" __global__ void __maxnreg__(48) gemv_q_pair(GemvArgs a) {
+// ROWS activation rows (1, or 2 for gemv_q_pair2: x and x1 (with gate_z1) added into the
+// segment's out and out1[0]): the tile's codes unpacked once for both.
+template <int ROWS>
+__device__ __forceinline__ void gemv_pair_body(const GemvArgs& a) {
     extern __shared__ __align__(128) char smem[];
     const int K = PAIR_K, gpr = K / 64, half_g = gpr / 2, Kh = K / 2;
     const unsigned rank = blockIdx.x & 1;
@@ -932,11 +936,11 @@ extern "C" __global__ void __maxnreg__(48) gemv_q_pair(GemvArgs a) {
     char* codes = smem;  // [16][K/2 B], whole rows
     __nv_bfloat16* scales = reinterpret_cast<__nv_bfloat16*>(codes + 16 * (K / 2));  // [16][gpr]
     __nv_bfloat16* biases = scales + 16 * gpr;
-    uint4* xb8 = reinterpret_cast<uint4*>(biases + 16 * gpr);  // this half's groups
-    float2* gx = reinterpret_cast<float2*>(xb8 + half_g * 8);
-    float* scratch = reinterpret_cast<float*>(gx + half_g);
-    float* part = scratch + 32;  // [warp][16]
-    uint64_t* full = reinterpret_cast<uint64_t*>(part + PAIR_WARPS * 16);
+    uint4* xb8 = reinterpret_cast<uint4*>(biases + 16 * gpr);  // this half's groups, [ROWS][half_g * 8]
+    float2* gx = reinterpret_cast<float2*>(xb8 + ROWS * half_g * 8);  // [ROWS][half_g]
+    float* scratch = reinterpret_cast<float*>(gx + ROWS * half_g);
+    float* part = scratch + 32;  // [ROWS][warp][16]
+    uint64_t* full = reinterpret_cast<uint64_t*>(part + ROWS * PAIR_WARPS * 16);
     step_overlap_begin();
     if (threadIdx.x == 0) {
         mbar_init(full, 1);
@@ -952,28 +956,44 @@ extern "C" __global__ void __maxnreg__(48) gemv_q_pair(GemvArgs a) {
     float4 h0 = make_float4(0.f, 0.f, 0.f, 0.f), h1 = h0;
     if (a.head_norm) load_half_head_weight(a.head_norm, Kh, a.head_dim, h0, h1);
     step_inputs_ready();
-    if (a.head_norm) gated_half_input(a.x + rank * Kh, a.gate_z + rank * Kh, h0, h1, a.eps, Kh, a.head_dim, xb8, gx);
-    else resident_input(XInput{a.x + rank * Kh, nullptr, nullptr, nullptr, a.eps, Kh, 0}, xb8, gx, scratch);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        const float* x = (r ? a.x1 : a.x) + rank * Kh;
+        if (a.head_norm)
+            gated_half_input(x, (r ? a.gate_z1 : a.gate_z) + rank * Kh, h0, h1, a.eps, Kh, a.head_dim, xb8 + r * half_g * 8,
+                             gx + r * half_g);
+        else resident_input(XInput{x, nullptr, nullptr, nullptr, a.eps, Kh, 0}, xb8 + r * half_g * 8, gx + r * half_g, scratch);
+    }
     __syncwarp();
     step_phase(2);  // x in (warp 0's)
     const int warp = threadIdx.x >> 5, quads = half_g / 4;
-    float yA = 0.f, yB = 0.f;
+    float yA[ROWS], yB[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) yA[r] = yB[r] = 0.f;
     mbar_wait(full, 0);
     step_phase(3);  // tile in
     for (int qd = warp; qd < quads; qd += PAIR_WARPS) {
-        QuadX X;
-        load_quad_x(xb8, gx, 4 * qd, X);
-        step_phase_after(5, X.x[3][1].y);  // warp 0's x fragments in
-        quad_dot(codes, scales, biases, quad_lane(K, (int)rank * half_g + 4 * qd), X, yA, yB);
-        step_phase_after(6, __float_as_uint(yB));  // warp 0's quad product
+        QuadX X[ROWS];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) load_quad_x(xb8 + r * half_g * 8, gx + r * half_g, 4 * qd, X[r]);
+        step_phase_after(5, X[0].x[3][1].y);  // warp 0's x fragments in
+        quad_dot_rows<ROWS>(codes, scales, biases, quad_lane(K, (int)rank * half_g + 4 * qd), X, yA, yB);
+        step_phase_after(6, __float_as_uint(yB[0]));  // warp 0's quad product
     }
-    store_quad_sums(part + warp * 16, yA, yB);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) store_quad_sums(part + (r * PAIR_WARPS + warp) * 16, yA[r], yB[r]);
     __syncthreads();
     step_phase(4);  // multiplied
-    if ((int)threadIdx.x < rows) {
+    if ((int)threadIdx.x < ROWS * 16 && (int)threadIdx.x % 16 < rows) {
+        const int r = threadIdx.x / 16, i = threadIdx.x % 16;
         float y = 0.f;
 #pragma unroll
-        for (int w = 0; w < PAIR_WARPS; ++w) y += part[w * 16 + threadIdx.x];
-        atomicAdd(s.out + r0 + threadIdx.x, y);
+        for (int w = 0; w < PAIR_WARPS; ++w) y += part[(r * PAIR_WARPS + w) * 16 + i];
+        atomicAdd((r ? a.out1[0] : s.out) + r0 + i, y);
     }
 }
+
+extern "C" __global__ void __maxnreg__(48) gemv_q_pair(GemvArgs a) { gemv_pair_body<1>(a); }
+// gemv_q_pair2: the output projections of the speculative verify step's two rows in one launch
+// (speculative.cu)
+extern "C" __global__ void __maxnreg__(80) gemv_q_pair2(GemvArgs a) { gemv_pair_body<2>(a); }

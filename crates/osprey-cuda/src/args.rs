@@ -46,6 +46,8 @@ pub struct GemvArgs {
     pub x1: u64,
     pub choice1: u64,
     pub out1: [u64; MAX_SEGS],
+    /// gemv_q_pair2: the second row's gate input.
+    pub gate_z1: u64,
 }
 
 /// gemv.cu `TokenChoice`: the greedy token choice fused into the lm_head launch (one per
@@ -597,7 +599,7 @@ mod tests {
         assert_eq!(std::mem::size_of::<Segment>(), 48);
         assert_eq!(
             std::mem::size_of::<GemvArgs>(),
-            4 * 48 + 4 * 8 + 8 * 4 + 2 * 8 + 2 * 8 + 4 * 8
+            4 * 48 + 4 * 8 + 8 * 4 + 2 * 8 + 2 * 8 + 4 * 8 + 8
         );
         assert_eq!(
             std::mem::size_of::<TokenChoice>(),

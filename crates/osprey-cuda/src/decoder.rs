@@ -123,7 +123,13 @@ const PAIR_MIN_SMEM: usize = 80 * 1024;
 /// gemv_q_pair's dynamic shared memory at width `k`: the whole tile, its half of x (with the
 /// reduction scratch), the 8 warps' 16 sums, the barrier.
 fn pair_smem(k: usize) -> usize {
-    tile_smem(k) + x_bytes_smem(k / 2) + 8 * 16 * 4 + 8
+    pair_rows_smem(k, 1)
+}
+
+/// The same for `rows` activation rows (2: gemv_q_pair2): each row's half of x and sums, the
+/// reduction scratch once.
+fn pair_rows_smem(k: usize, rows: usize) -> usize {
+    tile_smem(k) + rows * (x_bytes_smem(k / 2) + 8 * 16 * 4) - (rows - 1) * 32 * 4 + 8
 }
 
 /// What a gemv_q_pair block asks for at K = 4096: its need padded to PAIR_MIN_SMEM, within the
@@ -660,6 +666,8 @@ struct Functions {
     /// gemv_q_ring for two activation rows at K 2048 (the verify step's lm_head)
     gemv_ring2_k2048: CudaFunction,
     gemv_pair: CudaFunction,
+    /// gemv_q_pair for two activation rows (the verify step's output projections)
+    gemv_pair2: CudaFunction,
     gate_up: CudaFunction,
     experts: CudaFunction,
     routed_experts: CudaFunction,
@@ -989,6 +997,7 @@ impl CudaDecoder {
             gemv_ring_k2048: func("gemv", "gemv_q_ring_k2048")?,
             gemv_ring2_k2048: func("gemv", "gemv_q_ring2_k2048")?,
             gemv_pair: func("gemv", "gemv_q_pair")?,
+            gemv_pair2: func("gemv", "gemv_q_pair2")?,
             gate_up: func("moe", "moe_gate_up")?,
             experts: func(
                 "moe",
@@ -1197,10 +1206,12 @@ impl CudaDecoder {
                 gate_up_smem(c.hidden_size) as i32,
             )?;
         }
-        f.gemv_pair.set_attribute(
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            pair_launch_smem(smem_optin) as i32,
-        )?;
+        for pair in [&f.gemv_pair, &f.gemv_pair2] {
+            pair.set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                pair_launch_smem(smem_optin) as i32,
+            )?;
+        }
         // the step's kernels prefer all of the unified memory as shared memory: a resident block
         // takes over half of it, and an SM takes its configuration from the blocks it runs, so the
         // next launch's blocks, landing early beside a predecessor's, fit only in what that left
@@ -1214,6 +1225,7 @@ impl CudaDecoder {
             &f.experts,
             &f.routed_experts,
             &f.gemv_pair,
+            &f.gemv_pair2,
             &f.gdn,
             &f.prep,
             &f.attn,
@@ -1588,6 +1600,48 @@ impl CudaDecoder {
         Ok(true)
     }
 
+    /// An output projection (one 4-bit group-64 segment at K 4096 added into the residual) of
+    /// two rows in one launch (gemv_q_pair2): `segs[r]` row r's segment (its residual as the
+    /// output), `xs[r]` its input, `gated` the GDN output norm's (weight, each row's z, head
+    /// size). False where that kernel does not take it (the rows then take a launch each).
+    fn pair_two_rows(
+        &self,
+        segs: [Segment; 2],
+        xs: [u64; 2],
+        gated: Option<(u64, [u64; 2], usize)>,
+        k: usize,
+        group: usize,
+    ) -> Result<bool> {
+        let [s0, s1] = segs;
+        let head_ok = gated
+            .is_none_or(|(_, _, d)| d.is_multiple_of(8) && (d / 8).is_power_of_two() && d <= 256);
+        let smem = pair_launch_smem(self.smem_optin);
+        let fits = s0.bits == 4 && s0.accumulate != 0 && group == 64 && head_ok;
+        if !self.fuse_rows || !fits || k != PAIR_K || pair_rows_smem(PAIR_K, 2) > smem {
+            return Ok(false);
+        }
+        let mut a = GemvArgs {
+            x: xs[0],
+            x1: xs[1],
+            eps: self.cfg.rms_norm_eps,
+            nseg: 1,
+            k: k as i32,
+            group: 64,
+            ..Default::default()
+        };
+        a.seg[0] = s0;
+        a.out1[0] = s1.out;
+        if let Some((weight, z, head_dim)) = gated {
+            a.head_norm = weight;
+            a.gate_z = z[0];
+            a.gate_z1 = z[1];
+            a.head_dim = head_dim as i32;
+        }
+        let tiles = (s0.rows as usize).div_ceil(16);
+        self.launch_staged(&self.f.gemv_pair2, a, (2 * tiles, 1, smem), 256)?;
+        Ok(true)
+    }
+
     /// The lm_head of two rows (the verify step's) in one stream of its weights (gemv_q_ring2),
     /// each row's greedy choice into its TokenChoice; false where that kernel does not take the
     /// shape or there are not two rows (the rows then take a launch each).
@@ -1880,7 +1934,27 @@ impl CudaDecoder {
                         );
                     });
                     gdn_layer += 1;
+                    let fused = match rows {
+                        [r0, r1] => self.pair_two_rows(
+                            [
+                                out.segment(self.p(&r0.s.x), true, st),
+                                out.segment(self.p(&r1.s.x), true, st),
+                            ],
+                            [self.p(&r0.s.y), self.p(&r1.s.y)],
+                            Some((
+                                self.p(norm),
+                                [self.p(&r0.s.z), self.p(&r1.s.z)],
+                                c.linear_value_head_dim,
+                            )),
+                            c.linear_value_dim(),
+                            out.m.group,
+                        )?,
+                        _ => false,
+                    };
                     per_row!(row, s, x => {
+                        if fused {
+                            break;
+                        }
                         let gated = Prologue::GatedHeadNorm {
                             weight: self.p(norm),
                             z: self.p(&s.z),
@@ -2008,7 +2082,23 @@ impl CudaDecoder {
                             )?
                         );
                     });
+                    let fused = match rows {
+                        [r0, r1] => self.pair_two_rows(
+                            [
+                                o.segment(self.p(&r0.s.x), true, st),
+                                o.segment(self.p(&r1.s.x), true, st),
+                            ],
+                            [self.p(&r0.s.o), self.p(&r1.s.o)],
+                            None,
+                            c.num_attention_heads * c.head_dim,
+                            o.m.group,
+                        )?,
+                        _ => false,
+                    };
                     per_row!(row, s, x => {
+                        if fused {
+                            break;
+                        }
                         timed!(
                             "attn o_proj + residual",
                             self.gemv(
@@ -2907,6 +2997,17 @@ mod tests {
         // more rows than warps on the GPU: one block per SM, the warps loop
         assert_eq!(k2048_row_launch(5000, 132).0, 132);
         assert_eq!(k2048_row_launch(1, 132).0, 1);
+    }
+
+    #[test]
+    fn pair_blocks_of_two_rows_fit_the_padding_of_one() {
+        // gemv_q_pair2's second row (its half of x and sums) fits in the shared memory a
+        // gemv_q_pair block is padded to, so both launch with the same size
+        assert_eq!(
+            pair_rows_smem(PAIR_K, 2) - pair_smem(PAIR_K),
+            x_bytes_smem(PAIR_K / 2) + 8 * 16 * 4 - 32 * 4
+        );
+        assert!(pair_rows_smem(PAIR_K, 2) <= PAIR_MIN_SMEM);
     }
 
     #[test]
