@@ -1808,6 +1808,29 @@ impl CudaDecoder {
                 }
             };
         }
+        // a layer's input projection of every row (RMS-normalised by the layer's input norm): one
+        // launch for both rows where gemv_q_resident2 takes them, else a launch a row
+        macro_rules! in_proj {
+            ($name:expr, $segs_of:expr, $layer:expr, $group:expr) => {{
+                let segs_of = $segs_of;
+                let norm = self.p(&$layer.input_norm);
+                let fused = match rows {
+                    [r0, r1] => self.gemv_two_rows(
+                        [&segs_of(r0.s), &segs_of(r1.s)],
+                        [self.p(&r0.s.x), self.p(&r1.s.x)],
+                        norm,
+                        $group,
+                    )?,
+                    _ => false,
+                };
+                if !fused {
+                    per_row!(row, s, x => {
+                        let segs = segs_of(s);
+                        timed!($name, self.gemv(&segs, x, Prologue::RmsNorm(norm), h, $group)?);
+                    });
+                }
+            }};
+        }
         macro_rules! timed {
             ($name:expr, $body:expr) => {
                 timed!($name, _repeat => $body)
@@ -1868,40 +1891,19 @@ impl CudaDecoder {
                     dt_bias,
                     norm,
                 } => {
-                    let segs_of = |s: &Scratch| {
-                        [
-                            qkv.segment(self.p(&s.qkv), false, st),
-                            z.segment(self.p(&s.z), false, st),
-                            b.segment(self.p(&s.b), false, st),
-                            a.segment(self.p(&s.a), false, st),
-                        ]
-                    };
-                    let input_norm = self.p(&l.input_norm);
-                    let fused = match rows {
-                        [r0, r1] => self.gemv_two_rows(
-                            [&segs_of(r0.s), &segs_of(r1.s)],
-                            [self.p(&r0.s.x), self.p(&r1.s.x)],
-                            input_norm,
-                            qkv.m.group,
-                        )?,
-                        _ => false,
-                    };
-                    per_row!(row, s, x => {
-                        if fused {
-                            break;
-                        }
-                        let segs = segs_of(s);
-                        timed!(
-                            "gdn in_proj (norm + qkv|z|b|a)",
-                            self.gemv(
-                                &segs,
-                                x,
-                                Prologue::RmsNorm(self.p(&l.input_norm)),
-                                h,
-                                qkv.m.group
-                            )?
-                        );
-                    });
+                    in_proj!(
+                        "gdn in_proj (norm + qkv|z|b|a)",
+                        |s: &Scratch| {
+                            [
+                                qkv.segment(self.p(&s.qkv), false, st),
+                                z.segment(self.p(&s.z), false, st),
+                                b.segment(self.p(&s.b), false, st),
+                                a.segment(self.p(&s.a), false, st),
+                            ]
+                        },
+                        l,
+                        qkv.m.group
+                    );
                     per_row!(row, s => {
                         let ga = GdnArgs {
                             qkv: self.p(&s.qkv),
@@ -1981,39 +1983,18 @@ impl CudaDecoder {
                     k_norm,
                     kv,
                 } => {
-                    let segs_of = |s: &Scratch| {
-                        [
-                            q.segment(self.p(&s.qg), false, st),
-                            k.segment(self.p(&s.k), false, st),
-                            v.segment(self.p(&s.v), false, st),
-                        ]
-                    };
-                    let input_norm = self.p(&l.input_norm);
-                    let fused = match rows {
-                        [r0, r1] => self.gemv_two_rows(
-                            [&segs_of(r0.s), &segs_of(r1.s)],
-                            [self.p(&r0.s.x), self.p(&r1.s.x)],
-                            input_norm,
-                            q.m.group,
-                        )?,
-                        _ => false,
-                    };
-                    per_row!(row, s, x => {
-                        if fused {
-                            break;
-                        }
-                        let segs = segs_of(s);
-                        timed!(
-                            "attn in_proj (norm + q|k|v)",
-                            self.gemv(
-                                &segs,
-                                x,
-                                Prologue::RmsNorm(self.p(&l.input_norm)),
-                                h,
-                                q.m.group
-                            )?
-                        );
-                    });
+                    in_proj!(
+                        "attn in_proj (norm + q|k|v)",
+                        |s: &Scratch| {
+                            [
+                                q.segment(self.p(&s.qg), false, st),
+                                k.segment(self.p(&s.k), false, st),
+                                v.segment(self.p(&s.v), false, st),
+                            ]
+                        },
+                        l,
+                        q.m.group
+                    );
                     per_row!(row, s => {
                         let pa = PrepArgs {
                             qg: self.p(&s.qg),
