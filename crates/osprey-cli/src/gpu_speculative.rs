@@ -265,11 +265,33 @@ fn median(v: &[f64]) -> f64 {
 
 /// Drafter names `bench speculative --backend cuda` takes.
 pub fn check_drafts(drafts: &[&str]) -> Result<()> {
+    if drafts.is_empty() {
+        bail!("--drafts: no GPU drafter given (none, known, wrong, ngram)");
+    }
     match drafts
         .iter()
         .find(|d| !matches!(**d, "none" | "known" | "wrong" | "ngram"))
     {
         Some(bad) => bail!("--drafts: \"{bad}\" is not a GPU drafter (none, known, wrong, ngram)"),
         None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpu_drafters_are_named_and_some_are_given() {
+        assert!(check_drafts(&["none", "known", "wrong", "ngram"]).is_ok());
+        let err = check_drafts(&["none", "mtp"]).unwrap_err().to_string();
+        assert!(err.contains("\"mtp\" is not a GPU drafter"), "{err}");
+        assert!(check_drafts(&[]).is_err());
+    }
+
+    #[test]
+    fn median_takes_the_middle_round() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[]), 0.0);
     }
 }
