@@ -76,13 +76,13 @@ extern "C" __global__ void __launch_bounds__(1024) spec_accept(SpecArgs a) {
     for (int i = 0; i < SPEC_MAX_N; ++i) last[i] = p - i >= 0 ? a.context[p - i] : -1;
     unsigned long long mine = 0;
     for (int e = p - 1 - (int)threadIdx.x; e >= 0; e -= blockDim.x) {
-        int len = 0;
+        int n = 0;  // tokens of the match ending at e
 #pragma unroll
         for (int i = 0; i < SPEC_MAX_N; ++i) {
-            if (len != i || e - i < 0 || a.context[e - i] != last[i]) break;
-            len = i + 1;
+            if (n != i || e - i < 0 || a.context[e - i] != last[i]) break;
+            n = i + 1;
         }
-        if (len > 0) mine = max(mine, match_key(len, e));
+        if (n > 0) mine = max(mine, match_key(n, e));
     }
     if (mine) atomicMax(&best, mine);
     __syncthreads();
