@@ -192,8 +192,10 @@ impl CudaDecoder {
         };
         let ran = self.run_verify_steps(&mut spec, context, first, max_tokens, drafts, on_token);
         self.spec = Some(spec);
+        // settled even after a failed run, so the state is where the rest of the decoder keeps it
+        let settled = self.settle_gdn_state();
         let ran = ran?;
-        self.settle_gdn_state()?;
+        settled?;
         Ok(ran)
     }
 
