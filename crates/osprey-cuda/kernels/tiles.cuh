@@ -275,37 +275,11 @@ __device__ __forceinline__ void load_quad(const char* stage, const __nv_bfloat16
     sB = rot_bf16x4(sc + L.sb_b, L.c), bB = rot_bf16x4(bi + L.sb_b, L.c);
 }
 
-__device__ __forceinline__ void quad_dot(const char* stage, const __nv_bfloat16* sc, const __nv_bfloat16* bi, const QuadLane& L,
-                                         const QuadX& X, float& yA, float& yB) {
-    uint2 wa[4], wb[4];
-    unsigned long long sA, bA, sB, bB;
-    load_quad(stage, sc, bi, L, wa, wb, sA, bA, sB, bB);
-    const bool odd = L.c & 1;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        int d[4] = {0, 0, 0, 0};
-#pragma unroll
-        for (int T = 0; T < 2; ++T) {
-            const uint32_t wA = T ? wa[j].y : wa[j].x, wB = T ? wb[j].y : wb[j].x;
-            const uint32_t a0 = wA & 0x0F0F0F0Fu, a2 = (wA >> 4) & 0x0F0F0F0Fu;
-            const uint32_t a1 = wB & 0x0F0F0F0Fu, a3 = (wB >> 4) & 0x0F0F0F0Fu;
-            mma_s8(d, a0, a1, a2, a3, X.x[j][T].x, X.x[j][T].y);
-        }
-        const float2 gs = X.gs[j];
-        const float dA = gs.x * (float)(odd ? d[1] : d[0]), dB = gs.x * (float)(odd ? d[3] : d[2]);
-        yA = fmaf(bf16x4_at(sA, j), dA, fmaf(bf16x4_at(bA, j), gs.y, yA));
-        yB = fmaf(bf16x4_at(sB, j), dB, fmaf(bf16x4_at(bB, j), gs.y, yB));
-    }
-}
-
-// quad_dot for ROWS activation rows at once: the codes loaded and unpacked once, an mma per row.
+// ROWS activation rows at once (the speculative verify step's two): the codes loaded and unpacked
+// once, an mma per row.
 template <int ROWS>
 __device__ __forceinline__ void quad_dot_rows(const char* stage, const __nv_bfloat16* sc, const __nv_bfloat16* bi, const QuadLane& L,
                                               const QuadX (&X)[ROWS], float (&yA)[ROWS], float (&yB)[ROWS]) {
-    if (ROWS == 1) {
-        quad_dot(stage, sc, bi, L, X[0], yA[0], yB[0]);
-        return;
-    }
     uint2 wa[4], wb[4];
     unsigned long long sA, bA, sB, bB;
     load_quad(stage, sc, bi, L, wa, wb, sA, bA, sB, bB);
@@ -323,15 +297,20 @@ __device__ __forceinline__ void quad_dot_rows(const char* stage, const __nv_bflo
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) mma_s8(d[r], a0, a1, a2, a3, X[r].x[j][T].x, X[r].x[j][T].y);
         }
-        const float s_a = bf16x4_at(sA, j), b_a = bf16x4_at(bA, j), s_b = bf16x4_at(sB, j), b_b = bf16x4_at(bB, j);
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
             const float2 gs = X[r].gs[j];
             const float dA = gs.x * (float)(odd ? d[r][1] : d[r][0]), dB = gs.x * (float)(odd ? d[r][3] : d[r][2]);
-            yA[r] = fmaf(s_a, dA, fmaf(b_a, gs.y, yA[r]));
-            yB[r] = fmaf(s_b, dB, fmaf(b_b, gs.y, yB[r]));
+            yA[r] = fmaf(bf16x4_at(sA, j), dA, fmaf(bf16x4_at(bA, j), gs.y, yA[r]));
+            yB[r] = fmaf(bf16x4_at(sB, j), dB, fmaf(bf16x4_at(bB, j), gs.y, yB[r]));
         }
     }
+}
+
+__device__ __forceinline__ void quad_dot(const char* stage, const __nv_bfloat16* sc, const __nv_bfloat16* bi, const QuadLane& L,
+                                         const QuadX& X, float& yA, float& yB) {
+    quad_dot_rows<1>(stage, sc, bi, L, reinterpret_cast<const QuadX(&)[1]>(X), reinterpret_cast<float(&)[1]>(yA),
+                     reinterpret_cast<float(&)[1]>(yB));
 }
 
 // The same for a quad used once (its offsets computed here).
