@@ -984,8 +984,9 @@ __device__ __forceinline__ void gemv_pair_body(const GemvArgs& a) {
     for (int r = 0; r < ROWS; ++r) store_quad_sums(part + (r * PAIR_WARPS + warp) * 16, yA[r], yB[r]);
     __syncthreads();
     step_phase(4);  // multiplied
-    if ((int)threadIdx.x < ROWS * 16 && (int)threadIdx.x % 16 < rows) {
-        const int r = threadIdx.x / 16, i = threadIdx.x % 16;
+    // thread 16 r + i adds row i of activation row r
+    const int r = ROWS > 1 ? (int)threadIdx.x / 16 : 0, i = ROWS > 1 ? (int)threadIdx.x % 16 : (int)threadIdx.x;
+    if (r < ROWS && i < rows) {
         float y = 0.f;
 #pragma unroll
         for (int w = 0; w < PAIR_WARPS; ++w) y += part[(r * PAIR_WARPS + w) * 16 + i];
