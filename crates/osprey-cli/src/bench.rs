@@ -102,7 +102,7 @@ pub fn parse_lengths(s: &str) -> Result<Vec<usize>> {
         .collect()
 }
 
-fn median(v: &mut [f64]) -> f64 {
+pub(crate) fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     let n = v.len();
     if n % 2 == 1 {

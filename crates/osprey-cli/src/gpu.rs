@@ -18,6 +18,14 @@ use crate::commands::GpuModel;
 /// Ids the real tokenizer can produce; the embedding's tail rows are padding.
 pub(crate) const TOKENIZER_VOCAB: usize = 248_077;
 
+/// `n` token ids spread over the first `valid` ids by a multiplicative hash of the position: the
+/// synthetic prompts and contexts of the GPU checks and benchmarks.
+pub(crate) fn spread_tokens(n: usize, valid: usize) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| i.wrapping_mul(2_654_435_761) % valid as u32)
+        .collect()
+}
+
 /// Gap between the two largest values (how close the top choice is to a tie).
 fn top2_gap(v: &[f32]) -> f32 {
     let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
@@ -105,11 +113,7 @@ pub fn check(
     let mut gpu = CudaDecoder::new(&weights, context, valid, m.kv)?;
     info!("loaded on {}: {}", gpu.device_name(), memory_line(&gpu));
     let cpu = Engine::new(Box::new(CpuBackend::new(weights).with_kv_cache(m.kv)));
-    let make_prompt = |n: usize| -> Vec<u32> {
-        (0..n as u32)
-            .map(|i| i.wrapping_mul(2_654_435_761) % valid as u32)
-            .collect()
-    };
+    let make_prompt = |n: usize| spread_tokens(n, valid);
 
     // 1. decode: the prompt token by token through the captured step, then teacher-forced steps
     let prompt = make_prompt(prompt_len);
@@ -1024,9 +1028,7 @@ pub fn bench_prefill(
     let mut gpu = CudaDecoder::new(&weights, longest + 8, valid, m.kv)?;
     drop(weights);
     info!("loaded on {}: {}", gpu.device_name(), memory_line(&gpu));
-    let tokens: Vec<u32> = (0..longest as u32)
-        .map(|i| i.wrapping_mul(2_654_435_761) % valid as u32)
-        .collect();
+    let tokens = spread_tokens(longest, valid);
     // warm-up: every kernel once, scratch allocated for the chunk
     gpu.reset()?;
     gpu.prefill(0, &tokens[..longest.min(chunk)], chunk)?;

@@ -10,7 +10,7 @@ use osprey_engine::Engine;
 use serde_json::{json, Value};
 use tracing::info;
 
-use crate::bench::{cpu_name, git_commit, utc_now};
+use crate::bench::{cpu_name, git_commit, median, utc_now};
 use crate::commands::GpuModel;
 
 /// Tokens each speculative run of the check generates.
@@ -167,9 +167,7 @@ pub fn bench(
     drop(weights);
     // a context of distinct-looking ids (the lookup scans it; the step's work depends only on
     // its length)
-    let mut ctx: Vec<u32> = (0..context as u32)
-        .map(|i| i.wrapping_mul(2_654_435_761) % valid as u32)
-        .collect();
+    let mut ctx = crate::gpu::spread_tokens(context, valid);
     let start = |gpu: &mut CudaDecoder| -> Result<()> {
         gpu.reset()?;
         gpu.set_position(context)?;
@@ -217,9 +215,9 @@ pub fn bench(
         }
     }
     let mut results = Vec::new();
-    let base = median(&timings[0].1);
+    let base = median(&mut timings[0].1.clone());
     for (name, rates, runs) in &timings {
-        let med = median(rates);
+        let med = median(&mut rates.clone());
         let replays: usize = runs.iter().map(|r| r.replays).sum();
         let accepted: usize = runs.iter().map(|r| r.accepted).sum();
         let per_replay_us = (!runs.is_empty()).then(|| {
@@ -257,12 +255,6 @@ pub fn bench(
     Ok(())
 }
 
-fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.total_cmp(b));
-    s.get(s.len() / 2).copied().unwrap_or(0.0)
-}
-
 /// Drafter names `bench speculative --backend cuda` takes.
 pub fn check_drafts(drafts: &[&str]) -> Result<()> {
     if drafts.is_empty() {
@@ -287,11 +279,5 @@ mod tests {
         let err = check_drafts(&["none", "mtp"]).unwrap_err().to_string();
         assert!(err.contains("\"mtp\" is not a GPU drafter"), "{err}");
         assert!(check_drafts(&[]).is_err());
-    }
-
-    #[test]
-    fn median_takes_the_middle_round() {
-        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(median(&[]), 0.0);
     }
 }
